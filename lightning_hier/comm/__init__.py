@@ -1,0 +1,1 @@
+"""Collectives and plans (no Lightning here)."""

@@ -1,0 +1,1 @@
+"""Runnable examples used by the README's main command and the example configs."""

@@ -1,0 +1,187 @@
+"""The user's optimizer, rewired in place to own only this rank's parameter slices.
+
+Each param group of the optimizer is given, instead of the model's parameters, one flat tensor
+per bucket: the slice of that bucket's parameters this rank owns (a view into the model's
+storage). The optimizer object itself stays the same, so Lightning's LR schedulers, the
+``param_groups`` hyperparameters and ``zero_grad`` keep working, and state exists only for the
+slice, about ``1/L`` of the model with equal weights.
+
+This is exact for optimizers whose update is elementwise (``SGD``, ``Adam``, ``AdamW``,
+``Adagrad``, ``RMSprop``, ...). Optimizers that look at a parameter's shape or at all parameters at
+once (``LBFGS``, ``Adafactor``, ``Muon``, ``SparseAdam``) are refused.
+
+Checkpoints hold the optimizer state *consolidated*: exactly the layout ``state_dict()`` of the
+unsharded optimizer would have (per original parameter, original numbering), so a checkpoint
+resumes under any topology, or under plain ``ddp``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hier.comm.hierarchical import all_gather_slices
+from lightning_hier.flat_buckets import FlatBucket
+
+NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+ELEMENTWISE = (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD",
+)  # fmt: skip
+SCALAR_STATE_KEYS = ("step",)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers whose update is not elementwise; warn about ones we cannot vouch for."""
+    name = type(optimizer).__name__
+    if name in NOT_ELEMENTWISE:
+        raise ValueError(
+            f"{name} cannot run on flat parameter slices: its update is not elementwise. "
+            f"HierSlicedStrategy supports elementwise optimizers such as {', '.join(ELEMENTWISE)}; "
+            "use strategy='ddp' for this optimizer."
+        )
+    if name not in ELEMENTWISE:
+        warnings.warn(
+            f"HierSlicedStrategy shards {name} by flat parameter slices; results equal DDP's only if its "
+            "update is elementwise (no per-tensor norms or shapes).",
+            stacklevel=3,
+        )
+
+
+def _is_elementwise_state(key: str, value: Any, shape: torch.Size) -> bool:
+    return key not in SCALAR_STATE_KEYS and torch.is_tensor(value) and value.shape == shape
+
+
+class OptimizerSharding:
+    """Owns the rewiring of one optimizer onto the slices of ``buckets``."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        buckets: Sequence[FlatBucket],
+        bucket_group: Sequence[int],
+        original_groups: Sequence[Sequence[nn.Parameter]],
+        param_of_index: Sequence[nn.Parameter],
+        intra_group: dist.ProcessGroup,
+    ) -> None:
+        self.optimizer = optimizer
+        self.buckets = list(buckets)
+        self.intra_group = intra_group
+        self.shards = [nn.Parameter(bucket.owned_params(), requires_grad=False) for bucket in self.buckets]
+        self._original_groups = [list(group) for group in original_groups]
+        # state_dict numbering of the unsharded optimizer: groups in order, each parameter once
+        self._state_index: dict[int, int] = {}
+        for group in self._original_groups:
+            for param in group:
+                self._state_index.setdefault(id(param), len(self._state_index))
+        self._index_of_param = {id(p): i for i, p in enumerate(param_of_index)}
+        self._param_of_index = list(param_of_index)
+        for group_index, group in enumerate(optimizer.param_groups):
+            group["params"] = [self.shards[b] for b, g in enumerate(bucket_group) if g == group_index]
+        optimizer.state.clear()
+
+    def _saved_index(self, param_index: int) -> int:
+        return self._state_index[id(self._param_of_index[param_index])]
+
+    # ------------------------------------------------------------------ checkpoints
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The unsharded optimizer's ``state_dict()`` (a collective over the node's ranks)."""
+        state: dict[int, dict[str, Any]] = {}
+        for bucket, shard in zip(self.buckets, self.shards):
+            shard_state = self.optimizer.state.get(shard, {})
+            for key in sorted(shard_state):
+                value = shard_state[key]
+                if _is_elementwise_state(key, value, shard.shape):
+                    full = torch.zeros(bucket.padded_numel, dtype=value.dtype, device=value.device)
+                    start, end = bucket.owned_range
+                    full[start:end].copy_(value)
+                    for work in all_gather_slices(full, bucket.bounds, self.intra_group):
+                        work.wait()
+                    for slot in bucket.slots:
+                        entry = state.setdefault(self._saved_index(slot.index), {})
+                        entry[key] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                else:
+                    for slot in bucket.slots:
+                        entry = state.setdefault(self._saved_index(slot.index), {})
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
+        groups = []
+        for original, current in zip(self._original_groups, self.optimizer.param_groups):
+            saved = {k: v for k, v in current.items() if k != "params"}
+            saved["params"] = [self._state_index[id(p)] for p in original]
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take this rank's slices out of an unsharded ``state_dict`` (no communication)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(saved_groups)} param groups but the current one has "
+                f"{len(self.optimizer.param_groups)}."
+            )
+        for original, saved in zip(self._original_groups, saved_groups):
+            if len(saved["params"]) != len(original):
+                raise ValueError(
+                    f"a checkpoint param group has {len(saved['params'])} parameters, the optimizer's has "
+                    f"{len(original)}: the checkpoint belongs to a different model or optimizer setup."
+                )
+        for group, saved in zip(self.optimizer.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        self.optimizer.state.clear()
+        for bucket, shard in zip(self.buckets, self.shards):
+            start, end = bucket.owned_range
+            new_state: dict[str, Any] = {}
+            for slot in bucket.slots:
+                for key, value in saved_state.get(self._saved_index(slot.index), {}).items():
+                    if key in new_state:
+                        continue
+                    if _is_elementwise_state(key, value, slot.shape):
+                        new_state[key] = torch.zeros(end - start, dtype=value.dtype, device=bucket.device)
+                    else:
+                        new_state[key] = value.clone() if torch.is_tensor(value) else value
+            for slot, lo, hi in bucket.slots_in(start, end):
+                for key, value in saved_state.get(self._saved_index(slot.index), {}).items():
+                    if _is_elementwise_state(key, value, slot.shape):
+                        target = slot.offset + lo - start
+                        new_state[key][target : target + hi - lo].copy_(value.reshape(-1)[lo:hi])
+            if new_state:
+                self.optimizer.state[shard] = new_state
+
+    def local_state_numel(self) -> int:
+        """Elements of per-element optimizer state held by this rank (for memory checks)."""
+        total = 0
+        for shard in self.shards:
+            for key, value in self.optimizer.state.get(shard, {}).items():
+                if _is_elementwise_state(key, value, shard.shape):
+                    total += value.numel()
+        return total
+
+    # ------------------------------------------------------------------ clipping
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global gradient norm: slice norms combined across the node.
+
+        After reduction every node holds the same gradients, one slice per rank, so summing the
+        slices' contributions over the intra-node group gives the norm over the whole model.
+        """
+        grads = [shard.grad for shard in self.shards if shard.grad is not None]
+        device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        norm_type = float(norm_type)
+        if norm_type == math.inf:
+            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
+            total = local.detach().float().clone()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.intra_group)
+        else:
+            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            total = local.detach().clone()
+            dist.all_reduce(total, group=self.intra_group)
+            total = total.pow(1.0 / norm_type)
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(clip_coef.to(grad.dtype))
+        return total

@@ -1,0 +1,288 @@
+"""``strategy="hier_sliced"``: hierarchical sliced gradient reduction for Lightning.
+
+A thin adapter: process launch and the default group come from Lightning's DDP machinery; the
+step itself is :class:`lightning_hier.engine.HierSlicedEngine`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.distributed.distributed_c10d import _get_default_group
+from torch.optim import Optimizer
+
+from lightning_hier.comm.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
+from lightning_hier.engine import HierSlicedEngine
+from lightning_hier.topology import Topology, validate_layout
+
+log = logging.getLogger(__name__)
+
+
+class HierSlicedStrategy(DDPStrategy):
+    """Data parallel training with hierarchical sliced gradient reduction and a sharded optimizer.
+
+    Every step, each flat gradient bucket is cut into one slice per device of a node. Slice ``k``
+    is reduce-scattered to local index ``k`` over the fast intra-node link, all-reduced among the
+    ranks with local index ``k`` on every node over the slow inter-node link, and averaged. Each
+    rank's optimizer steps only its slices (optimizer state shrinks to ``~1/L``), then the updated
+    slices are all-gathered inside the node so every rank has the full model for the next forward.
+
+    Args:
+        devices_per_node: devices joined by the fast link. ``None`` takes the processes per host;
+            a smaller number splits a host into virtual nodes (e.g. 4 CPU processes as 2 x 2).
+        slice_weights: ``"equal"``, ``"memory"`` (free device memory at setup),
+            ``"memory+compute"`` (also a matmul throughput probe) or a list of ``devices_per_node``
+            positive numbers; slice ``k`` gets a share proportional to weight ``k``.
+        bucket_cap_mb: size cap of one gradient bucket.
+        broadcast_buffers: copy buffers (e.g. BatchNorm statistics) from rank 0 before each
+            training forward, as DDP does.
+        timeout: collective timeout; a dead peer ends the job with an error after at most this long.
+
+    The remaining arguments are Lightning's usual DDP plumbing. Checkpoints hold the model and a
+    *consolidated* optimizer state (the unsharded optimizer's ``state_dict`` layout), so they load
+    into a plain LightningModule and resume under any topology.
+    """
+
+    strategy_name = "hier_sliced"
+
+    def __init__(
+        self,
+        devices_per_node: int | None = None,
+        slice_weights: str | list[float] = "equal",
+        bucket_cap_mb: float = 25.0,
+        broadcast_buffers: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if devices_per_node is not None:
+            validate_layout(devices_per_node, devices_per_node)
+        validate_slice_weights(slice_weights, devices_per_node)
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.devices_per_node = devices_per_node
+        self.slice_weights = (
+            slice_weights if isinstance(slice_weights, str) else [float(w) for w in slice_weights]
+        )
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.broadcast_buffers = broadcast_buffers
+        self.topology: Topology | None = None
+        self.slice_plan: SlicePlan | None = None
+        self.engine: HierSlicedEngine | None = None
+
+    # ------------------------------------------------------------------ environment
+    def setup_distributed(self) -> None:
+        world_size = self.num_nodes * self.num_processes
+        # validated before the process group (and so before any collective) exists
+        topology = Topology.from_world(
+            world_size, self.global_rank_hint(), self.devices_per_node, self.num_processes
+        )
+        validate_slice_weights(self.slice_weights, topology.devices_per_node)
+        super().setup_distributed()
+        self.topology = Topology.from_world(
+            world_size, self.global_rank, self.devices_per_node, self.num_processes
+        )
+        log.info("hier_sliced topology: %s", self.topology.describe())
+
+    def global_rank_hint(self) -> int:
+        return self.node_rank * self.num_processes + self.local_rank
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_automatic_optimization()
+            self.setup_optimizers(trainer)
+            self._build_engine()
+        else:
+            from lightning.fabric.strategies.ddp import _sync_module_states
+
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            _install_global_norm_clipping(self.precision_plugin, self)
+            self._install_sharded_grad_scaler()
+
+    def _check_automatic_optimization(self) -> None:
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "HierSlicedStrategy supports automatic optimization only (the optimizer is sharded and "
+                "stepped by the strategy). Set `self.automatic_optimization = True` in your LightningModule "
+                "or use strategy='ddp' for manual optimization."
+            )
+
+    def _build_engine(self) -> None:
+        assert self.topology is not None and self.lightning_module is not None
+        if len(self.optimizers) != 1:
+            raise ValueError(f"HierSlicedStrategy needs exactly one optimizer, got {len(self.optimizers)}.")
+        if self.topology.intra_group is None:
+            self.topology = self.topology.build_groups(self._timeout)
+        if self.slice_plan is None:
+            self.slice_plan = decide_slice_plan(
+                self.slice_weights, self.topology.devices_per_node, self.root_device, self.num_processes
+            )
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = HierSlicedEngine(
+            self.lightning_module,
+            self.optimizers[0],
+            self.topology,
+            slice_plan=self.slice_plan,
+            bucket_cap_mb=self.bucket_cap_mb,
+        )
+        self.engine.sync_module_states()
+        log.info(
+            "hier_sliced: %d bucket(s), slice weights %s",
+            len(self.engine.buckets),
+            [round(w, 4) for w in self.slice_plan.weights],
+        )
+
+    def _install_sharded_grad_scaler(self) -> None:
+        """16-bit AMP: skip-or-step must be decided from every slice, not just this rank's."""
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            if not isinstance(plugin.scaler, ShardedGradScaler):
+                plugin.scaler = ShardedGradScaler(
+                    device=plugin.device,
+                    init_scale=plugin.scaler.get_scale(),
+                    process_group=_get_default_group(),
+                )
+
+    # ------------------------------------------------------------------ step
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.engine is None:
+            yield None
+        else:
+            with self.engine.no_sync():
+                yield None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.engine is not None and self.broadcast_buffers:
+            self.engine.broadcast_buffers()
+        return super().training_step(*args, **kwargs)
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        return None
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.engine is not None:
+            self.engine.finish_backward()
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.engine is not None:
+            self.engine.after_step()
+        return output
+
+    # ------------------------------------------------------------------ checkpoints
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.engine is None:
+            return super().optimizer_state(optimizer)
+        return self.engine.optimizer_state_dict()
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.engine is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        states: Sequence[dict[str, Any]] = checkpoint["optimizer_states"]
+        if len(states) != 1:
+            raise ValueError(
+                f"the checkpoint holds {len(states)} optimizer states; HierSlicedStrategy uses one."
+            )
+        self.engine.load_optimizer_state_dict(states[0])
+        _optimizers_to_device(self.optimizers, self.root_device)
+        return None
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Plain tensors (not views into the flat buckets), loadable into the bare module."""
+        state = super().lightning_module_state_dict()
+        return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        if self.engine is not None:
+            # keep the engine: the optimizer stays sharded, and a checkpoint saved after fit
+            # (trainer.save_checkpoint) must still consolidate through it
+            self.engine.close()
+        _remove_global_norm_clipping(self.precision_plugin)
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Hierarchical sliced gradient reduction (intra-node reduce-scatter, inter-node "
+            "all-reduce, sharded optimizer, intra-node all-gather)",
+        )
+
+
+def _clip_grad_by_norm(self: Precision, optimizer: Optimizer, clip_val: int | float) -> None:
+    strategy: HierSlicedStrategy = self._hier_strategy  # type: ignore[attr-defined]
+    assert strategy.engine is not None
+    strategy.engine.clip_grad_norm_(float(clip_val))
+
+
+def _install_global_norm_clipping(plugin: Precision, strategy: HierSlicedStrategy) -> None:
+    """Make Lightning's gradient-norm clipping use the global norm across slices.
+
+    Lightning clips through the precision plugin, which only sees this rank's slices. Subclassing
+    the plugin's own class (instead of wrapping it) keeps every ``isinstance`` check Lightning
+    makes on the plugin true, and unscaling in AMP plugins still runs before the norm.
+    """
+    base = type(plugin)
+    if not getattr(base, "_hier_global_norm", False):
+        patched = type(f"GlobalNorm{base.__name__}", (base,), {"clip_grad_by_norm": _clip_grad_by_norm})
+        patched._hier_global_norm = True  # type: ignore[attr-defined]
+        patched._hier_base = base  # type: ignore[attr-defined]
+        plugin.__class__ = patched
+    plugin._hier_strategy = strategy  # type: ignore[attr-defined]
+
+
+def _remove_global_norm_clipping(plugin: Precision) -> None:
+    base = getattr(type(plugin), "_hier_base", None)
+    if base is not None:
+        plugin.__class__ = base
+        plugin.__dict__.pop("_hier_strategy", None)

@@ -1,0 +1,112 @@
+"""The one description of how processes are laid out: ``num_nodes x devices_per_node``.
+
+Rank ``r`` lives on node ``r // devices_per_node`` with local index ``r % devices_per_node``.
+A *node* here is a group of devices joined by a fast link. It usually is a host, but
+``devices_per_node`` smaller than the processes per host splits a host into *virtual nodes*
+(4 CPU processes as 2 nodes x 2 for development, or the NVLink islands of a big box).
+
+Two families of process groups are built from it, and nothing else in the package creates groups:
+
+- ``intra``: the ranks of one node (reduce-scatter and all-gather go here, over the fast link);
+- ``inter``: the ranks with the same local index on every node (all-reduce goes here, over the slow link).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A validated ``num_nodes x devices_per_node`` layout of ``world_size`` ranks.
+
+    Build it with :meth:`from_world` (validates and explains bad settings) and call
+    :meth:`build_groups` once, on every rank, after the default process group exists.
+    """
+
+    world_size: int
+    rank: int
+    devices_per_node: int
+    intra_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    inter_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        validate_layout(self.world_size, self.devices_per_node)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank} is outside [0, world_size={self.world_size}).")
+
+    @classmethod
+    def from_world(
+        cls, world_size: int, rank: int, devices_per_node: int | None, processes_per_host: int
+    ) -> Topology:
+        """Resolve ``devices_per_node=None`` to the processes per host, then validate."""
+        resolved = processes_per_host if devices_per_node is None else devices_per_node
+        return cls(world_size=world_size, rank=rank, devices_per_node=resolved)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.devices_per_node
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.devices_per_node
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index inside its node; it owns slice ``local_rank`` of every bucket."""
+        return self.rank % self.devices_per_node
+
+    def intra_ranks(self, node: int | None = None) -> list[int]:
+        """Global ranks of ``node`` (default: this rank's node), in local-index order."""
+        node = self.node_rank if node is None else node
+        start = node * self.devices_per_node
+        return list(range(start, start + self.devices_per_node))
+
+    def inter_ranks(self, local_index: int | None = None) -> list[int]:
+        """Global ranks holding ``local_index`` (default: this rank's) on every node, in node order."""
+        local_index = self.local_rank if local_index is None else local_index
+        return [node * self.devices_per_node + local_index for node in range(self.num_nodes)]
+
+    def build_groups(self, timeout: timedelta | None = None) -> Topology:
+        """Create the intra- and inter-node groups (a collective call: every rank must make it).
+
+        Returns a copy of this topology holding this rank's two groups. With one process the
+        default group stands in for both, so single-process code paths stay the same.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("Topology.build_groups needs torch.distributed to be initialised first.")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"Topology was made for world_size={self.world_size} but the process group has "
+                f"{dist.get_world_size()} ranks."
+            )
+        intra_lists = [self.intra_ranks(node) for node in range(self.num_nodes)]
+        inter_lists = [self.inter_ranks(index) for index in range(self.devices_per_node)]
+        intra, _ = dist.new_subgroups_by_enumeration(intra_lists, timeout=timeout)
+        inter, _ = dist.new_subgroups_by_enumeration(inter_lists, timeout=timeout)
+        return Topology(
+            self.world_size, self.rank, self.devices_per_node, intra_group=intra, inter_group=inter
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_nodes} node(s) x {self.devices_per_node} device(s); rank {self.rank} is "
+            f"node {self.node_rank}, local index {self.local_rank}"
+        )
+
+
+def validate_layout(world_size: int, devices_per_node: int) -> None:
+    """Raise ``ValueError`` naming the setting when ``world_size`` cannot be split into nodes."""
+    if not isinstance(devices_per_node, int) or isinstance(devices_per_node, bool) or devices_per_node < 1:
+        raise ValueError(f"devices_per_node must be a positive integer or None, got {devices_per_node!r}.")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    if world_size % devices_per_node != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"devices_per_node={devices_per_node} does not divide the world size {world_size}; "
+            f"valid values are {divisors} (or None for the processes per host)."
+        )

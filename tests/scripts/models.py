@@ -1,0 +1,83 @@
+"""Small LightningModules shared by the distributed test scripts."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def make_dataset(n: int = 256, features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=generator)
+    y = torch.randint(0, classes, (n,), generator=generator)
+    return TensorDataset(x, y)
+
+
+class EquivModel(pl.LightningModule):
+    """An MLP with optional frozen, tied and unused parameters and a BatchNorm buffer."""
+
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        quirks: bool = False,
+        batch_norm: bool = False,
+        scheduler: bool = False,
+        features: int = 16,
+        hidden: int = 32,
+        classes: int = 4,
+    ) -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.scheduler = scheduler
+        self.quirks = quirks
+        self.inp = nn.Linear(features, hidden)
+        self.norm = nn.BatchNorm1d(hidden) if batch_norm else nn.Identity()
+        self.mid = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, classes)
+        if quirks:
+            self.frozen = nn.Linear(hidden, hidden)
+            self.frozen.requires_grad_(False)
+            self.unused = nn.Linear(hidden, hidden)
+            self.tied_in = nn.Linear(hidden, hidden, bias=False)
+            self.tied_out = nn.Linear(hidden, hidden, bias=False)
+            self.tied_out.weight = self.tied_in.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.inp(x)))
+        if self.quirks:
+            h = torch.relu(self.frozen(h))
+            h = h + self.tied_out(torch.tanh(self.tied_in(h)))
+        h = torch.relu(self.mid(h))
+        return self.out(h)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        if self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+        elif self.optimizer_name == "adam":
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        elif self.optimizer_name == "adamw_groups":
+            decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+            no_decay = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+            optimizer = torch.optim.AdamW(
+                [
+                    {"params": decay, "weight_decay": 0.1},
+                    {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3},
+                ],
+                lr=1e-2,
+            )
+        else:
+            raise ValueError(self.optimizer_name)
+        if not self.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def loader(batch_size: int = 8, **dataset_kwargs) -> DataLoader:  # noqa: ANN003
+    return DataLoader(make_dataset(**dataset_kwargs), batch_size=batch_size, shuffle=False)

@@ -1,0 +1,103 @@
+"""Run under torchrun: train the same model under `ddp` and `hier_sliced`, compare parameters.
+
+Rank 0 writes ``{scenario: {"max_rel_diff": ..., ...}}`` as JSON to the path in argv[1].
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from models import EquivModel, loader  # noqa: E402
+
+from lightning_hier import HierSlicedStrategy  # noqa: E402
+
+SCENARIOS: dict[str, dict] = {
+    "sgd_momentum_2x2": dict(model=dict(optimizer="sgd"), hier=dict(devices_per_node=2)),
+    "adam_2x2": dict(model=dict(optimizer="adam"), hier=dict(devices_per_node=2)),
+    "adamw_two_groups_scheduler_2x2": dict(
+        model=dict(optimizer="adamw_groups", scheduler=True), hier=dict(devices_per_node=2)
+    ),
+    "weights_3_1": dict(model=dict(optimizer="adam"), hier=dict(devices_per_node=2, slice_weights=[3, 1])),
+    "clip_norm_accumulate": dict(
+        model=dict(optimizer="sgd"),
+        hier=dict(devices_per_node=2),
+        trainer=dict(gradient_clip_val=0.05, accumulate_grad_batches=2),
+    ),
+    "clip_value": dict(
+        model=dict(optimizer="sgd"),
+        hier=dict(devices_per_node=2),
+        trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"),
+    ),
+    "frozen_tied_unused_batchnorm": dict(
+        model=dict(optimizer="sgd", quirks=True, batch_norm=True),
+        hier=dict(devices_per_node=2),
+        ddp=dict(find_unused_parameters=True),
+    ),
+    "one_device_per_node_4x1": dict(model=dict(optimizer="adam"), hier=dict(devices_per_node=1)),
+    "one_node_1x4": dict(model=dict(optimizer="sgd"), hier=dict(devices_per_node=4)),
+    "bf16_mixed": dict(
+        model=dict(optimizer="adam"), hier=dict(devices_per_node=2), trainer=dict(precision="bf16-mixed")
+    ),
+}
+
+
+def initial_state(model_kwargs: dict) -> dict:
+    pl.seed_everything(1234, verbose=False)
+    return {k: v.detach().clone().float() for k, v in EquivModel(**model_kwargs).state_dict().items()}
+
+
+def train(strategy, model_kwargs: dict, trainer_kwargs: dict, steps: int) -> dict:  # noqa: ANN001
+    pl.seed_everything(1234, verbose=False)
+    model = EquivModel(**model_kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(dist.get_world_size() if dist.is_initialized() else 4),
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, train_dataloaders=loader())
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for key in a:
+        if key.endswith("num_batches_tracked"):
+            continue
+        denom = a[key].abs().max().item() + 1e-12
+        worst = max(worst, (a[key] - b[key]).abs().max().item() / denom)
+    return worst
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    selected = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SCENARIOS)
+    results = {}
+    for name in selected:
+        spec = SCENARIOS[name]
+        trainer_kwargs = spec.get("trainer", {})
+        steps = 6 * trainer_kwargs.get("accumulate_grad_batches", 1)
+        reference = train(DDPStrategy(**spec.get("ddp", {})), spec["model"], trainer_kwargs, steps)
+        hier = HierSlicedStrategy(bucket_cap_mb=0.002, **spec["hier"])
+        contender = train(hier, spec["model"], trainer_kwargs, steps)
+        moved = max_rel_diff(reference, initial_state(spec["model"]))
+        results[name] = {"max_rel_diff": max_rel_diff(reference, contender), "reference_moved": moved}
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
