@@ -1,0 +1,194 @@
+"""The plain-torch engine on gloo processes, without Lightning."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_hier import HierSlicedEngine, SlicePlan, Topology
+from lightning_hier.comm.hierarchical import all_gather_slices, reduce_scatter_into
+from lightning_hier.sharded_optim import check_optimizer
+
+
+def _init(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def _run(fn, world: int, tmp_path: Path, *args) -> list:  # noqa: ANN001
+    """Run ``fn(rank, world, store, out_dir, *args)`` on ``world`` processes; return per-rank results."""
+    ctx = mp.get_context("spawn")
+    store = str(tmp_path / "store")
+    procs = [
+        ctx.Process(target=_wrapper, args=(fn, r, world, store, str(tmp_path), *args)) for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=180)
+    results = []
+    for rank in range(world):
+        path = tmp_path / f"result{rank}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else None)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    return results
+
+
+def _wrapper(fn, rank: int, world: int, store: str, out_dir: str, *args) -> None:  # noqa: ANN001
+    try:
+        result = fn(rank, world, store, *args)
+    except BaseException as err:  # reported to the test instead of a bare exit code
+        result = {"error": repr(err), "traceback": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
+
+
+def _batches(steps: int, world: int, per_rank: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(world * per_rank, 12, generator=generator),
+            torch.randn(world * per_rank, 3, generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _train_engine(rank: int, world: int, store: str, per_node: int, weights: tuple, steps: int) -> dict:
+    _init(rank, world, store)
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    topology = Topology(world, rank, per_node).build_groups()
+    engine = HierSlicedEngine(model, optimizer, topology, SlicePlan(weights), bucket_cap_mb=0.001)
+    launched_before_backward_end = []
+    for x, y in _batches(steps, world):
+        lo, hi = rank * 4, (rank + 1) * 4
+        loss = nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi])
+        loss.backward()
+        launched_before_backward_end.append(engine._next_to_launch)
+        engine.finish_backward()
+        optimizer.step()
+        engine.after_step()
+    engine.close()
+    params = [p.detach().clone() for p in model.parameters()]
+    return {
+        "params": params,
+        "state_numel": engine.sharding.local_state_numel(),
+        "num_buckets": len(engine.buckets),
+        "launched": launched_before_backward_end,
+    }
+
+
+def _reference(world: int, steps: int) -> tuple[list[torch.Tensor], int]:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x, y in _batches(steps, world):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()  # mean over the global batch == DDP's average
+        optimizer.step()
+    numel = sum(v.numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    return [p.detach().clone() for p in model.parameters()], numel
+
+
+@pytest.mark.parametrize(
+    ("per_node", "weights"), [(2, (1.0, 1.0)), (2, (3.0, 1.0)), (4, (1.0, 2.0, 3.0, 4.0))]
+)
+def test_engine_matches_single_process_reference_and_shards_state(
+    tmp_path: Path, per_node: int, weights: tuple
+) -> None:
+    world, steps = 4, 4
+    results = _run(_train_engine, world, tmp_path, per_node, weights, steps)
+    for result in results:
+        assert result is not None and "error" not in result, result
+    reference, reference_state = _reference(world, steps)
+    for result in results:
+        for got, want in zip(result["params"], reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # each rank holds state only for its slice: its weight's share of the full (unsharded) state
+    total = sum(weights)
+    for rank, result in enumerate(results):
+        share = weights[rank % per_node] / total
+        assert result["state_numel"] == pytest.approx(reference_state * share, rel=0.05, abs=16)
+    assert sum(r["state_numel"] for r in results[:per_node]) >= reference_state
+    # several buckets, and some were handed to the comm thread while backward was still running
+    assert results[0]["num_buckets"] > 2
+    assert all(n > 0 for n in results[0]["launched"])
+
+
+def _collectives(rank: int, world: int, store: str) -> dict:
+    _init(rank, world, store)
+    group = dist.group.WORLD
+    bounds = ((0, 5), (5, 7))  # uneven: 5 and 2 elements
+    flat = torch.arange(7, dtype=torch.float32) * (rank + 1)
+    out = torch.zeros(bounds[rank][1] - bounds[rank][0])
+    reduce_scatter_into(out, flat, bounds, group)
+    gathered = torch.zeros(7)
+    gathered[bounds[rank][0] : bounds[rank][1]] = rank + 10
+    for work in all_gather_slices(gathered, bounds, group):
+        work.wait()
+    return {"scattered": out, "gathered": gathered}
+
+
+def test_uneven_reduce_scatter_and_all_gather(tmp_path: Path) -> None:
+    results = _run(_collectives, 2, tmp_path)
+    summed = torch.arange(7, dtype=torch.float32) * 3  # ranks contribute x1 and x2
+    torch.testing.assert_close(results[0]["scattered"], summed[:5])
+    torch.testing.assert_close(results[1]["scattered"], summed[5:])
+    expected = torch.tensor([10.0] * 5 + [11.0] * 2)
+    for result in results:
+        torch.testing.assert_close(result["gathered"], expected)
+
+
+def _dies_mid_step(rank: int, world: int, store: str) -> dict:
+    _init(rank, world, store, timeout_s=20)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = HierSlicedEngine(model, optimizer, Topology(world, rank, 2).build_groups(), bucket_cap_mb=0.001)
+    x, y = _batches(1, 1)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    if rank == 1:
+        os._exit(3)  # a peer crashes in the middle of the step
+    start = time.monotonic()
+    try:
+        engine.finish_backward()
+        optimizer.step()
+        engine.after_step()
+    except Exception as err:
+        return {"raised": type(err).__name__, "seconds": time.monotonic() - start}
+    return {"raised": None, "seconds": time.monotonic() - start}
+
+
+def test_dead_peer_ends_the_step_with_an_error_not_a_hang(tmp_path: Path) -> None:
+    results = _run(_dies_mid_step, 2, tmp_path)
+    assert results[1] is None  # it died without reporting
+    assert results[0]["raised"] is not None, results[0]
+    assert results[0]["seconds"] < 30
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.LBFGS, torch.optim.SparseAdam])
+def test_non_elementwise_optimizers_are_refused(optimizer_cls: type) -> None:
+    params = [nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="not elementwise"):
+        check_optimizer(optimizer_cls(params))
