@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_hier.comm.buckets import BucketPlan
 from lightning_hier.comm.slicing import SlicePlan
 from lightning_hier.engine import HierSlicedEngine
+from lightning_hier.sharded_checkpoint import consolidate_sharded_checkpoint
 from lightning_hier.strategies.hier_sliced import HierSlicedStrategy
 from lightning_hier.topology import Topology
 
@@ -17,4 +18,11 @@ __version__ = "0.1.0"
 if HierSlicedStrategy.strategy_name not in StrategyRegistry:
     HierSlicedStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["BucketPlan", "HierSlicedEngine", "HierSlicedStrategy", "SlicePlan", "Topology"]
+__all__ = [
+    "BucketPlan",
+    "HierSlicedEngine",
+    "HierSlicedStrategy",
+    "SlicePlan",
+    "Topology",
+    "consolidate_sharded_checkpoint",
+]

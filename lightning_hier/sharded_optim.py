@@ -72,6 +72,7 @@ class OptimizerSharding:
         self.optimizer = optimizer
         self.buckets = list(buckets)
         self.intra_group = intra_group
+        self.bucket_group = list(bucket_group)
         self.shards = [nn.Parameter(bucket.owned_params(), requires_grad=False) for bucket in self.buckets]
         self._original_groups = [list(group) for group in original_groups]
         # state_dict numbering of the unsharded optimizer: groups in order, each parameter once
@@ -84,6 +85,14 @@ class OptimizerSharding:
         for group_index, group in enumerate(optimizer.param_groups):
             group["params"] = [self.shards[b] for b, g in enumerate(bucket_group) if g == group_index]
         optimizer.state.clear()
+
+    def original_groups(self) -> list[list[nn.Parameter]]:
+        """The optimizer's param groups as the user built them, each parameter numbered once."""
+        seen: set[int] = set()
+        groups = []
+        for group in self._original_groups:
+            groups.append([p for p in group if id(p) not in seen and not seen.add(id(p))])
+        return groups
 
     def _saved_index(self, param_index: int) -> int:
         return self._state_index[id(self._param_of_index[param_index])]

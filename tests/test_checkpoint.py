@@ -29,3 +29,15 @@ def test_consolidated_state_resumes_under_another_topology_and_under_ddp(results
 def test_checkpoint_loads_into_plain_module(results: dict) -> None:
     assert results["plain_module_vs_saved"] == 0.0
     assert results["state_entries"] == results["num_params"]
+
+
+def test_sharded_checkpoint_resumes_and_converts(results: dict) -> None:
+    assert results["sharded_dirs"] == ["epoch=0-step=8.ckpt"]  # the step-4 directory was removed
+    assert results["sharded_resumed_vs_uninterrupted"] < 1e-6
+    assert results["sharded_converted_vs_half"] == 0.0
+    assert results["sharded_vs_consolidated_optimizer_state"] == 0.0
+
+
+def test_sharded_checkpoint_with_another_layout_is_refused_clearly(results: dict) -> None:
+    assert "devices_per_node=2" in results["layout_error"]
+    assert "consolidate_sharded_checkpoint" in results["layout_error"]

@@ -7,9 +7,11 @@ step itself is :class:`lightning_hier.engine.HierSlicedEngine`.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -26,9 +28,21 @@ from torch.optim import Optimizer
 
 from lightning_hier.comm.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
 from lightning_hier.engine import HierSlicedEngine
+from lightning_hier.sharded_checkpoint import (
+    check_layout,
+    consolidate_sharded_checkpoint,
+    is_sharded_checkpoint,
+    load_meta,
+    load_sharded_optimizer,
+    load_sharded_params,
+    save_sharded,
+)
 from lightning_hier.topology import Topology, validate_layout
 
 log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMATS = ("consolidated", "sharded")
+_LOADED_FROM = "_hier_sliced_loaded_from"
 
 
 class HierSlicedStrategy(DDPStrategy):
@@ -49,11 +63,15 @@ class HierSlicedStrategy(DDPStrategy):
         bucket_cap_mb: size cap of one gradient bucket.
         broadcast_buffers: copy buffers (e.g. BatchNorm statistics) from rank 0 before each
             training forward, as DDP does.
+        checkpoint_format: ``"consolidated"`` (default): one ``.ckpt`` file with the full model and
+            the optimizer state in the unsharded optimizer's layout; it loads into a plain
+            LightningModule and resumes under any topology or under ``ddp``. ``"sharded"``: a
+            directory where each rank writes and, on resume, reads only its own slices (the model
+            is stitched by an all-gather); resuming needs the same slice layout, and
+            :func:`lightning_hier.consolidate_sharded_checkpoint` converts it to a single file.
         timeout: collective timeout; a dead peer ends the job with an error after at most this long.
 
-    The remaining arguments are Lightning's usual DDP plumbing. Checkpoints hold the model and a
-    *consolidated* optimizer state (the unsharded optimizer's ``state_dict`` layout), so they load
-    into a plain LightningModule and resume under any topology.
+    The remaining arguments are Lightning's usual DDP plumbing.
     """
 
     strategy_name = "hier_sliced"
@@ -64,6 +82,7 @@ class HierSlicedStrategy(DDPStrategy):
         slice_weights: str | list[float] = "equal",
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
+        checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -78,6 +97,10 @@ class HierSlicedStrategy(DDPStrategy):
         validate_slice_weights(slice_weights, devices_per_node)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"checkpoint_format={checkpoint_format!r} is not one of {list(CHECKPOINT_FORMATS)}."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -94,6 +117,7 @@ class HierSlicedStrategy(DDPStrategy):
         )
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.broadcast_buffers = broadcast_buffers
+        self.checkpoint_format = checkpoint_format
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None
@@ -218,14 +242,65 @@ class HierSlicedStrategy(DDPStrategy):
         return output
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # the flat buckets must exist before states are loaded into them (in place)
+        return True
+
+    @property
+    def _saves_sharded(self) -> bool:
+        return self.checkpoint_format == "sharded" and self.engine is not None
+
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.engine is None:
             return super().optimizer_state(optimizer)
+        if self._saves_sharded:
+            return {}  # written slice by slice in save_checkpoint
         return self.engine.optimizer_state_dict()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self._saves_sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        assert self.engine is not None
+        # checkpoint["optimizer_states"] holds empty placeholders: the slices go to the DCP files
+        save_sharded(self.engine, filepath, checkpoint, self.is_global_zero)
+        return None
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and Path(filepath).is_dir():
+            shutil.rmtree(filepath)
+        else:
+            super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if is_sharded_checkpoint(checkpoint_path):
+            meta = load_meta(checkpoint_path)
+            meta[_LOADED_FROM] = str(checkpoint_path)
+            return meta
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        path = checkpoint.get(_LOADED_FROM)
+        if path is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        assert self.lightning_module is not None
+        if self.engine is None:  # validate/test/predict: no slices here, read the whole model
+            full = consolidate_sharded_checkpoint(path)
+            self.lightning_module.load_state_dict(full["state_dict"], strict=strict)
+            return None
+        check_layout(self.engine, checkpoint, path)
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
+        load_sharded_params(self.engine, path)
+        return None
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if self.engine is None:
             return super().load_optimizer_state_dict(checkpoint)
+        if _LOADED_FROM in checkpoint:
+            load_sharded_optimizer(self.engine, checkpoint[_LOADED_FROM], checkpoint)
+            return None
         states: Sequence[dict[str, Any]] = checkpoint["optimizer_states"]
         if len(states) != 1:
             raise ValueError(
@@ -236,8 +311,16 @@ class HierSlicedStrategy(DDPStrategy):
         return None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Plain tensors (not views into the flat buckets), loadable into the bare module."""
+        """Plain tensors (not views into the flat buckets), loadable into the bare module.
+
+        For sharded checkpoints only what the slices do not cover (buffers, frozen parameters,
+        second names of tied parameters) is kept here.
+        """
         state = super().lightning_module_state_dict()
+        if self._saves_sharded:
+            assert self.engine is not None
+            sliced = set(self.engine.param_names)
+            state = {k: v for k, v in state.items() if k not in sliced}
         return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
     # ------------------------------------------------------------------ teardown

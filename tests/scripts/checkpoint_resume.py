@@ -15,21 +15,23 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from models import EquivModel, loader  # noqa: E402
 from train_equivalence import max_rel_diff  # noqa: E402
 
-from lightning_hier import HierSlicedStrategy  # noqa: E402
+from lightning_hier import HierSlicedStrategy, consolidate_sharded_checkpoint  # noqa: E402
 
 MODEL = dict(optimizer="adamw_groups", scheduler=True)
 
 
-def fit(strategy, epochs: int, ckpt_path: str | None = None) -> tuple[pl.Trainer, EquivModel]:  # noqa: ANN001
+def fit(strategy, epochs: int, ckpt_path: str | None = None, callbacks=None) -> tuple[pl.Trainer, EquivModel]:  # noqa: ANN001
     pl.seed_everything(7, verbose=False)
     model = EquivModel(**MODEL)
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_epochs=epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(model, train_dataloaders=loader(), ckpt_path=ckpt_path)
     return trainer, model
@@ -53,8 +55,41 @@ def main() -> None:
         ckpt_path=ckpt,
     )
     _, resumed_under_ddp = fit(DDPStrategy(), epochs=2, ckpt_path=ckpt)
+
+    # sharded: ModelCheckpoint every 4 steps keeping the last one (older directories are removed)
+    def sharded() -> HierSlicedStrategy:
+        return HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002, checkpoint_format="sharded")
+
+    saver = ModelCheckpoint(
+        dirpath=str(scratch / "sharded"), every_n_train_steps=4, save_top_k=1, monitor="step", mode="max"
+    )
+    fit(sharded(), epochs=1, callbacks=[saver])
+    sharded_dirs = sorted(p.name for p in (scratch / "sharded").iterdir())
+    sharded_ckpt = saver.best_model_path
+    _, resumed_sharded = fit(sharded(), epochs=2, ckpt_path=sharded_ckpt)
+    layout_error = ""
+    try:
+        fit(
+            HierSlicedStrategy(devices_per_node=4, checkpoint_format="sharded"),
+            epochs=2,
+            ckpt_path=sharded_ckpt,
+        )
+    except ValueError as err:
+        layout_error = str(err)
     if dist.get_rank() != 0:
         return
+    converted = consolidate_sharded_checkpoint(sharded_ckpt)
+    plain_from_sharded = EquivModel(**MODEL)
+    plain_from_sharded.load_state_dict(converted["state_dict"])
+    plain_from_sharded.configure_optimizers()["optimizer"].load_state_dict(converted["optimizer_states"][0])
+    consolidated_states = torch.load(ckpt, map_location="cpu", weights_only=False)["optimizer_states"][0][
+        "state"
+    ]
+    optimizer_state_diff = max(
+        (consolidated_states[i][k] - converted["optimizer_states"][0]["state"][i][k]).abs().max().item()
+        for i in consolidated_states
+        for k in ("exp_avg", "exp_avg_sq")
+    )
     checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
     plain = EquivModel(**MODEL)
     plain.load_state_dict(checkpoint["state_dict"])
@@ -70,6 +105,11 @@ def main() -> None:
         "second_epoch_moved": max_rel_diff(params(uninterrupted), half_params),
         "state_entries": len(checkpoint["optimizer_states"][0]["state"]),
         "num_params": len(list(plain.parameters())),
+        "sharded_dirs": sharded_dirs,
+        "sharded_resumed_vs_uninterrupted": max_rel_diff(params(uninterrupted), params(resumed_sharded)),
+        "sharded_converted_vs_half": max_rel_diff(half_params, params(plain_from_sharded)),
+        "sharded_vs_consolidated_optimizer_state": optimizer_state_diff,
+        "layout_error": layout_error,
     }
     out.write_text(json.dumps(results, indent=2))
 
