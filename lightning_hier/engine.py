@@ -20,6 +20,8 @@ Usage without Lightning::
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -27,17 +29,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from lightning_hier.comm.buckets import BucketPlan, ParamInfo, plan_size_buckets
 from lightning_hier.comm.hierarchical import HierarchicalReducer, ReduceJob, all_gather_slices
 from lightning_hier.comm.slicing import SlicePlan
+from lightning_hier.comm.time_bucketing import (
+    StepTimeline,
+    TimeBucketing,
+    TimeBucketingConfig,
+    validate_time_settings,
+)
 from lightning_hier.flat_buckets import FlatBucket, build_flat_buckets
 from lightning_hier.sharded_optim import OptimizerSharding, check_optimizer
 from lightning_hier.topology import Topology
 
+log = logging.getLogger(__name__)
+
 
 class HierSlicedEngine:
-    """Hierarchical sliced gradient reduction with an in-node sharded optimizer."""
+    """Hierarchical sliced gradient reduction with an in-node sharded optimizer.
+
+    ``bucketing`` chooses what is sent together and when: ``"size"`` (size-capped buckets in
+    reverse registration order, each sent when its last gradient is ready), ``"time"`` (profiled
+    gradient-ready times clustered into time points, see :mod:`lightning_hier.comm.time_bucketing`)
+    or ``"none"`` (all buckets sent after backward, no overlap).
+    """
 
     def __init__(
         self,
@@ -47,53 +64,95 @@ class HierSlicedEngine:
         slice_plan: SlicePlan | None = None,
         bucket_cap_mb: float = 25.0,
         bucket_plan: BucketPlan | None = None,
+        bucketing: str = "size",
+        time_config: TimeBucketingConfig | None = None,
     ) -> None:
         if topology.intra_group is None or topology.inter_group is None:
-            raise ValueError(
-                "HierSlicedEngine needs a topology whose groups are built (Topology.build_groups())."
-            )
+            raise ValueError("HierSlicedEngine needs a topology with built groups (Topology.build_groups()).")
+        validate_time_settings(bucketing, 1, 0, 0.5)
         check_optimizer(optimizer)
         self.module = module
         self.optimizer = optimizer
         self.topology = topology
         self.world_size = topology.world_size
+        self.bucketing = bucketing
         self.slice_plan = slice_plan or SlicePlan((1.0,) * topology.devices_per_node)
         if self.slice_plan.num_slices != topology.devices_per_node:
             raise ValueError(
                 f"the slice plan has {self.slice_plan.num_slices} slices but a node has "
                 f"{topology.devices_per_node} devices."
             )
-        original_groups = [list(group["params"]) for group in optimizer.param_groups]
-        self.params, group_of = _trainable_params(original_groups)
+        self._original_groups = [list(group["params"]) for group in optimizer.param_groups]
+        self.params, self._group_of = _trainable_params(self._original_groups)
         if not self.params:
             raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
         self.param_names = _names_of(module, self.params)
-        infos = [
-            ParamInfo(i, p.numel(), p.element_size(), (group_of[i], p.dtype, p.device))
+        self.param_infos = [
+            ParamInfo(i, p.numel(), p.element_size(), (self._group_of[i], p.dtype, p.device))
             for i, p in enumerate(self.params)
         ]
-        self.bucket_plan = bucket_plan or plan_size_buckets(infos, int(bucket_cap_mb * 1024 * 1024))
-        self.buckets: list[FlatBucket] = build_flat_buckets(
-            self.params, self.bucket_plan, self.slice_plan, topology.local_rank
-        )
-        bucket_group = [group_of[bucket.slots[0].index] for bucket in self.buckets]
-        self.sharding = OptimizerSharding(
-            optimizer, self.buckets, bucket_group, original_groups, self.params, topology.intra_group
-        )
-        self._bucket_of = self.bucket_plan.bucket_of()
+        self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.time_bucketing: TimeBucketing | None = None
+        if bucketing == "time":
+            self.time_bucketing = TimeBucketing(self.param_infos, self.cap_bytes, time_config)
         self._reducer = HierarchicalReducer(topology.intra_group, topology.inter_group)
-        self._slice_grads = [self._slice_grad_buffer(bucket) for bucket in self.buckets]
-        self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
-        self._jobs: list[ReduceJob | None] = [None] * len(self.buckets)
-        self._next_to_launch = 0
+        self._globally_used: frozenset[int] = frozenset(range(len(self.params)))
         self._sync = True
         self._unused_snapshot: list[tuple[int, int, int, dict[str, torch.Tensor]]] = []
+        self._ready_at: list[float | None] = [None] * len(self.params)
+        self._backward_start: float | None = None
+        self._backward_end: float | None = None
+        self._end_callback_queued = False
+        self.last_timeline: StepTimeline | None = None
+        self.sharding: OptimizerSharding | None = None
+        self._layout(bucket_plan or plan_size_buckets(self.param_infos, self.cap_bytes))
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
 
-    # ------------------------------------------------------------------ setup helpers
+    # ------------------------------------------------------------------ layout
+    def _layout(self, plan: BucketPlan, optimizer_state: dict[str, Any] | None = None) -> None:
+        """Lay parameters into flat buckets following ``plan`` and shard the optimizer over them."""
+        self.bucket_plan = plan
+        self.buckets: list[FlatBucket] = build_flat_buckets(
+            self.params, plan, self.slice_plan, self.topology.local_rank
+        )
+        bucket_group = [self._group_of[bucket.slots[0].index] for bucket in self.buckets]
+        for group, original in zip(self.optimizer.param_groups, self._original_groups):
+            group["params"] = original
+        self.sharding = OptimizerSharding(
+            self.optimizer,
+            self.buckets,
+            bucket_group,
+            self._original_groups,
+            self.params,
+            self.topology.intra_group,
+        )
+        if optimizer_state is not None:
+            self.sharding.load_consolidated_state_dict(optimizer_state)
+        self._where = {slot.index: (bucket.index, slot) for bucket in self.buckets for slot in bucket.slots}
+        self._slice_grads = [self._slice_grad_buffer(bucket) for bucket in self.buckets]
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._jobs: list[ReduceJob | None] = [None] * len(self.buckets)
+        self._next_to_launch = 0
+
+    @torch.no_grad()
+    def rebuild(self, plan: BucketPlan) -> None:
+        """Switch to another bucket plan between steps, keeping parameters and optimizer state.
+
+        A collective over the node: the optimizer state is consolidated (transiently the full
+        state on every rank of the node), the parameters are laid out again and each rank takes
+        its new slices.
+        """
+        if plan == self.bucket_plan:
+            return
+        state = self.sharding.consolidated_state_dict()
+        for param in self.params:
+            param.data = param.data.clone()
+            param.grad = None
+        self._layout(plan, state)
+
     def _slice_grad_buffer(self, bucket: FlatBucket) -> torch.Tensor:
         start, end = bucket.owned_range
         if self.topology.devices_per_node == 1:
@@ -124,12 +183,23 @@ class HierSlicedEngine:
         finally:
             self._sync = previous
 
-    def _make_hook(self, index: int):  # noqa: ANN202 - autograd hook signature
-        bucket_index = self._bucket_of[index]
-        bucket = self.buckets[bucket_index]
-        slot = next(s for s in bucket.slots if s.index == index)
+    def begin_backward(self) -> None:
+        """Mark the start of backward (the clock the ready times are measured on)."""
+        self._backward_start = time.perf_counter()
 
+    def _on_backward_end(self) -> None:
+        self._backward_end = time.perf_counter()
+
+    def _make_hook(self, index: int):  # noqa: ANN202 - autograd hook signature
         def hook(param: torch.Tensor) -> None:
+            now = time.perf_counter()
+            if self._backward_start is None:
+                self._backward_start = now
+            if not self._end_callback_queued:
+                self._end_callback_queued = True
+                Variable._execution_engine.queue_callback(self._on_backward_end)
+            bucket_index, slot = self._where[index]
+            bucket = self.buckets[bucket_index]
             view = bucket.grad_view(slot)
             if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                 # somebody replaced or reset .grad (e.g. module.zero_grad(set_to_none=True))
@@ -137,11 +207,12 @@ class HierSlicedEngine:
                     view.copy_(param.grad)
                 param.grad = view
             self._used[index] = 1
+            self._ready_at[index] = now - self._backward_start
             if not self._sync:
                 return
             ready = self._ready[bucket_index]
             ready.add(index)
-            if len(ready) == len(bucket.slots):
+            if self.bucketing != "none" and len(ready) == len(bucket.slots):
                 self._launch_ready_buckets()
 
         return hook
@@ -166,10 +237,13 @@ class HierSlicedEngine:
         Parameters that no rank used are left untouched by the step, as under DDP.
         """
         if not self._sync:
+            self._reset_timing()  # `_used` keeps accumulating over the accumulation window
             return
-        self._record_globally_unused()
+        if self._backward_end is None:
+            self._on_backward_end()
         while self._next_to_launch < len(self.buckets):
             self._launch(self._next_to_launch)
+        self._record_globally_unused()
         for b, job in enumerate(self._jobs):
             assert job is not None
             self._reducer.wait(job)
@@ -177,7 +251,23 @@ class HierSlicedEngine:
             if self.world_size > 1:
                 grad.div_(self.world_size)
             self.sharding.shards[b].grad = grad
+        self.last_timeline = self._timeline()
+        if self.time_bucketing is not None:
+            self.time_bucketing.observe(self.last_timeline, self._globally_used)
         self._reset_backward_state()
+
+    def _timeline(self) -> StepTimeline:
+        start = self._backward_start if self._backward_start is not None else time.perf_counter()
+        end = self._backward_end if self._backward_end is not None else start
+        jobs = [job for job in self._jobs if job is not None]
+        return StepTimeline(
+            backward_start=start,
+            backward_end=end,
+            ready=list(self._ready_at),
+            bucket_bytes=[b.numel * b.params.element_size() for b in self.buckets],
+            bucket_launch=[job.submitted_at - start for job in jobs],
+            bucket_done=[job.done_at - start for job in jobs],
+        )
 
     def _reset_backward_state(self) -> None:
         for ready in self._ready:
@@ -185,6 +275,13 @@ class HierSlicedEngine:
         self._jobs = [None] * len(self.buckets)
         self._next_to_launch = 0
         self._used.zero_()
+        self._reset_timing()
+
+    def _reset_timing(self) -> None:
+        self._ready_at = [None] * len(self.params)
+        self._backward_start = None
+        self._backward_end = None
+        self._end_callback_queued = False
 
     def _record_globally_unused(self) -> None:
         """Remember parameters no rank used, so the step leaves them (and their state) untouched.
@@ -195,12 +292,13 @@ class HierSlicedEngine:
         used = self._used.clone()
         if self.world_size > 1:  # one tiny all-reduce per step; no flag to get wrong, unlike DDP
             dist.all_reduce(used, op=dist.ReduceOp.MAX)
+        self._globally_used = frozenset(torch.nonzero(used).flatten().tolist())
         self._unused_snapshot = []
         for index in torch.nonzero(used == 0).flatten().tolist():
-            bucket = self.buckets[self._bucket_of[index]]
-            shard = self.sharding.shards[bucket.index]
+            bucket_index, slot = self._where[index]
+            bucket = self.buckets[bucket_index]
+            shard = self.sharding.shards[bucket_index]
             start, end = bucket.owned_range
-            slot = next(s for s in bucket.slots if s.index == index)
             lo, hi = max(start, slot.offset) - start, min(end, slot.offset + slot.numel) - start
             if lo >= hi:
                 continue
@@ -208,7 +306,7 @@ class HierSlicedEngine:
             for key, value in self.optimizer.state.get(shard, {}).items():
                 if torch.is_tensor(value) and value.shape == shard.shape:
                     saved[key] = value[lo:hi].clone()
-            self._unused_snapshot.append((bucket.index, lo, hi, saved))
+            self._unused_snapshot.append((bucket_index, lo, hi, saved))
 
     # ------------------------------------------------------------------ step
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -216,7 +314,10 @@ class HierSlicedEngine:
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Restore untouched parameters, all-gather updated slices in the node, clear gradients."""
+        """Restore untouched parameters, all-gather updated slices in the node, clear gradients.
+
+        With ``bucketing="time"`` this is also where a new plan, once decided, takes effect.
+        """
         for b, lo, hi, saved in self._unused_snapshot:
             shard = self.sharding.shards[b]
             shard.data[lo:hi].copy_(saved["__param__"])
@@ -232,6 +333,11 @@ class HierSlicedEngine:
         for work in works:
             work.wait()
         self.zero_grad()
+        if self.time_bucketing is not None:
+            new_plan = self.time_bucketing.after_step(self._globally_used)
+            if new_plan is not None:
+                log.info("time bucketing: %s", new_plan.describe())
+                self.rebuild(new_plan.plan)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -68,6 +69,12 @@ class ReduceJob:
     scatter_done: threading.Event = field(default_factory=threading.Event)
     inter_work: dist.Work | None = None
     error: BaseException | None = None
+    submitted_at: float = 0.0  # time.perf_counter() clock
+    scatter_done_at: float = 0.0
+    done_at: float = 0.0
+
+    def mark_done(self) -> None:
+        self.done_at = time.perf_counter()
 
 
 class HierarchicalReducer:
@@ -81,6 +88,7 @@ class HierarchicalReducer:
         self._thread: threading.Thread | None = None
 
     def submit(self, job: ReduceJob) -> ReduceJob:
+        job.submitted_at = time.perf_counter()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lightning_hier-comm", daemon=True)
             self._thread.start()
@@ -95,6 +103,7 @@ class HierarchicalReducer:
         if job.inter_work is not None:
             job.inter_work.wait()
             job.inter_work = None
+            job.done_at = max(job.done_at, job.scatter_done_at)
         return job.out
 
     def close(self) -> None:
@@ -110,8 +119,10 @@ class HierarchicalReducer:
                 return
             try:
                 reduce_scatter_into(job.out, job.flat, job.bounds, self.intra_group)
+                job.scatter_done_at = job.done_at = time.perf_counter()
                 if self._inter_size > 1:
                     job.inter_work = dist.all_reduce(job.out, group=self.inter_group, async_op=True)
+                    job.inter_work.get_future().add_done_callback(lambda _, job=job: job.mark_done())
             except BaseException as err:  # handed to the training thread in wait()
                 job.error = err
             finally:

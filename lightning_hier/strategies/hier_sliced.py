@@ -27,6 +27,8 @@ from torch.distributed.distributed_c10d import _get_default_group
 from torch.optim import Optimizer
 
 from lightning_hier.comm.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
+from lightning_hier.comm.time_bucketing import TimeBucketingConfig, validate_time_settings
+from lightning_hier.comm.time_plan import TimePlan
 from lightning_hier.engine import HierSlicedEngine
 from lightning_hier.sharded_checkpoint import (
     check_layout,
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMATS = ("consolidated", "sharded")
 _LOADED_FROM = "_hier_sliced_loaded_from"
+_PLAN_KEY = "hier_sliced"
 
 
 class HierSlicedStrategy(DDPStrategy):
@@ -61,6 +64,13 @@ class HierSlicedStrategy(DDPStrategy):
             ``"memory+compute"`` (also a matmul throughput probe) or a list of ``devices_per_node``
             positive numbers; slice ``k`` gets a share proportional to weight ``k``.
         bucket_cap_mb: size cap of one gradient bucket.
+        bucketing: ``"size"`` (buckets of up to ``bucket_cap_mb`` in reverse registration order,
+            each sent when its last gradient is ready), ``"time"`` (gradient-ready times are
+            profiled for ``profile_steps`` steps after ``profile_warmup_steps``, clustered into
+            time points, and the gradients of each interval go out as one bucket; re-profiled
+            when the timing drifts by more than ``reprofile_threshold``, checked every
+            ``reprofile_check_every`` steps; buckets are at least ``min_bucket_mb``) or
+            ``"none"`` (everything after backward, no overlap; a baseline).
         broadcast_buffers: copy buffers (e.g. BatchNorm statistics) from rank 0 before each
             training forward, as DDP does.
         checkpoint_format: ``"consolidated"`` (default): one ``.ckpt`` file with the full model and
@@ -83,6 +93,12 @@ class HierSlicedStrategy(DDPStrategy):
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
+        bucketing: Literal["size", "time", "none"] = "size",
+        profile_steps: int = 3,
+        profile_warmup_steps: int = 1,
+        reprofile_threshold: float = 0.25,
+        reprofile_check_every: int = 20,
+        min_bucket_mb: float = 1.0,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -97,6 +113,14 @@ class HierSlicedStrategy(DDPStrategy):
         validate_slice_weights(slice_weights, devices_per_node)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
+        validate_time_settings(bucketing, profile_steps, profile_warmup_steps, reprofile_threshold)
+        self.time_config = TimeBucketingConfig(
+            profile_steps=profile_steps,
+            warmup_steps=profile_warmup_steps,
+            reprofile_threshold=reprofile_threshold,
+            check_every=reprofile_check_every,
+            min_bucket_mb=min_bucket_mb,
+        )
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(
                 f"checkpoint_format={checkpoint_format!r} is not one of {list(CHECKPOINT_FORMATS)}."
@@ -118,6 +142,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
+        self.bucketing = bucketing
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None
@@ -187,6 +212,8 @@ class HierSlicedStrategy(DDPStrategy):
             self.topology,
             slice_plan=self.slice_plan,
             bucket_cap_mb=self.bucket_cap_mb,
+            bucketing=self.bucketing,
+            time_config=self.time_config,
         )
         self.engine.sync_module_states()
         log.info(
@@ -223,7 +250,8 @@ class HierSlicedStrategy(DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        return None
+        if self.engine is not None:
+            self.engine.begin_backward()
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is not None:
@@ -261,6 +289,9 @@ class HierSlicedStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        if self.engine is not None and self.engine.time_bucketing is not None:
+            plan = self.engine.time_bucketing.plan
+            checkpoint[_PLAN_KEY] = {"time_plan": plan.to_dict() if plan is not None else None}
         if not self._saves_sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         assert self.engine is not None
@@ -282,6 +313,7 @@ class HierSlicedStrategy(DDPStrategy):
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        self._restore_time_plan(checkpoint)
         path = checkpoint.get(_LOADED_FROM)
         if path is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
@@ -294,6 +326,19 @@ class HierSlicedStrategy(DDPStrategy):
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
         load_sharded_params(self.engine, path)
         return None
+
+    def _restore_time_plan(self, checkpoint: dict[str, Any]) -> None:
+        """Resume with the saved time plan (same buckets, no new profiling) when it fits the model."""
+        saved = (checkpoint.get(_PLAN_KEY) or {}).get("time_plan")
+        if saved is None or self.engine is None or self.engine.time_bucketing is None:
+            return
+        plan = TimePlan.from_dict(saved)
+        indices = sorted(i for bucket in plan.plan.buckets for i in bucket)
+        if indices != list(range(len(self.engine.params))):
+            log.warning("the checkpoint's time plan does not fit this model; profiling again")
+            return
+        self.engine.time_bucketing.restore(plan)
+        self.engine.rebuild(plan.plan)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if self.engine is None:

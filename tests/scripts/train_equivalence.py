@@ -43,10 +43,28 @@ SCENARIOS: dict[str, dict] = {
     ),
     "one_device_per_node_4x1": dict(model=dict(optimizer="adam"), hier=dict(devices_per_node=1)),
     "one_node_1x4": dict(model=dict(optimizer="sgd"), hier=dict(devices_per_node=4)),
+    "time_bucketing_adam": dict(
+        model=dict(optimizer="adam"), hier=dict(devices_per_node=2, bucketing="time", profile_steps=2)
+    ),
+    "time_bucketing_adamw_groups_accumulate_unused": dict(
+        model=dict(optimizer="adamw_groups", quirks=True, scheduler=True),
+        hier=dict(devices_per_node=2, bucketing="time", profile_steps=1, profile_warmup_steps=0),
+        trainer=dict(accumulate_grad_batches=2),
+        ddp=dict(find_unused_parameters=True),
+    ),
+    "time_bucketing_sgd_weighted_4x1": dict(
+        model=dict(optimizer="sgd"), hier=dict(devices_per_node=1, bucketing="time", profile_steps=1)
+    ),
+    "no_bucketing_overlap": dict(
+        model=dict(optimizer="sgd"), hier=dict(devices_per_node=2, bucketing="none")
+    ),
     "bf16_mixed": dict(
         model=dict(optimizer="adam"), hier=dict(devices_per_node=2), trainer=dict(precision="bf16-mixed")
     ),
 }
+
+
+PLAN_KINDS: list[str | None] = []
 
 
 def initial_state(model_kwargs: dict) -> dict:
@@ -69,6 +87,8 @@ def train(strategy, model_kwargs: dict, trainer_kwargs: dict, steps: int) -> dic
         **trainer_kwargs,
     )
     trainer.fit(model, train_dataloaders=loader())
+    engine = getattr(trainer.strategy, "engine", None)
+    PLAN_KINDS.append(engine.bucket_plan.kind if engine is not None else None)
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
 
@@ -94,7 +114,11 @@ def main() -> None:
         hier = HierSlicedStrategy(bucket_cap_mb=0.002, **spec["hier"])
         contender = train(hier, spec["model"], trainer_kwargs, steps)
         moved = max_rel_diff(reference, initial_state(spec["model"]))
-        results[name] = {"max_rel_diff": max_rel_diff(reference, contender), "reference_moved": moved}
+        results[name] = {
+            "max_rel_diff": max_rel_diff(reference, contender),
+            "reference_moved": moved,
+            "bucket_plan": PLAN_KINDS[-1],
+        }
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=2))
 

@@ -1,0 +1,220 @@
+"""When to (re)plan time buckets: warm-up, profiling, drift watching.
+
+:class:`TimeBucketing` sees one :class:`StepTimeline` per synchronising backward and answers,
+after the optimizer step, whether the engine should switch to a new :class:`TimePlan`. All its
+decisions that involve communication happen at step counts every rank agrees on, so ranks issue
+the same collectives in the same order:
+
+- steps ``[warmup_steps, warmup_steps + profile_steps)`` are profiled; after the last one the
+  per-parameter ready times are averaged over those steps and over all ranks (one all-reduce),
+  rank 0 clusters them and broadcasts the plan;
+- afterwards every step measures how far the observed bucket-completion times drift from the
+  plan's time points (``|observed_i - t_i| / t_n``, smoothed); every ``check_every`` steps the
+  ranks agree (all-reduce MAX) whether the drift exceeds ``reprofile_threshold``; if so, or if the
+  set of parameters producing gradients changed, profiling starts again;
+- :meth:`request_reprofile` (the ``GradientTimingProfiler`` callback's ``reprofile_every_n_epochs``)
+  schedules a new profile at the next agreed check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lightning_hier.comm.buckets import ParamInfo
+from lightning_hier.comm.time_plan import TimePlan, plan_time_buckets
+
+BUCKETING_MODES = ("size", "time", "none")
+
+
+def validate_time_settings(
+    bucketing: str, profile_steps: int, warmup_steps: int, reprofile_threshold: float
+) -> None:
+    """Raise ``ValueError`` naming the setting for bad time-bucketing options."""
+    if bucketing not in BUCKETING_MODES:
+        raise ValueError(f"bucketing={bucketing!r} is not one of {list(BUCKETING_MODES)}.")
+    if not isinstance(profile_steps, int) or profile_steps < 1:
+        raise ValueError(f"profile_steps must be an integer >= 1, got {profile_steps!r}.")
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"profile_warmup_steps must be an integer >= 0, got {warmup_steps!r}.")
+    if not 0 < reprofile_threshold <= 1:
+        raise ValueError(f"reprofile_threshold must be in (0, 1], got {reprofile_threshold!r}.")
+
+
+@dataclass
+class StepTimeline:
+    """What one synchronising backward looked like (seconds, ``time.perf_counter`` clock)."""
+
+    backward_start: float
+    backward_end: float
+    ready: list[float | None]  # per parameter, seconds after backward_start
+    bucket_bytes: list[int] = field(default_factory=list)
+    bucket_launch: list[float] = field(default_factory=list)  # seconds after backward_start
+    bucket_done: list[float] = field(default_factory=list)  # seconds after backward_start
+
+    @property
+    def backward_seconds(self) -> float:
+        return self.backward_end - self.backward_start
+
+    def hidden_fraction(self) -> float:
+        """Share of communication time that ran while backward was still running."""
+        spans = sorted(zip(self.bucket_launch, self.bucket_done))
+        if not spans:
+            return 0.0
+        total, hidden, cursor = 0.0, 0.0, float("-inf")
+        end_of_backward = self.backward_seconds
+        for start, done in spans:  # union of the spans, and its part before backward ended
+            start = max(start, cursor)
+            if done <= start:
+                continue
+            total += done - start
+            hidden += max(0.0, min(done, end_of_backward) - start)
+            cursor = done
+        return hidden / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TimeBucketingConfig:
+    """User settings of ``bucketing="time"`` (validated on construction)."""
+
+    profile_steps: int = 3
+    warmup_steps: int = 1
+    reprofile_threshold: float = 0.25
+    check_every: int = 20
+    min_bucket_mb: float = 1.0
+    gap_fraction: float = 0.02
+    smoothing: float = 0.3
+
+    def __post_init__(self) -> None:
+        validate_time_settings("time", self.profile_steps, self.warmup_steps, self.reprofile_threshold)
+        if not isinstance(self.check_every, int) or self.check_every < 1:
+            raise ValueError(f"reprofile_check_every must be an integer >= 1, got {self.check_every!r}.")
+        if self.min_bucket_mb < 0:
+            raise ValueError(f"min_bucket_mb must be >= 0, got {self.min_bucket_mb!r}.")
+
+
+class TimeBucketing:
+    """The profiling / planning / drift-watching state machine for ``bucketing="time"``."""
+
+    def __init__(
+        self, params: Sequence[ParamInfo], cap_bytes: int, config: TimeBucketingConfig | None = None
+    ) -> None:
+        config = config or TimeBucketingConfig()
+        self.config = config
+        self.params = list(params)
+        self.cap_bytes = cap_bytes
+        self.min_bucket_bytes = min(cap_bytes, int(config.min_bucket_mb * 1024 * 1024))
+        self.profile_steps = config.profile_steps
+        self.warmup_steps = config.warmup_steps
+        self.reprofile_threshold = config.reprofile_threshold
+        self.check_every = config.check_every
+        self.gap_fraction = config.gap_fraction
+        self.smoothing = config.smoothing
+        self.plan: TimePlan | None = None
+        self.plans_made = 0
+        self.drift = 0.0
+        self._steps_since_start = 0
+        self._profile_start = config.warmup_steps
+        self._sums = torch.zeros(len(self.params), dtype=torch.float64)
+        self._counts = torch.zeros(len(self.params), dtype=torch.float64)
+        self._backward_sum = 0.0
+        self._profiled = 0
+        self._used_at_plan: frozenset[int] | None = None
+        self._reprofile_requested = False
+
+    @property
+    def profiling(self) -> bool:
+        step = self._steps_since_start
+        return self._profile_start <= step < self._profile_start + self.profile_steps
+
+    def request_reprofile(self) -> None:
+        self._reprofile_requested = True
+
+    def restore(self, plan: TimePlan) -> None:
+        """Adopt a plan saved in a checkpoint instead of profiling at start."""
+        self.plan = plan
+        self._profile_start = -(10**9)
+
+    def observe(self, timeline: StepTimeline, globally_used: frozenset[int]) -> None:
+        """Record one synchronising step (called on every rank after the gradients are reduced)."""
+        if self.profiling:
+            for i, ready in enumerate(timeline.ready):
+                if ready is not None:
+                    self._sums[i] += ready
+                    self._counts[i] += 1
+            self._backward_sum += timeline.backward_seconds
+            self._profiled += 1
+        elif self.plan is not None:
+            if self._used_at_plan is not None and globally_used != self._used_at_plan:
+                self._reprofile_requested = True  # every rank sees the same global set
+            self._update_drift(timeline)
+
+    def _update_drift(self, timeline: StepTimeline) -> None:
+        assert self.plan is not None
+        horizon = max(self.plan.time_points[-1], 1e-9)
+        observed = timeline.bucket_launch
+        if len(observed) != len(self.plan.time_points):
+            return
+        step_drift = max(abs(o - t) / horizon for o, t in zip(observed, self.plan.time_points))
+        self.drift = (1 - self.smoothing) * self.drift + self.smoothing * step_drift
+
+    def after_step(self, globally_used: frozenset[int]) -> TimePlan | None:
+        """Advance one step; returns a new plan when the engine should rebuild its buckets."""
+        self._steps_since_start += 1
+        step = self._steps_since_start
+        if step == self._profile_start + self.profile_steps:
+            plan = self._decide_plan()
+            self._used_at_plan = globally_used
+            self.plan, self.drift = plan, 0.0
+            self.plans_made += 1
+            return plan
+        # the condition before the collective is the same on every rank (step counts only)
+        if (
+            self.plan is not None
+            and step % self.check_every == 0
+            and not self.profiling
+            and self._agree_to_reprofile()
+        ):
+            self._start_profiling()
+        return None
+
+    def _agree_to_reprofile(self) -> bool:
+        flag = torch.tensor(
+            [1.0 if (self.drift > self.reprofile_threshold or self._reprofile_requested) else 0.0]
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._reprofile_requested = False
+        return bool(flag.item() > 0)
+
+    def _start_profiling(self) -> None:
+        self._profile_start = self._steps_since_start
+        self._sums.zero_()
+        self._counts.zero_()
+        self._backward_sum = 0.0
+        self._profiled = 0
+
+    def _decide_plan(self) -> TimePlan:
+        """Average over steps and ranks; rank 0 clusters and broadcasts the plan."""
+        stats = torch.cat(
+            [self._sums, self._counts, torch.tensor([self._backward_sum, float(self._profiled)])]
+        )
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
+            dist.all_reduce(stats)
+        n = len(self.params)
+        sums, counts = stats[:n], stats[n : 2 * n]
+        backward = float(stats[2 * n] / max(stats[2 * n + 1].item(), 1.0))
+        ready = [float(sums[i] / counts[i]) if counts[i] > 0 else None for i in range(n)]
+        payload: list[TimePlan | None] = [None]
+        if not distributed or dist.get_rank() == 0:
+            payload[0] = plan_time_buckets(
+                self.params, ready, backward, self.cap_bytes, self.min_bucket_bytes, self.gap_fraction
+            )
+        if distributed:
+            dist.broadcast_object_list(payload, src=0)
+        assert payload[0] is not None
+        return payload[0]
