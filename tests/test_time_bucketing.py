@@ -1,0 +1,215 @@
+"""Time-bucketed gradient sync: clustering, the agreed plan, re-profiling on drift, no deadlock."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import _init, _run
+from torch import nn
+
+from lightning_hier import HierSlicedEngine, Topology
+from lightning_hier.comm.buckets import ParamInfo
+from lightning_hier.comm.time_bucketing import StepTimeline, TimeBucketing, TimeBucketingConfig
+from lightning_hier.comm.time_plan import cluster_ready_times, plan_time_buckets
+
+
+def _infos(n: int, numel: int = 256, keys: list | None = None) -> list[ParamInfo]:
+    return [ParamInfo(i, numel, 4, keys[i] if keys else "g") for i in range(n)]
+
+
+def test_gap_clustering_finds_known_clusters() -> None:
+    # three bursts of gradients: ~1 ms, ~10 ms, ~20 ms after backward started
+    times = [1.0e-3, 1.2e-3, 1.1e-3, 10.0e-3, 10.2e-3, 20.0e-3]
+    clusters = cluster_ready_times(times, [1024] * 6, gap_threshold=0.5e-3, min_bytes=0, cap_bytes=1 << 30)
+    assert clusters == [[0, 2, 1], [3, 4], [5]]
+
+
+def test_clusters_respect_min_bytes_and_cap() -> None:
+    times = [1.0e-3, 1.2e-3, 10.0e-3, 20.0e-3, 20.1e-3, 20.2e-3]
+    merged = cluster_ready_times(
+        times, [1024] * 6, gap_threshold=0.5e-3, min_bytes=3 * 1024, cap_bytes=1 << 30
+    )
+    assert merged == [[0, 1, 2], [3, 4, 5]]  # the 2 KB and 1 KB bursts merge forward until >= 3 KB
+    split = cluster_ready_times(times, [1024] * 6, gap_threshold=0.5e-3, min_bytes=0, cap_bytes=2 * 1024)
+    assert split == [[0, 1], [2], [3, 4], [5]]  # the 3 KB burst is split by the 2 KB cap
+
+
+def test_time_plan_points_unseen_params_and_group_keys() -> None:
+    infos = _infos(5, keys=["a", "a", "b", "a", "a"])
+    ready = [2e-3, 2.1e-3, 2.05e-3, 9e-3, None]
+    plan = plan_time_buckets(infos, ready, backward_seconds=10e-3, cap_bytes=1 << 30, min_bytes=0)
+    # burst 1 holds keys a and b -> two buckets; burst 2; never-ready parameter last
+    assert plan.plan.buckets == ((0, 1), (2,), (3,), (4,))
+    assert plan.time_points == pytest.approx((2.1e-3, 2.05e-3, 9e-3, 10e-3))
+    assert plan.bucket_bytes == (2048, 1024, 1024, 1024)
+    assert plan.plan.kind == "time"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"profile_steps": 0}, "profile_steps"),
+        ({"reprofile_threshold": 0.0}, "reprofile_threshold"),
+        ({"reprofile_threshold": 1.5}, "reprofile_threshold"),
+        ({"warmup_steps": -1}, "profile_warmup_steps"),
+        ({"check_every": 0}, "reprofile_check_every"),
+    ],
+)
+def test_bad_time_settings_name_the_setting(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TimeBucketingConfig(**kwargs)
+
+
+def test_unknown_bucketing_is_refused() -> None:
+    from lightning_hier import HierSlicedStrategy
+
+    with pytest.raises(ValueError, match="bucketing"):
+        HierSlicedStrategy(bucketing="fast")
+
+
+def _decide_with_noisy_times(rank: int, world: int, store: str) -> dict:
+    _init(rank, world, store)
+    infos = _infos(6)
+    controller = TimeBucketing(
+        infos, cap_bytes=1 << 30, config=TimeBucketingConfig(profile_steps=2, warmup_steps=0, min_bucket_mb=0)
+    )
+    generator = torch.Generator().manual_seed(rank)
+    base = [1e-3, 1.01e-3, 5e-3, 5.01e-3, 9e-3, 9.01e-3]
+    plan = None
+    for _ in range(2):
+        # every rank measures different times (up to 3% off, and a different backward duration)
+        noisy = [t * (1 + 0.03 * float(torch.rand(1, generator=generator))) for t in base]
+        controller.observe(StepTimeline(0.0, 10e-3 + rank * 1e-3, noisy), frozenset(range(6)))
+        plan = controller.after_step(frozenset(range(6))) or plan
+    return {"plan": plan.to_dict()}
+
+
+def test_plan_is_identical_on_every_rank_despite_different_measurements(tmp_path: Path) -> None:
+    results = _run(_decide_with_noisy_times, 4, tmp_path)
+    plans = [r["plan"] for r in results]
+    assert all(p == plans[0] for p in plans)
+    assert plans[0]["buckets"] == [[0, 1], [2, 3], [4, 5]]
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a layer whose gradient takes ``delay`` seconds."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, delay: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.delay = delay
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        time.sleep(ctx.delay)
+        return grad, None
+
+
+class DelayedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.delays = [0.01] * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, delay in zip(self.layers, self.delays):
+            x = torch.tanh(layer(SlowBackward.apply(x, delay)))
+        return x
+
+
+def _drift_run(rank: int, world: int, store: str, slow_down_at: int | None) -> dict:
+    _init(rank, world, store)
+    torch.manual_seed(0)
+    model = DelayedStack()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = TimeBucketingConfig(profile_steps=2, warmup_steps=1, check_every=4, min_bucket_mb=0)
+    engine = HierSlicedEngine(
+        model, optimizer, Topology(world, rank, 1).build_groups(), bucketing="time", time_config=config,
+        bucket_cap_mb=0.001,
+    )  # fmt: skip
+    plans = []
+    for step in range(20):
+        if step == slow_down_at:
+            model.delays[1] = 0.08  # a layer becomes much slower mid-run
+        x = torch.randn(8, 16)
+        engine.begin_backward()
+        model(x).pow(2).mean().backward()
+        engine.finish_backward()
+        optimizer.step()
+        engine.after_step()
+        plans.append(engine.time_bucketing.plans_made)
+    engine.close()
+    return {"plans": plans, "plan": engine.time_bucketing.plan.to_dict()}
+
+
+def test_reprofiles_when_a_layer_becomes_slower(tmp_path: Path) -> None:
+    results = _run(_drift_run, 2, tmp_path, 8)
+    for result in results:
+        assert result is not None and "error" not in result, result
+        assert result["plans"][3] == 1  # first plan after 1 warm-up + 2 profiled steps
+        assert result["plans"][-1] == 2  # drift noticed at a check, profiled again, new plan
+    assert results[0]["plan"] == results[1]["plan"]
+
+
+def test_does_not_reprofile_when_timing_is_steady(tmp_path: Path) -> None:
+    results = _run(_drift_run, 2, tmp_path, None)
+    for result in results:
+        assert result is not None and "error" not in result, result
+        assert result["plans"][-1] == 1
+
+
+class TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.left = nn.Linear(8, 2)
+        self.right = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, branch: str) -> torch.Tensor:
+        return getattr(self, branch)(torch.tanh(self.trunk(x)))
+
+
+def _branch(rank: int, step: int) -> str:
+    return "left" if (rank + step) % 2 == 0 else "right"
+
+
+def _rank_dependent_graph(rank: int, world: int, store: str) -> dict:
+    _init(rank, world, store)
+    torch.manual_seed(0)
+    model = TwoBranches()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    config = TimeBucketingConfig(profile_steps=1, warmup_steps=0, min_bucket_mb=0)
+    engine = HierSlicedEngine(
+        model, optimizer, Topology(world, rank, 2).build_groups(), bucketing="time", time_config=config,
+        bucket_cap_mb=0.0001,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(5)
+    for step in range(5):
+        xs = torch.randn(world, 4, 8, generator=generator)
+        model(xs[rank], _branch(rank, step)).pow(2).mean().backward()
+        engine.finish_backward()
+        optimizer.step()
+        engine.after_step()
+    engine.close()
+    return {"params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_rank_dependent_graph_neither_deadlocks_nor_changes_the_math(tmp_path: Path) -> None:
+    results = _run(_rank_dependent_graph, 4, tmp_path)
+    torch.manual_seed(0)
+    reference = TwoBranches()
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(5)
+    for step in range(5):
+        xs = torch.randn(4, 4, 8, generator=generator)
+        optimizer.zero_grad()
+        loss = sum(reference(xs[r], _branch(r, step)).pow(2).mean() for r in range(4)) / 4
+        loss.backward()
+        optimizer.step()
+    for result in results:
+        assert result is not None and "error" not in result, result
+        for got, want in zip(result["params"], reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
