@@ -19,6 +19,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -146,6 +147,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None
+        self._buffers_changed = False
 
     # ------------------------------------------------------------------ environment
     def setup_distributed(self) -> None:
@@ -176,8 +178,6 @@ class HierSlicedStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             self._build_engine()
         else:
-            from lightning.fabric.strategies.ddp import _sync_module_states
-
             _sync_module_states(self.model)
         self.setup_precision_plugin()
         if fitting:
@@ -244,10 +244,30 @@ class HierSlicedStrategy(DDPStrategy):
             with self.engine.no_sync():
                 yield None
 
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self.engine is not None and self.broadcast_buffers:
+    def _sync_buffers(self, training: bool) -> None:
+        """Rank 0's buffers before every training forward and before the first evaluation forward
+        after training: what DDP's wrapper does, so every rank evaluates the model rank 0 saves."""
+        if self.engine is None or not self.broadcast_buffers:
+            return
+        if training or self._buffers_changed:
             self.engine.broadcast_buffers()
+        self._buffers_changed = training
+
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._sync_buffers(training=True)
         return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers(training=False)
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers(training=False)
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers(training=False)
+        return super().predict_step(*args, **kwargs)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is not None:

@@ -1,0 +1,237 @@
+"""Run under torchrun: Lightning-level checks of ``HierSlicedStrategy`` against Lightning's own strategies.
+
+``strategy_checks.py single OUT`` (1 process): hier_sliced vs the default single-device strategy
+(SGD+momentum and Adam), and the refusal of manual optimization.
+
+``strategy_checks.py eval OUT`` (4 processes, 2 x 2): fit with validation inside, then
+``trainer.validate``, ``trainer.test`` and ``trainer.predict`` on the same Trainer, under ``ddp``
+and under ``hier_sliced``; and the refusal of manual optimization on several processes.
+
+Rank 0 writes a JSON summary to OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from models import EquivModel, loader  # noqa: E402
+from torch import nn  # noqa: E402
+from train_equivalence import max_rel_diff  # noqa: E402
+
+from lightning_hier import HierSlicedStrategy  # noqa: E402
+
+TRAINER = dict(
+    accelerator="cpu",
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+
+
+def state(model: torch.nn.Module) -> dict:
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+
+
+class ManualModel(EquivModel):
+    """Manual optimization: valid under single-device/ddp, refused by hier_sliced."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.automatic_optimization = False
+        self.steps_run = 0
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        self.steps_run += 1
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+class EvalModel(EquivModel):
+    """EquivModel (with BatchNorm) plus validation / test / predict steps."""
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        self.log("test_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, _ = batch
+        return self(x)
+
+
+class RecordValLoss(pl.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.values.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def manual_optimization(strategy, devices: int) -> dict:  # noqa: ANN001
+    pl.seed_everything(3, verbose=False)
+    model = ManualModel()
+    trainer = pl.Trainer(devices=devices, strategy=strategy, max_steps=2, **TRAINER)
+    try:
+        trainer.fit(model, train_dataloaders=loader())
+    except ValueError as err:
+        return {"error": str(err), "steps_run": model.steps_run}
+    return {"error": None, "steps_run": model.steps_run, "strategy": type(trainer.strategy).__name__}
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / (abs(a) + 1e-12)
+
+
+def single(out: Path) -> None:
+    results: dict = {}
+    for optimizer, hier in (("sgd", "hier_sliced"), ("adam", HierSlicedStrategy(bucket_cap_mb=0.002))):
+        runs = {}
+        for name, strategy in (("reference", "auto"), ("hier", hier)):
+            pl.seed_everything(1234, verbose=False)
+            model = EquivModel(optimizer=optimizer, batch_norm=True)
+            initial = state(model)
+            # a DDP-derived strategy injects a shuffling DistributedSampler even on one process; keep
+            # the loader's own (sequential) order so both runs see the same batches
+            trainer = pl.Trainer(
+                devices=1, strategy=strategy, max_steps=6, use_distributed_sampler=False, **TRAINER
+            )
+            trainer.fit(model, train_dataloaders=loader())
+            engine = getattr(trainer.strategy, "engine", None)
+            buckets = 0 if engine is None else len(engine.buckets)
+            runs[name] = (type(trainer.strategy).__name__, state(model), trainer.global_step, buckets)
+        results[optimizer] = {
+            "reference_strategy": runs["reference"][0],
+            "hier_strategy": runs["hier"][0],
+            "steps": [runs["reference"][2], runs["hier"][2]],
+            "hier_buckets": runs["hier"][3],
+            "max_rel_diff": max_rel_diff(runs["reference"][1], runs["hier"][1]),
+            "reference_moved": max_rel_diff(runs["reference"][1], initial),
+        }
+    results["manual_reference"] = manual_optimization("auto", devices=1)
+    results["manual_hier"] = manual_optimization("hier_sliced", devices=1)
+    out.write_text(json.dumps(results, indent=2))
+
+
+def attempt(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+    """``(result, None)``, or ``(None, "Type: message")`` when the Trainer entry point raised.
+
+    A failure inside ``Trainer.setup`` happens identically on every rank before any collective,
+    so the ranks stay in step and the remaining checks can still run.
+    """
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+def eval_run(strategy, world: int, batch_norm: bool) -> dict:  # noqa: ANN001
+    pl.seed_everything(1234, verbose=False)
+    model = EvalModel(optimizer="sgd", batch_norm=batch_norm)
+    initial = state(model)
+    recorder = RecordValLoss()  # validation inside fit, at steps 3 and 6
+    trainer = pl.Trainer(
+        devices=world, strategy=strategy, max_steps=6, val_check_interval=3, callbacks=[recorder], **TRAINER
+    )
+    trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(n=64, seed=1))
+    result = {
+        "strategy": type(trainer.strategy).__name__,
+        "fit_val_loss": list(recorder.values),
+        "state": state(model),
+        "initial": initial,
+    }
+    validated, result["validate_error"] = attempt(
+        trainer.validate, model, dataloaders=loader(n=64, seed=1), verbose=False
+    )
+    if validated is not None:
+        result["val_loss"] = float(validated[0]["val_loss"])
+        result["val_acc"] = float(validated[0]["val_acc"])
+    tested, result["test_error"] = attempt(
+        trainer.test, model, dataloaders=loader(n=64, seed=2), verbose=False
+    )
+    if tested is not None:
+        result["test_loss"] = float(tested[0]["test_loss"])
+    predicted, result["predict_error"] = attempt(trainer.predict, model, dataloaders=loader(n=64, seed=3))
+    if predicted is not None:
+        result["predictions"] = torch.cat(predicted).float()
+    return result
+
+
+def compare_predictions(ddp: dict, hier: dict) -> dict:
+    """Each rank predicts its own share of the data: compare locally, then take the worst rank."""
+    if "predictions" not in ddp or "predictions" not in hier:
+        return {}
+    if ddp["predictions"].shape != hier["predictions"].shape:
+        diff = float("inf")
+    else:
+        diff = (ddp["predictions"] - hier["predictions"]).abs().max().item()
+    stats = torch.tensor([diff, ddp["predictions"].abs().max().item()])
+    count = torch.tensor([float(len(ddp["predictions"])), float(len(hier["predictions"]))])
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    dist.all_reduce(count)
+    return {
+        "prediction_max_abs_diff": stats[0].item(),
+        "prediction_scale": stats[1].item(),
+        "num_predictions": count.tolist(),
+    }
+
+
+def compare(ddp: dict, hier: dict) -> dict:
+    keys = [k for k in ("val_loss", "val_acc", "test_loss") if k in ddp and k in hier]
+    return {
+        "strategies": [ddp["strategy"], hier["strategy"]],
+        "errors": {
+            name: [ddp[f"{name}_error"], hier[f"{name}_error"]] for name in ("validate", "test", "predict")
+        },
+        "fit_val_loss": [ddp["fit_val_loss"], hier["fit_val_loss"]],
+        "fit_val_loss_rel_diff": max(
+            [rel(a, b) for a, b in zip(ddp["fit_val_loss"], hier["fit_val_loss"])]
+            + [float(len(ddp["fit_val_loss"]) != len(hier["fit_val_loss"]))]
+        ),
+        "metrics": {key: [ddp[key], hier[key]] for key in keys},
+        "metric_rel_diff": {key: rel(ddp[key], hier[key]) for key in keys},
+        "param_max_rel_diff": max_rel_diff(ddp["state"], hier["state"]),
+        "reference_moved": max_rel_diff(ddp["state"], ddp["initial"]),
+        **compare_predictions(ddp, hier),
+    }
+
+
+def evaluate(out: Path) -> None:
+    world = dist.get_world_size() if dist.is_initialized() else 4
+    results: dict = {"world_size": world}
+    results["manual_hier"] = manual_optimization(HierSlicedStrategy(devices_per_node=2), devices=world)
+    for name, batch_norm in (("plain", False), ("batch_norm", True)):
+        ddp = eval_run(DDPStrategy(), world, batch_norm)
+        hier = eval_run(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002), world, batch_norm)
+        results[name] = compare(ddp, hier)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=2))
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    {"single": single, "eval": evaluate}[mode](out)
+
+
+if __name__ == "__main__":
+    main()
