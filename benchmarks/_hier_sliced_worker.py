@@ -134,13 +134,15 @@ class PhaseTimer(Callback):
         }
 
 
-def make_strategy(name: str, devices_per_node: int) -> Any:
-    """``"ddp"`` as is; ``"hier_sliced"`` as a configured HierSlicedStrategy (imported lazily)."""
+def make_strategy(name: str, devices_per_node: int, bucket_cap_mb: float) -> Any:
+    """Lightning's DDP or a HierSlicedStrategy (imported lazily), both with the same bucket cap."""
     if name == "hier_sliced":
         from lightning_hier import HierSlicedStrategy
 
-        return HierSlicedStrategy(devices_per_node=devices_per_node)
-    return name
+        return HierSlicedStrategy(devices_per_node=devices_per_node, bucket_cap_mb=bucket_cap_mb)
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(bucket_cap_mb=bucket_cap_mb)
 
 
 def make_loader(hidden: int, batch_size: int, world_size: int, total_steps: int) -> DataLoader:
@@ -160,6 +162,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--signal-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, required=True, help="JSON timings (written by rank 0)")
     return p.parse_args()
@@ -183,7 +186,7 @@ def main() -> None:
         accelerator="cpu",
         devices=devices_per_node,
         num_nodes=num_nodes,
-        strategy=make_strategy(args.strategy, devices_per_node),
+        strategy=make_strategy(args.strategy, devices_per_node, args.bucket_cap_mb),
         max_steps=total_steps,
         logger=False,
         enable_checkpointing=False,

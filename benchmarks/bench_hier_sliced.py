@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024, help="MLP width")
     p.add_argument("--layers", type=int, default=6, help="number of Linear(hidden, hidden) layers")
     p.add_argument("--batch-size", type=int, default=8, help="per-process batch size")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap for both strategies (MB)")
     p.add_argument("--strategies", default="ddp,hier_sliced", help="comma-separated: ddp, hier_sliced")
     p.add_argument("--json-out", type=Path, default=None, help="write all results as JSON here")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per strategy run")
@@ -142,6 +143,8 @@ def worker_argv(args: argparse.Namespace, strategy: str, signal_dir: Path, out: 
         str(args.warmup),
         "--steps",
         str(args.steps),
+        "--bucket-cap-mb",
+        str(args.bucket_cap_mb),
         "--signal-dir",
         str(signal_dir),
         "--out",

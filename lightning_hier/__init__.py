@@ -6,6 +6,7 @@ Importing the package registers its strategy names with Lightning, so
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_hier.callbacks import GradientTimingProfiler
 from lightning_hier.comm.buckets import BucketPlan
 from lightning_hier.comm.slicing import SlicePlan
 from lightning_hier.engine import HierSlicedEngine
@@ -20,6 +21,7 @@ if HierSlicedStrategy.strategy_name not in StrategyRegistry:
 
 __all__ = [
     "BucketPlan",
+    "GradientTimingProfiler",
     "HierSlicedEngine",
     "HierSlicedStrategy",
     "SlicePlan",

@@ -66,6 +66,7 @@ class HierSlicedEngine:
         bucket_plan: BucketPlan | None = None,
         bucketing: str = "size",
         time_config: TimeBucketingConfig | None = None,
+        comm_chunk_mb: float = 4.0,
     ) -> None:
         if topology.intra_group is None or topology.inter_group is None:
             raise ValueError("HierSlicedEngine needs a topology with built groups (Topology.build_groups()).")
@@ -95,7 +96,9 @@ class HierSlicedEngine:
         self.time_bucketing: TimeBucketing | None = None
         if bucketing == "time":
             self.time_bucketing = TimeBucketing(self.param_infos, self.cap_bytes, time_config)
-        self._reducer = HierarchicalReducer(topology.intra_group, topology.inter_group)
+        self._reducer = HierarchicalReducer(
+            topology.intra_group, topology.inter_group, chunk_bytes=max(1, int(comm_chunk_mb * 1024 * 1024))
+        )
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
         self._globally_used: frozenset[int] = frozenset(range(len(self.params)))
         self._sync = True

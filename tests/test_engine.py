@@ -76,12 +76,23 @@ def _batches(steps: int, world: int, per_rank: int = 4) -> list[tuple[torch.Tens
     ]
 
 
-def _train_engine(rank: int, world: int, store: str, per_node: int, weights: tuple, steps: int) -> dict:
+def _train_engine(
+    rank: int,
+    world: int,
+    store: str,
+    per_node: int,
+    weights: tuple,
+    steps: int,
+    bucket_mb: float,
+    chunk_mb: float,
+) -> dict:
     _init(rank, world, store)
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     topology = Topology(world, rank, per_node).build_groups()
-    engine = HierSlicedEngine(model, optimizer, topology, SlicePlan(weights), bucket_cap_mb=0.001)
+    engine = HierSlicedEngine(
+        model, optimizer, topology, SlicePlan(weights), bucket_cap_mb=bucket_mb, comm_chunk_mb=chunk_mb
+    )
     launched_before_backward_end = []
     for x, y in _batches(steps, world):
         lo, hi = rank * 4, (rank + 1) * 4
@@ -113,13 +124,20 @@ def _reference(world: int, steps: int) -> tuple[list[torch.Tensor], int]:
 
 
 @pytest.mark.parametrize(
-    ("per_node", "weights"), [(2, (1.0, 1.0)), (2, (3.0, 1.0)), (4, (1.0, 2.0, 3.0, 4.0))]
+    ("per_node", "weights", "chunk_mb"),
+    [
+        (2, (1.0, 1.0), 4.0),
+        (2, (3.0, 1.0), 4.0),
+        (4, (1.0, 2.0, 3.0, 4.0), 4.0),
+        (2, (1.0, 1.0), 0.0004),  # buckets reduced in ~100-element chunks
+        (2, (3.0, 1.0), 0.0003),
+    ],
 )
 def test_engine_matches_single_process_reference_and_shards_state(
-    tmp_path: Path, per_node: int, weights: tuple
+    tmp_path: Path, per_node: int, weights: tuple, chunk_mb: float
 ) -> None:
     world, steps = 4, 4
-    results = _run(_train_engine, world, tmp_path, per_node, weights, steps)
+    results = _run(_train_engine, world, tmp_path, per_node, weights, steps, 0.001, chunk_mb)
     for result in results:
         assert result is not None and "error" not in result, result
     reference, reference_state = _reference(world, steps)

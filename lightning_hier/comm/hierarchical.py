@@ -9,6 +9,8 @@ once its intra-node reduce-scatter has finished. On NCCL that ordering could rid
 on gloo ``wait()`` blocks the caller, so a dedicated communication thread runs the chain bucket
 by bucket: while it waits for bucket ``i+1``'s reduce-scatter, bucket ``i``'s all-reduce is
 already in flight on the inter group, and the training thread keeps running backward. Buckets
+larger than ``chunk_bytes`` are pipelined the same way chunk by chunk, so the slow link starts
+after one chunk's reduce-scatter rather than a whole bucket's. Buckets
 are issued strictly in plan order on every rank, so all ranks issue the same collectives in the
 same order on each group.
 """
@@ -67,7 +69,7 @@ class ReduceJob:
     bounds: Bounds
     out: torch.Tensor
     scatter_done: threading.Event = field(default_factory=threading.Event)
-    inter_work: dist.Work | None = None
+    inter_works: list[dist.Work] = field(default_factory=list)
     error: BaseException | None = None
     submitted_at: float = 0.0  # time.perf_counter() clock
     scatter_done_at: float = 0.0
@@ -80,9 +82,14 @@ class ReduceJob:
 class HierarchicalReducer:
     """Runs :class:`ReduceJob` s in submission order on a background communication thread."""
 
-    def __init__(self, intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup, chunk_bytes: int = 4 << 20
+    ) -> None:
         self.intra_group = intra_group
         self.inter_group = inter_group
+        self.chunk_bytes = chunk_bytes
+        self._intra_size = dist.get_world_size(intra_group)
+        self._intra_rank = dist.get_rank(intra_group)
         self._inter_size = dist.get_world_size(inter_group)
         self._jobs: queue.Queue[ReduceJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -100,10 +107,10 @@ class HierarchicalReducer:
         job.scatter_done.wait()
         if job.error is not None:
             raise job.error
-        if job.inter_work is not None:
-            job.inter_work.wait()
-            job.inter_work = None
-            job.done_at = max(job.done_at, job.scatter_done_at)
+        for work in job.inter_works:
+            work.wait()
+        job.inter_works = []
+        job.done_at = max(job.done_at, job.scatter_done_at)
         return job.out
 
     def close(self) -> None:
@@ -112,17 +119,45 @@ class HierarchicalReducer:
             self._thread.join(timeout=5)
             self._thread = None
 
+    def _pieces(self, job: ReduceJob) -> list[tuple[list[tuple[int, int]] | None, tuple[int, int]]]:
+        """Cut a large bucket into chunks, each a piece of every slice, so chunk ``c``'s inter-node
+        all-reduce overlaps chunk ``c+1``'s reduce-scatter inside one bucket too.
+
+        Returns ``(input ranges per slice or None for the whole bucket, output range)`` pairs.
+        """
+        sizes = [end - start for start, end in job.bounds]
+        chunk = max(1, self.chunk_bytes // job.flat.element_size())
+        count = -(-max(sizes) // chunk) if max(sizes) > 0 else 1
+        if count <= 1 or self._intra_size == 1:
+            return [(None, (0, job.out.numel()))]
+        pieces = []
+        for c in range(count):
+            ranges = [
+                (start + c * size // count, start + (c + 1) * size // count)
+                for (start, _), size in zip(job.bounds, sizes)
+            ]
+            mine = sizes[self._intra_rank]
+            pieces.append((ranges, (c * mine // count, (c + 1) * mine // count)))
+        return pieces
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             try:
-                reduce_scatter_into(job.out, job.flat, job.bounds, self.intra_group)
-                job.scatter_done_at = job.done_at = time.perf_counter()
-                if self._inter_size > 1:
-                    job.inter_work = dist.all_reduce(job.out, group=self.inter_group, async_op=True)
-                    job.inter_work.get_future().add_done_callback(lambda _, job=job: job.mark_done())
+                for piece_bounds, (lo, hi) in self._pieces(job):
+                    out = job.out[lo:hi]
+                    if piece_bounds is None:
+                        reduce_scatter_into(out, job.flat, job.bounds, self.intra_group)
+                    else:
+                        inputs = [job.flat[start:end] for start, end in piece_bounds]
+                        dist.reduce_scatter(out, inputs, group=self.intra_group)
+                    job.scatter_done_at = job.done_at = time.perf_counter()
+                    if self._inter_size > 1:
+                        work = dist.all_reduce(out, group=self.inter_group, async_op=True)
+                        work.get_future().add_done_callback(lambda _, job=job: job.mark_done())
+                        job.inter_works.append(work)
             except BaseException as err:  # handed to the training thread in wait()
                 job.error = err
             finally:

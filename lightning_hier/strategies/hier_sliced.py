@@ -64,7 +64,9 @@ class HierSlicedStrategy(DDPStrategy):
         slice_weights: ``"equal"``, ``"memory"`` (free device memory at setup),
             ``"memory+compute"`` (also a matmul throughput probe) or a list of ``devices_per_node``
             positive numbers; slice ``k`` gets a share proportional to weight ``k``.
-        bucket_cap_mb: size cap of one gradient bucket.
+        bucket_cap_mb: size cap of one gradient bucket (what becomes ready and is sent together).
+        comm_chunk_mb: a bucket larger than this is reduced chunk by chunk, each chunk's inter-node
+            all-reduce overlapping the next chunk's intra-node reduce-scatter.
         bucketing: ``"size"`` (buckets of up to ``bucket_cap_mb`` in reverse registration order,
             each sent when its last gradient is ready), ``"time"`` (gradient-ready times are
             profiled for ``profile_steps`` steps after ``profile_warmup_steps``, clustered into
@@ -92,6 +94,7 @@ class HierSlicedStrategy(DDPStrategy):
         devices_per_node: int | None = None,
         slice_weights: str | list[float] = "equal",
         bucket_cap_mb: float = 25.0,
+        comm_chunk_mb: float = 4.0,
         broadcast_buffers: bool = True,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
         bucketing: Literal["size", "time", "none"] = "size",
@@ -114,6 +117,8 @@ class HierSlicedStrategy(DDPStrategy):
         validate_slice_weights(slice_weights, devices_per_node)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
+        if not comm_chunk_mb > 0:
+            raise ValueError(f"comm_chunk_mb must be positive, got {comm_chunk_mb!r}.")
         validate_time_settings(bucketing, profile_steps, profile_warmup_steps, reprofile_threshold)
         self.time_config = TimeBucketingConfig(
             profile_steps=profile_steps,
@@ -141,6 +146,7 @@ class HierSlicedStrategy(DDPStrategy):
             slice_weights if isinstance(slice_weights, str) else [float(w) for w in slice_weights]
         )
         self.bucket_cap_mb = float(bucket_cap_mb)
+        self.comm_chunk_mb = float(comm_chunk_mb)
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
         self.bucketing = bucketing
@@ -214,6 +220,7 @@ class HierSlicedStrategy(DDPStrategy):
             bucket_cap_mb=self.bucket_cap_mb,
             bucketing=self.bucketing,
             time_config=self.time_config,
+            comm_chunk_mb=self.comm_chunk_mb,
         )
         self.engine.sync_module_states()
         log.info(

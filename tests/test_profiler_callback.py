@@ -1,0 +1,51 @@
+"""GradientTimingProfiler logs overlap metrics, writes the plan and a timeline figure, re-profiles."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_torchrun
+
+from lightning_hier import GradientTimingProfiler
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("profiler")
+    run_torchrun("profiler_run.py", 2, str(out))
+    summary = json.loads((out / "summary.json").read_text())
+    summary["out"] = out
+    return summary
+
+
+def test_logs_hidden_fraction_and_bucket_timings(run: dict) -> None:
+    with open(Path(run["log_dir"]) / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    hidden = [float(r["grad_sync/hidden_fraction"]) for r in rows if r.get("grad_sync/hidden_fraction")]
+    assert len(hidden) >= 10
+    assert all(0.0 <= h <= 1.0 for h in hidden)
+    sends = [float(r["grad_sync/bucket0_send_ms"]) for r in rows if r.get("grad_sync/bucket0_send_ms")]
+    dones = [float(r["grad_sync/bucket0_done_ms"]) for r in rows if r.get("grad_sync/bucket0_done_ms")]
+    assert sends and all(done >= send for send, done in zip(sends, dones))
+
+
+def test_writes_plan_and_timeline_figure(run: dict) -> None:
+    plan = json.loads((Path(run["log_dir"]) / "time_plan.json").read_text())
+    assert plan["buckets"] and len(plan["time_points"]) == len(plan["buckets"])
+    covered = sorted(i for bucket in plan["buckets"] for i in bucket)
+    assert covered == list(range(len(covered))) and all(b > 0 for b in plan["bucket_bytes"])
+    figure = Path(run["log_dir"]) / "gradient_timeline.png"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reprofiles_every_epoch_on_request(run: dict) -> None:
+    # the first plan after profiling, and a second one after the end of epoch 1 asked for it
+    assert run["plans_made"] >= 2
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="reprofile_every_n_epochs"):
+        GradientTimingProfiler(reprofile_every_n_epochs=0)
