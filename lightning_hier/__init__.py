@@ -11,6 +11,7 @@ from lightning_hier.comm.buckets import BucketPlan
 from lightning_hier.comm.slicing import SlicePlan
 from lightning_hier.engine import HierSlicedEngine
 from lightning_hier.sharded_checkpoint import consolidate_sharded_checkpoint
+from lightning_hier.sparse import HybridEmbedding
 from lightning_hier.strategies.hier_sliced import HierSlicedStrategy
 from lightning_hier.topology import Topology
 
@@ -24,6 +25,7 @@ __all__ = [
     "GradientTimingProfiler",
     "HierSlicedEngine",
     "HierSlicedStrategy",
+    "HybridEmbedding",
     "SlicePlan",
     "Topology",
     "consolidate_sharded_checkpoint",

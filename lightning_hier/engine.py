@@ -186,6 +186,11 @@ class HierSlicedEngine:
         finally:
             self._sync = previous
 
+    @property
+    def syncing(self) -> bool:
+        """False inside :meth:`no_sync` (an accumulating micro-batch)."""
+        return self._sync
+
     def begin_backward(self) -> None:
         """Mark the start of backward (the clock the ready times are measured on)."""
         self._backward_start = time.perf_counter()

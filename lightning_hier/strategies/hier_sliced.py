@@ -40,6 +40,16 @@ from lightning_hier.sharded_checkpoint import (
     load_sharded_params,
     save_sharded,
 )
+from lightning_hier.sparse.checkpoint import (
+    CHECKPOINT_KEY as TABLES_KEY,
+)
+from lightning_hier.sparse.checkpoint import (
+    find_hybrid_embeddings,
+    remove_tables,
+    restore_tables,
+    save_tables,
+)
+from lightning_hier.sparse.embedding import HybridEmbedding
 from lightning_hier.topology import Topology, validate_layout
 
 log = logging.getLogger(__name__)
@@ -153,6 +163,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None
+        self.hybrid_embeddings: list[tuple[str, HybridEmbedding]] = []
         self._buffers_changed = False
 
     # ------------------------------------------------------------------ environment
@@ -178,6 +189,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._attach_hybrid_embeddings()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_automatic_optimization()
@@ -190,6 +202,22 @@ class HierSlicedStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             _install_global_norm_clipping(self.precision_plugin, self)
             self._install_sharded_grad_scaler()
+
+    def _groups(self) -> Topology:
+        assert self.topology is not None
+        if self.topology.intra_group is None:
+            self.topology = self.topology.build_groups(self._timeout)
+        return self.topology
+
+    def _attach_hybrid_embeddings(self) -> None:
+        """Local rank 0 of each node creates every HybridEmbedding table in shared memory; the rest map it."""
+        assert self.lightning_module is not None
+        self.hybrid_embeddings = find_hybrid_embeddings(self.lightning_module)
+        if not self.hybrid_embeddings:
+            return
+        topology = self._groups()
+        for name, module in self.hybrid_embeddings:
+            module.attach(topology.intra_group, topology.inter_group, topology.local_rank, label=name)
 
     def _check_automatic_optimization(self) -> None:
         assert self.lightning_module is not None
@@ -204,8 +232,7 @@ class HierSlicedStrategy(DDPStrategy):
         assert self.topology is not None and self.lightning_module is not None
         if len(self.optimizers) != 1:
             raise ValueError(f"HierSlicedStrategy needs exactly one optimizer, got {len(self.optimizers)}.")
-        if self.topology.intra_group is None:
-            self.topology = self.topology.build_groups(self._timeout)
+        self._groups()
         if self.slice_plan is None:
             self.slice_plan = decide_slice_plan(
                 self.slice_weights, self.topology.devices_per_node, self.root_device, self.num_processes
@@ -283,6 +310,9 @@ class HierSlicedStrategy(DDPStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is not None:
             self.engine.finish_backward()
+            if self.engine.syncing:
+                for _, module in self.hybrid_embeddings:
+                    module.sync_and_update()
 
     def optimizer_step(
         self,
@@ -319,6 +349,8 @@ class HierSlicedStrategy(DDPStrategy):
         if self.engine is not None and self.engine.time_bucketing is not None:
             plan = self.engine.time_bucketing.plan
             checkpoint[_PLAN_KEY] = {"time_plan": plan.to_dict() if plan is not None else None}
+        if self.hybrid_embeddings:
+            checkpoint[TABLES_KEY] = save_tables(self.hybrid_embeddings, filepath, write=self.is_global_zero)
         if not self._saves_sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         assert self.engine is not None
@@ -327,6 +359,8 @@ class HierSlicedStrategy(DDPStrategy):
         return None
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove_tables(filepath)
         if self.is_global_zero and Path(filepath).is_dir():
             shutil.rmtree(filepath)
         else:
@@ -341,6 +375,10 @@ class HierSlicedStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         self._restore_time_plan(checkpoint)
+        if self.hybrid_embeddings and TABLES_KEY in checkpoint:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            ckpt_path = getattr(trainer, "ckpt_path", None)
+            restore_tables(self.hybrid_embeddings, checkpoint[TABLES_KEY], ckpt_path)
         path = checkpoint.get(_LOADED_FROM)
         if path is None:
             return super().load_model_state_dict(checkpoint, strict=strict)

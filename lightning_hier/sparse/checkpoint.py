@@ -1,0 +1,73 @@
+"""Saving and restoring ``HybridEmbedding`` tables once per checkpoint (not once per process).
+
+Tables and their row-wise optimizer state are written by global rank 0 in the binary table
+format to a directory beside the checkpoint, ``<checkpoint>.tables/``; the checkpoint itself
+records the file names and each row optimizer's step count.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hier.sparse.embedding import HybridEmbedding
+from lightning_hier.sparse.table_file import save_table
+
+CHECKPOINT_KEY = "hybrid_embeddings"
+
+
+def find_hybrid_embeddings(module: nn.Module) -> list[tuple[str, HybridEmbedding]]:
+    return [(name or "table", m) for name, m in module.named_modules() if isinstance(m, HybridEmbedding)]
+
+
+def tables_dir(checkpoint_path: str | Path) -> Path:
+    return Path(str(checkpoint_path) + ".tables")
+
+
+def save_tables(modules: list[tuple[str, HybridEmbedding]], checkpoint_path: str | Path, write: bool) -> dict:
+    """Write the tables (when ``write``) and return what the checkpoint should record."""
+    directory = tables_dir(checkpoint_path)
+    record: dict[str, Any] = {}
+    if write:
+        directory.mkdir(parents=True, exist_ok=True)
+    for name, module in modules:
+        files = {"weight": f"{name}.weight.tbl"}
+        files.update({state: f"{name}.{state}.tbl" for state in module.optimizer_state})
+        if write:
+            assert module.weight is not None
+            save_table(directory / files["weight"], module.weight)
+            for state, tensor in module.optimizer_state.items():
+                save_table(directory / files[state], tensor)
+        step = module.row_optimizer.step_count if module.row_optimizer is not None else 0
+        record[name] = {"files": files, "step": step, "directory": str(directory.resolve())}
+    return record
+
+
+def restore_tables(
+    modules: list[tuple[str, HybridEmbedding]], record: dict, checkpoint_path: str | None
+) -> None:
+    """Copy saved tables into the live ones (updaters only), then a node barrier."""
+    for name, module in modules:
+        if name not in record:
+            raise KeyError(
+                f"the checkpoint has no table for HybridEmbedding {name!r}; it has {sorted(record)}."
+            )
+        entry = record[name]
+        directory = tables_dir(checkpoint_path) if checkpoint_path else Path(entry["directory"])
+        if not directory.is_dir():
+            directory = Path(entry["directory"])
+        files = {k: str(directory / v) for k, v in entry["files"].items()}
+        module.load_rows_from(files.pop("weight"), files)
+        if module.row_optimizer is not None:
+            module.row_optimizer.step_count = int(entry["step"])
+        group = module._intra_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.barrier(group=group)
+
+
+def remove_tables(checkpoint_path: str | Path) -> None:
+    shutil.rmtree(tables_dir(checkpoint_path), ignore_errors=True)

@@ -1,0 +1,262 @@
+"""``HybridEmbedding``: an embedding table stored once per node, updated synchronously.
+
+A drop-in for ``nn.Embedding`` (``mode=None``) and ``nn.EmbeddingBag`` (``mode="sum"|"mean"``):
+the same forward arguments (``input``, ``offsets``, ``per_sample_weights``). ``.weight`` is a
+tensor view of the node's shared table, not an ``nn.Parameter``: the table has its own row-wise
+optimizer, so ``configure_optimizers`` covers the dense parameters only.
+
+Under ``strategy="hier_sliced"`` the strategy attaches every ``HybridEmbedding`` at setup (local
+rank 0 of each node creates the table in shared memory, the node's other processes map it) and,
+after every synchronising backward, syncs the per-id gradients (frequency-averaged, see
+:mod:`lightning_hier.sparse.sync`); local rank 0 applies the row-wise update and the node waits
+at a barrier, so every process reads the updated rows in the next step.
+
+Without the strategy (one process, e.g. inference or a quick test), the first forward gives the
+module a private table; :meth:`sync_and_update` then applies the process's own gradient.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hier.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer, state_names
+from lightning_hier.sparse.shared_store import (
+    REGISTRY,
+    create_segment,
+    new_segment_path,
+    remove_stale_segments,
+)
+from lightning_hier.sparse.sync import coalesce, hierarchical_frequency_average
+from lightning_hier.sparse.table_file import map_table, read_header, save_table
+
+INITS = ("normal", "uniform", "zeros")
+_INIT_ROWS_PER_CHUNK = 1 << 16
+
+
+class HybridEmbedding(nn.Module):
+    """An embedding table held once per node in shared host memory, with a row-wise optimizer.
+
+    Args:
+        num_embeddings, embedding_dim: table shape (ignored when ``path`` is given: the file's
+            header decides, and a mismatch is an error).
+        mode: ``None`` (like ``nn.Embedding``), ``"sum"`` or ``"mean"`` (like ``nn.EmbeddingBag``).
+        optimizer: ``"sgd"``, ``"adagrad"`` or ``"adam"`` (``SparseAdam`` semantics), with ``lr``.
+        init: ``"normal"`` (std ``init_scale``, default ``1/sqrt(dim)``), ``"uniform"``
+            (``±init_scale``) or ``"zeros"``; seeded by ``seed`` so every node starts identical.
+        path: a table file (see :mod:`lightning_hier.sparse.table_file`) to memory-map as the
+            live table; updates are written into it (give each node its own copy).
+        dtype: storage dtype of a fresh table.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        mode: str | None = None,
+        optimizer: str = "sgd",
+        lr: float = 0.01,
+        init: str = "normal",
+        init_scale: float | None = None,
+        path: str | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        eps: float | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+    ) -> None:
+        super().__init__()
+        if mode not in (None, "sum", "mean"):
+            raise ValueError(f"mode={mode!r} is not one of [None, 'sum', 'mean'].")
+        if optimizer not in ROW_OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} is not one of {list(ROW_OPTIMIZERS)}.")
+        if init not in INITS:
+            raise ValueError(f"init={init!r} is not one of {list(INITS)}.")
+        if not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr!r}.")
+        if path is not None:
+            num_embeddings, embedding_dim, dtype = read_header(path)
+        if num_embeddings < 1 or embedding_dim < 1:
+            raise ValueError(
+                f"the table needs at least one row and one column, got {num_embeddings}x{embedding_dim}."
+            )
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.mode = mode
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.init = init
+        self.init_scale = init_scale if init_scale is not None else embedding_dim**-0.5
+        self.path = path
+        self.seed = seed
+        self.dtype = dtype
+        self.eps = eps
+        self.betas = betas
+        self.weight: torch.Tensor | None = None
+        self.optimizer_state: dict[str, torch.Tensor] = {}
+        self.row_optimizer: RowOptimizer | None = None
+        self.is_updater = True
+        self._intra_group: dist.ProcessGroup | None = None
+        self._inter_group: dist.ProcessGroup | None = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ storage
+    @property
+    def attached(self) -> bool:
+        return self.weight is not None
+
+    def attach(
+        self,
+        intra_group: dist.ProcessGroup | None = None,
+        inter_group: dist.ProcessGroup | None = None,
+        local_rank: int = 0,
+        label: str = "table",
+    ) -> None:
+        """Create (local rank 0) or map (the others) the node's table and optimizer state.
+
+        A collective over ``intra_group``. Already attached tables are kept (e.g. ``trainer.test``
+        after ``fit`` in the same processes reads the trained table).
+        """
+        if self.attached:
+            self._intra_group, self._inter_group = intra_group, inter_group
+            return
+        shared = intra_group is not None and dist.get_world_size(intra_group) > 1
+        paths: list[list[str] | None] = [None]
+        if local_rank == 0:
+            remove_stale_segments()
+            paths[0] = self._create(label)
+        if shared:
+            dist.broadcast_object_list(paths, group=intra_group, group_src=0)
+        assert paths[0] is not None
+        table_path, *state_paths = paths[0]
+        if local_rank != 0:
+            self.weight = map_table(table_path)
+            self.optimizer_state = {
+                n: map_table(p) for n, p in zip(state_names(self.optimizer_name), state_paths)
+            }
+        if shared:
+            dist.barrier(group=intra_group)  # every process has mapped the segments ...
+        if local_rank == 0:
+            for path in paths[0][1 if self.path else 0 :]:
+                Path(path).unlink(missing_ok=True)  # ... so the names can go: nothing outlives the job
+        self._intra_group, self._inter_group = intra_group, inter_group
+        self.is_updater = local_rank == 0
+        self.row_optimizer = RowOptimizer(
+            self.optimizer_name, self.weight, self.optimizer_state, self.lr, self.eps, self.betas
+        )
+
+    def _create(self, label: str) -> list[str]:
+        if self.path is not None:
+            self.weight = map_table(self.path)
+            table_path = str(self.path)
+        else:
+            segment = REGISTRY.track(new_segment_path(f"{label}.weight"))
+            self.weight = create_segment(segment, self.num_embeddings, self.embedding_dim, self.dtype)
+            self._initialise(self.weight)
+            table_path = str(segment)
+        state_paths = []
+        for name in state_names(self.optimizer_name):
+            segment = REGISTRY.track(new_segment_path(f"{label}.{name}"))
+            self.optimizer_state[name] = create_segment(
+                segment, self.num_embeddings, self.embedding_dim, torch.float32
+            )
+            state_paths.append(str(segment))
+        return [table_path, *state_paths]
+
+    @torch.no_grad()
+    def _initialise(self, table: torch.Tensor) -> None:
+        if self.init == "zeros":
+            return
+        generator = torch.Generator().manual_seed(self.seed)
+        for start in range(0, table.shape[0], _INIT_ROWS_PER_CHUNK):
+            chunk = table[start : start + _INIT_ROWS_PER_CHUNK]
+            values = torch.empty(chunk.shape, dtype=torch.float32)
+            if self.init == "normal":
+                values.normal_(0.0, self.init_scale, generator=generator)
+            else:
+                values.uniform_(-self.init_scale, self.init_scale, generator=generator)
+            chunk.copy_(values.to(table.dtype))
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not self.attached:
+            self.attach()
+        assert self.weight is not None
+        unique, inverse = torch.unique(input.reshape(-1), return_inverse=True)
+        if unique.numel() and (int(unique.min()) < 0 or int(unique.max()) >= self.num_embeddings):
+            low, high = int(unique.min()), int(unique.max())
+            raise IndexError(f"ids must be in [0, {self.num_embeddings}); got ids from {low} to {high}.")
+        rows = self.weight[unique].to(torch.float32)
+        if self.training and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            rows.register_hook(lambda grad, ids=unique: self._record(ids, grad))
+        local = inverse.view(input.shape)
+        if self.mode is None:
+            return F.embedding(local, rows)
+        return F.embedding_bag(local, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
+
+    def _record(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        self._pending.append((ids, grad.detach().float()))
+
+    # ------------------------------------------------------------------ update
+    def pending_gradient(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's gradient since the last update, one row per unique id."""
+        if not self._pending:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, self.embedding_dim)
+        ids = torch.cat([p[0] for p in self._pending])
+        rows = torch.cat([p[1] for p in self._pending])
+        unique, summed, _ = coalesce(ids, rows)
+        return unique, summed
+
+    def sync_and_update(self) -> None:
+        """Frequency-average the gradients of all trainers; local rank 0 updates; node barrier."""
+        ids, rows = self.pending_gradient()
+        self._pending = []
+        averaged = hierarchical_frequency_average(
+            ids, rows, self._intra_group, self._inter_group, self.is_updater
+        )
+        if averaged is not None and self.is_updater:
+            assert self.row_optimizer is not None
+            self.row_optimizer.step(*averaged)
+        if self._intra_group is not None and dist.get_world_size(self._intra_group) > 1:
+            dist.barrier(group=self._intra_group)  # nobody reads a row before it is updated
+
+    def discard_pending(self) -> None:
+        self._pending = []
+
+    # ------------------------------------------------------------------ files
+    def export(self, path: str | Path) -> None:
+        """Write the table in the binary table format (loadable with ``HybridEmbedding(path=...)``)."""
+        if not self.attached:
+            self.attach()
+        assert self.weight is not None
+        save_table(path, self.weight)
+
+    @torch.no_grad()
+    def load_rows_from(self, path: str | Path, state_paths: dict[str, str] | None = None) -> None:
+        """Copy a saved table (and optimizer state) into the live table; updater only."""
+        assert self.weight is not None
+        rows, dim, _ = read_header(path)
+        if (rows, dim) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"{path} holds a {rows}x{dim} table but this HybridEmbedding is "
+                f"{self.num_embeddings}x{self.embedding_dim}."
+            )
+        if not self.is_updater:
+            return
+        self.weight.copy_(map_table(path, writable=False))
+        for name, state_path in (state_paths or {}).items():
+            if name in self.optimizer_state:
+                self.optimizer_state[name].copy_(map_table(state_path, writable=False))
+
+    def extra_repr(self) -> str:
+        shape = f"{self.num_embeddings}, {self.embedding_dim}"
+        return f"{shape}, mode={self.mode!r}, optimizer={self.optimizer_name!r}, lr={self.lr}"

@@ -1,0 +1,168 @@
+"""HybridEmbedding on one process: table files, the frequency rule, row-wise optimizers, lifecycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hier import HybridEmbedding
+from lightning_hier.sparse import shared_store
+from lightning_hier.sparse.sync import frequency_average
+from lightning_hier.sparse.table_file import HEADER_BYTES, TableFileError, map_table, read_header, save_table
+
+
+def test_frequency_average_by_hand() -> None:
+    # id 1 in one trainer, id 2 in two, id 3 in all three
+    parts = [
+        (torch.tensor([1, 3]), torch.tensor([[1.0, 1.0], [3.0, 0.0]])),
+        (torch.tensor([2, 3]), torch.tensor([[2.0, 4.0], [6.0, 0.0]])),
+        (torch.tensor([2, 3]), torch.tensor([[4.0, 8.0], [9.0, 3.0]])),
+    ]
+    ids, rows = frequency_average(parts)
+    assert ids.tolist() == [1, 2, 3]
+    torch.testing.assert_close(rows, torch.tensor([[1.0, 1.0], [3.0, 6.0], [6.0, 1.0]]))
+
+
+def test_table_file_round_trip(tmp_path: Path) -> None:
+    table = torch.randn(7, 3)
+    save_table(tmp_path / "t.tbl", table)
+    assert read_header(tmp_path / "t.tbl") == (7, 3, torch.float32)
+    torch.testing.assert_close(map_table(tmp_path / "t.tbl"), table)
+    module = HybridEmbedding(1, 1, path=str(tmp_path / "t.tbl"))
+    assert (module.num_embeddings, module.embedding_dim) == (7, 3)
+    module.export(tmp_path / "copy.tbl")
+    assert (tmp_path / "copy.tbl").read_bytes() == (tmp_path / "t.tbl").read_bytes()
+
+
+def _corrupt(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "magic":
+        data[:8] = b"NOTATABL"
+    elif how == "truncated":
+        data = data[: HEADER_BYTES + 5]
+    elif how == "rows":
+        struct.pack_into("<Q", data, 16, 1000)
+    elif how == "dtype":
+        struct.pack_into("<I", data, 12, 99)
+    elif how == "short_header":
+        data = data[:10]
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("magic", "not an embedding table file"),
+        ("truncated", "the file has"),
+        ("rows", "1000 rows x 3 dim"),
+        ("dtype", "unknown dtype code 99"),
+        ("short_header", "truncated"),
+    ],
+)
+def test_bad_table_files_name_file_and_mismatch(tmp_path: Path, how: str, message: str) -> None:
+    path = tmp_path / "bad.tbl"
+    save_table(path, torch.zeros(4, 3))
+    _corrupt(path, how)
+    with pytest.raises(TableFileError, match=message) as info:
+        HybridEmbedding(4, 3, path=str(path))
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("mode", [None, "sum", "mean"])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_single_process_matches_dense_embedding(mode: str | None, kind: str) -> None:
+    torch.manual_seed(0)
+    hybrid = HybridEmbedding(30, 4, mode=mode, optimizer=kind, lr=0.1, seed=1)
+    hybrid(torch.zeros(1, 1, dtype=torch.int64))  # creates the table
+    hybrid.discard_pending()
+    dense = nn.Embedding(30, 4) if mode is None else nn.EmbeddingBag(30, 4, mode=mode)
+    dense.weight.data.copy_(hybrid.weight)
+    optimizer = (
+        torch.optim.SGD(dense.parameters(), lr=0.1)
+        if kind == "sgd"
+        else torch.optim.Adagrad(dense.parameters(), lr=0.1)
+    )
+    for _ in range(4):
+        ids = torch.randint(0, 30, (5, 3))
+        target = torch.randn(5, 3, 4) if mode is None else torch.randn(5, 4)
+        (hybrid(ids) - target).pow(2).sum().backward()
+        hybrid.sync_and_update()
+        optimizer.zero_grad()
+        (dense(ids) - target).pow(2).sum().backward()
+        optimizer.step()
+    torch.testing.assert_close(hybrid.weight, dense.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_row_wise_adam_equals_sparse_adam() -> None:
+    torch.manual_seed(0)
+    hybrid = HybridEmbedding(40, 6, optimizer="adam", lr=0.05, seed=2)
+    hybrid(torch.zeros(1, dtype=torch.int64))
+    hybrid.discard_pending()
+    dense = nn.Embedding(40, 6, sparse=True)
+    dense.weight.data.copy_(hybrid.weight)
+    optimizer = torch.optim.SparseAdam(dense.parameters(), lr=0.05)
+    for _ in range(5):
+        ids = torch.randint(0, 40, (8,))
+        target = torch.randn(8, 6)
+        (hybrid(ids) - target).pow(2).sum().backward()
+        hybrid.sync_and_update()
+        optimizer.zero_grad()
+        (dense(ids) - target).pow(2).sum().backward()
+        optimizer.step()
+    torch.testing.assert_close(hybrid.weight, dense.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        HybridEmbedding(4, 2, mode="max")
+    with pytest.raises(ValueError, match="optimizer"):
+        HybridEmbedding(4, 2, optimizer="lbfgs")
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        HybridEmbedding(4, 2)(torch.tensor([1, 4]))
+
+
+def test_segments_are_private_and_gone_once_attached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared_store, "segment_dir", lambda: tmp_path)
+    created = []
+    original = shared_store.create_segment
+
+    def spy(path: Path, *args: object):  # noqa: ANN202
+        tensor = original(path, *args)
+        created.append((path, os.stat(path).st_mode & 0o777))
+        return tensor
+
+    monkeypatch.setattr("lightning_hier.sparse.embedding.create_segment", spy)
+    monkeypatch.setattr("lightning_hier.sparse.embedding.new_segment_path", shared_store.new_segment_path)
+    module = HybridEmbedding(10, 2, optimizer="adam")
+    module(torch.tensor([1, 2]))
+    assert len(created) == 3 and all(mode == 0o600 for _, mode in created)  # table + two Adam moments
+    assert list(tmp_path.iterdir()) == []  # unlinked right after every process mapped them
+    assert module.weight.abs().sum() > 0  # the mapping stays valid
+
+
+_CRASHER = """
+import os, signal, sys
+from pathlib import Path
+from lightning_hier.sparse import shared_store
+shared_store.segment_dir = lambda: Path(sys.argv[1])
+path = shared_store.new_segment_path("crash.weight")
+shared_store.create_segment(path, 100, 4, __import__("torch").float32)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_segment_left_by_a_killed_job_is_removed_at_next_start(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", _CRASHER, str(tmp_path)], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    leftovers = list(tmp_path.glob("lightning_hier-*.tbl"))
+    assert len(leftovers) == 1
+    removed = shared_store.remove_stale_segments(tmp_path)
+    assert removed == leftovers and list(tmp_path.iterdir()) == []
