@@ -1,0 +1,42 @@
+"""HybridEmbedding under hier_sliced on 4 processes as 2 nodes x 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_torchrun
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    scratch: Path = tmp_path_factory.mktemp("hybrid")
+    run_torchrun("hybrid_checks.py", 4, str(scratch / "out.json"), str(scratch))
+    return json.loads((scratch / "out.json").read_text())
+
+
+def test_hierarchical_exchange_gives_the_frequency_rule(results: dict) -> None:
+    assert len(results["rule"]) == 2  # both node leaders got the result
+    for leader in results["rule"]:
+        assert leader["ids_equal"] and leader["max_diff"] < 1e-6
+
+
+def test_one_segment_per_node_and_updated_rows_seen_everywhere(results: dict) -> None:
+    segments = results["segments"]
+    assert segments[0] and segments[2]
+    assert segments[0] == segments[1] and segments[2] == segments[3]
+    assert set(segments[0]).isdisjoint(segments[2])
+    assert results["tables_equal_everywhere"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_matches_ddp_with_dense_embedding_when_every_id_is_everywhere(results: dict, optimizer: str) -> None:
+    result = results[f"ddp_{optimizer}"]
+    assert result["moved"] > 1e-3
+    assert result["table_diff"] < 1e-5 and result["head_diff"] < 1e-5
+
+
+def test_tables_survive_checkpoint_and_resume_bit_for_bit(results: dict) -> None:
+    assert results["resume_bit_for_bit"]
+    assert results["tables_dir"] == ["emb.weight.tbl"]
