@@ -138,11 +138,11 @@ def main() -> None:
 
     # 4. checkpoint -> resume bit for bit (adam: moments and step count restored)
     ckpt = str(scratch / "hybrid.ckpt")
-    _, whole = fit(HierSlicedStrategy(devices_per_node=2), hybrid=True, optimizer="sgd", epochs=2)
-    trainer, _ = fit(HierSlicedStrategy(devices_per_node=2), hybrid=True, optimizer="sgd", epochs=1)
+    _, whole = fit(HierSlicedStrategy(devices_per_node=2), hybrid=True, optimizer="adam", epochs=2)
+    trainer, _ = fit(HierSlicedStrategy(devices_per_node=2), hybrid=True, optimizer="adam", epochs=1)
     trainer.save_checkpoint(ckpt)
     _, resumed = fit(
-        HierSlicedStrategy(devices_per_node=2), hybrid=True, optimizer="sgd", epochs=2, ckpt_path=ckpt
+        HierSlicedStrategy(devices_per_node=2), hybrid=True, optimizer="adam", epochs=2, ckpt_path=ckpt
     )
     results["resume_bit_for_bit"] = bool(torch.equal(whole.emb.weight, resumed.emb.weight))
     results["tables_dir"] = sorted(p.name for p in Path(ckpt + ".tables").iterdir()) if rank == 0 else None
