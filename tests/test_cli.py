@@ -128,3 +128,29 @@ def test_bad_slice_weights_exit_non_zero_naming_the_setting(tmp_path: Path) -> N
     # refused while building the Trainer: no worker process was started, nothing trained
     assert "Initializing distributed" not in proc.stdout + proc.stderr
     assert not list(tmp_path.rglob("metrics.csv"))
+
+
+DLRM_CONFIG = ROOT / "examples" / "configs" / "dlrm_hybrid.yaml"
+
+
+def _our_segments() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob(f"lightning_hier-{os.getuid()}-*")} if shm.is_dir() else set()
+
+
+def test_dlrm_example_with_hybrid_embeddings_learns_and_leaves_no_segments(tmp_path: Path) -> None:
+    before = _our_segments()
+    config = yaml.safe_load(DLRM_CONFIG.read_text())
+    config["trainer"].update(
+        devices=2, max_epochs=2, default_root_dir=str(tmp_path / "run"), enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    config["trainer"]["strategy"]["init_args"]["devices_per_node"] = 2
+    config["data"]["init_args"].update(train_samples=4096, val_samples=1024)
+    proc = run_cli("fit", "--config", str(write_config(tmp_path / "dlrm.yaml", config)), cwd=tmp_path)
+    assert proc.returncode == 0, failure(proc)
+    files = sorted((tmp_path / "run").rglob("metrics.csv"))
+    with files[0].open() as handle:
+        aurocs = [float(row["val_auroc"]) for row in csv.DictReader(handle) if row.get("val_auroc")]
+    assert len(aurocs) == 2 and aurocs[-1] > 0.6, aurocs  # chance is 0.5
+    assert _our_segments() <= before  # the node-shared tables are gone with the job
