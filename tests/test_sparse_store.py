@@ -166,3 +166,35 @@ def test_segment_left_by_a_killed_job_is_removed_at_next_start(tmp_path: Path) -
     assert len(leftovers) == 1
     removed = shared_store.remove_stale_segments(tmp_path)
     assert removed == leftovers and list(tmp_path.iterdir()) == []
+
+
+def test_hashed_ids_map_raw_ids_to_rows_and_train_like_a_dense_table() -> None:
+    from lightning_hier.sparse.id_index import hashed_init
+
+    raw_vocab = torch.tensor([10**12, -5, 2**62, 7, 123456789, -(2**40)], dtype=torch.int64)
+    hybrid = HybridEmbedding(16, 3, mode="sum", optimizer="adagrad", lr=0.1, hashed_ids=True, seed=4)
+    dense = nn.EmbeddingBag(len(raw_vocab), 3, mode="sum")
+    dense.weight.data.copy_(hashed_init(raw_vocab.numpy(), 3, hybrid.init_scale, seed=4))
+    optimizer = torch.optim.Adagrad(dense.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        picks = torch.randint(0, len(raw_vocab), (4, 2), generator=generator)
+        target = torch.randn(4, 3, generator=generator)
+        (hybrid(raw_vocab[picks]) - target).pow(2).sum().backward()
+        hybrid.sync_and_update()
+        optimizer.zero_grad()
+        (dense(picks) - target).pow(2).sum().backward()
+        optimizer.step()
+    rows = torch.from_numpy(hybrid.index.lookup(raw_vocab.numpy()))
+    seen = rows >= 0
+    assert seen.sum() >= 4 and len(set(rows[seen].tolist())) == int(seen.sum())  # distinct rows
+    torch.testing.assert_close(hybrid.weight[rows[seen]], dense.weight.detach()[seen], rtol=1e-5, atol=1e-6)
+
+
+def test_hashed_table_full_is_a_clear_error() -> None:
+    from lightning_hier.sparse.id_index import TableFullError
+
+    hybrid = HybridEmbedding(3, 2, hashed_ids=True)
+    hybrid(torch.tensor([11, 22, 33]))
+    with pytest.raises(TableFullError, match="all 3 rows"):
+        hybrid(torch.tensor([44]))

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 from torch import nn
 
@@ -37,11 +38,15 @@ def save_tables(modules: list[tuple[str, HybridEmbedding]], checkpoint_path: str
     for name, module in modules:
         files = {"weight": f"{name}.weight.tbl"}
         files.update({state: f"{name}.{state}.tbl" for state in module.optimizer_state})
+        if module.index is not None:
+            files["index"] = f"{name}.index.npy"
         if write:
             assert module.weight is not None
             save_table(directory / files["weight"], module.weight)
             for state, tensor in module.optimizer_state.items():
                 save_table(directory / files[state], tensor)
+            if module.index is not None:
+                np.save(directory / files["index"], np.stack(module.index.items(), axis=1))
         step = module.row_optimizer.step_count if module.row_optimizer is not None else 0
         record[name] = {"files": files, "step": step, "directory": str(directory.resolve())}
     return record
@@ -61,6 +66,10 @@ def restore_tables(
         if not directory.is_dir():
             directory = Path(entry["directory"])
         files = {k: str(directory / v) for k, v in entry["files"].items()}
+        index_file = files.pop("index", None)
+        if index_file is not None and module.index is not None and module.is_updater:
+            pairs = np.load(index_file)
+            module.index.restore(pairs[:, 0], pairs[:, 1])
         module.load_rows_from(files.pop("weight"), files)
         if module.row_optimizer is not None:
             module.row_optimizer.step_count = int(entry["step"])

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hier.sparse.id_index import SharedIdIndex, hashed_init
 from lightning_hier.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer, state_names
 from lightning_hier.sparse.shared_store import (
     REGISTRY,
@@ -50,6 +52,10 @@ class HybridEmbedding(nn.Module):
             (``±init_scale``) or ``"zeros"``; seeded by ``seed`` so every node starts identical.
         path: a table file (see :mod:`lightning_hier.sparse.table_file`) to memory-map as the
             live table; updates are written into it (give each node its own copy).
+        hashed_ids: ``input`` holds raw 64-bit feature ids, mapped to rows through a node-shared
+            index (:mod:`lightning_hier.sparse.id_index`); new ids get the next free row, initialised
+            from a hash of the id (uniform in ``±init_scale``, or zeros), up to ``num_embeddings``
+            rows; a full table raises ``TableFullError`` (no eviction).
         dtype: storage dtype of a fresh table.
     """
 
@@ -63,6 +69,7 @@ class HybridEmbedding(nn.Module):
         init: str = "normal",
         init_scale: float | None = None,
         path: str | None = None,
+        hashed_ids: bool = False,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         eps: float | None = None,
@@ -91,6 +98,8 @@ class HybridEmbedding(nn.Module):
         self.init = init
         self.init_scale = init_scale if init_scale is not None else embedding_dim**-0.5
         self.path = path
+        self.hashed_ids = hashed_ids
+        self.index: SharedIdIndex | None = None
         self.seed = seed
         self.dtype = dtype
         self.eps = eps
@@ -124,47 +133,74 @@ class HybridEmbedding(nn.Module):
             self._intra_group, self._inter_group = intra_group, inter_group
             return
         shared = intra_group is not None and dist.get_world_size(intra_group) > 1
-        paths: list[list[str] | None] = [None]
+        payload: list[dict | None] = [None]
         if local_rank == 0:
             remove_stale_segments()
-            paths[0] = self._create(label)
+            payload[0] = self._create(label)
         if shared:
-            dist.broadcast_object_list(paths, group=intra_group, group_src=0)
-        assert paths[0] is not None
-        table_path, *state_paths = paths[0]
+            dist.broadcast_object_list(payload, group=intra_group, group_src=0)
+        segments = payload[0]
+        assert segments is not None
         if local_rank != 0:
-            self.weight = map_table(table_path)
-            self.optimizer_state = {
-                n: map_table(p) for n, p in zip(state_names(self.optimizer_name), state_paths)
-            }
+            self.weight = map_table(segments["table"])
+            self.optimizer_state = {n: map_table(p) for n, p in segments["states"].items()}
+            if segments["index"] is not None:
+                self.index = SharedIdIndex(Path(segments["index"]), self.num_embeddings, create=False)
         if shared:
             dist.barrier(group=intra_group)  # every process has mapped the segments ...
         if local_rank == 0:
-            for path in paths[0][1 if self.path else 0 :]:
-                Path(path).unlink(missing_ok=True)  # ... so the names can go: nothing outlives the job
+            owned = [*segments["states"].values(), segments["index"]]
+            if self.path is None:
+                owned.append(segments["table"])
+            for path in owned:
+                if path is not None:
+                    Path(path).unlink(missing_ok=True)  # ... so the names can go: nothing outlives the job
         self._intra_group, self._inter_group = intra_group, inter_group
         self.is_updater = local_rank == 0
         self.row_optimizer = RowOptimizer(
             self.optimizer_name, self.weight, self.optimizer_state, self.lr, self.eps, self.betas
         )
 
-    def _create(self, label: str) -> list[str]:
+    def _create(self, label: str) -> dict:
         if self.path is not None:
             self.weight = map_table(self.path)
             table_path = str(self.path)
         else:
             segment = REGISTRY.track(new_segment_path(f"{label}.weight"))
             self.weight = create_segment(segment, self.num_embeddings, self.embedding_dim, self.dtype)
-            self._initialise(self.weight)
+            if not self.hashed_ids:  # hashed rows are initialised from their id when first handed out
+                self._initialise(self.weight)
             table_path = str(segment)
-        state_paths = []
+        states = {}
         for name in state_names(self.optimizer_name):
             segment = REGISTRY.track(new_segment_path(f"{label}.{name}"))
             self.optimizer_state[name] = create_segment(
                 segment, self.num_embeddings, self.embedding_dim, torch.float32
             )
-            state_paths.append(str(segment))
-        return [table_path, *state_paths]
+            states[name] = str(segment)
+        index_path = None
+        if self.hashed_ids:
+            index_path = REGISTRY.track(new_segment_path(f"{label}.index"))
+            self.index = SharedIdIndex(index_path, self.num_embeddings, create=True)
+            index_path = str(index_path)
+        return {"table": table_path, "states": states, "index": index_path}
+
+    def _rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Row numbers of (unique) ids: the ids themselves, or through the node's id index."""
+        if self.index is None:
+            return ids
+        rows = self.index.lookup_or_insert(ids.numpy(), self._init_new_row)
+        return torch.from_numpy(rows)
+
+    @torch.no_grad()
+    def _init_new_row(self, row: int, key: int) -> None:
+        assert self.weight is not None
+        value = hashed_init(np.array([key], dtype=np.int64), self.embedding_dim, self.init_scale, self.seed)
+        self.weight[row] = (value[0] if self.init != "zeros" else torch.zeros(self.embedding_dim)).to(
+            self.weight.dtype
+        )
+        for state in self.optimizer_state.values():
+            state[row] = 0.0
 
     @torch.no_grad()
     def _initialise(self, table: torch.Tensor) -> None:
@@ -191,10 +227,14 @@ class HybridEmbedding(nn.Module):
             self.attach()
         assert self.weight is not None
         unique, inverse = torch.unique(input.reshape(-1), return_inverse=True)
-        if unique.numel() and (int(unique.min()) < 0 or int(unique.max()) >= self.num_embeddings):
+        if (
+            self.index is None
+            and unique.numel()
+            and (int(unique.min()) < 0 or int(unique.max()) >= self.num_embeddings)
+        ):
             low, high = int(unique.min()), int(unique.max())
             raise IndexError(f"ids must be in [0, {self.num_embeddings}); got ids from {low} to {high}.")
-        rows = self.weight[unique].to(torch.float32)
+        rows = self.weight[self._rows_of(unique)].to(torch.float32)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             rows.register_hook(lambda grad, ids=unique: self._record(ids, grad))
@@ -225,7 +265,8 @@ class HybridEmbedding(nn.Module):
         )
         if averaged is not None and self.is_updater:
             assert self.row_optimizer is not None
-            self.row_optimizer.step(*averaged)
+            ids, grads = averaged
+            self.row_optimizer.step(self._rows_of(ids), grads)
         if self._intra_group is not None and dist.get_world_size(self._intra_group) > 1:
             dist.barrier(group=self._intra_group)  # nobody reads a row before it is updated
 
