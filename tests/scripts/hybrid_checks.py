@@ -44,12 +44,15 @@ class AllIdsEverywhere(Dataset):
 
 
 class Click(pl.LightningModule):
-    def __init__(self, hybrid: bool, optimizer: str) -> None:
+    def __init__(self, hybrid: bool, optimizer: str, hashed: bool = False) -> None:
         super().__init__()
         self.optimizer_name = optimizer
+        self.hashed = hashed
         self.head = nn.Linear(DIM, 1)  # first: nn.EmbeddingBag's init would shift the global RNG
         if hybrid:
-            self.emb = HybridEmbedding(VOCAB, DIM, mode="sum", optimizer=optimizer, lr=0.1, seed=3)
+            self.emb = HybridEmbedding(
+                VOCAB, DIM, mode="sum", optimizer=optimizer, lr=0.1, seed=3, hashed_ids=hashed
+            )
         else:
             self.emb = nn.EmbeddingBag(VOCAB, DIM, mode="sum")
             reference = HybridEmbedding(VOCAB, DIM, mode="sum", seed=3)
@@ -58,6 +61,8 @@ class Click(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         ids, target = batch
+        if self.hashed:
+            ids = raw_ids(ids)
         return (self.head(self.emb(ids)) - target).pow(2).mean()
 
     def configure_optimizers(self):  # noqa: ANN201
@@ -70,9 +75,13 @@ def loader() -> DataLoader:
     return DataLoader(AllIdsEverywhere(int(os.environ["RANK"])), batch_size=3, shuffle=False)
 
 
-def fit(strategy, hybrid: bool, optimizer: str, epochs: int = 1, ckpt_path=None):  # noqa: ANN001, ANN201
+def raw_ids(ids: torch.Tensor) -> torch.Tensor:
+    return ids * 1_000_000_007 + 2**40  # 64-bit feature ids
+
+
+def fit(strategy, hybrid: bool, optimizer: str, epochs: int = 1, ckpt_path=None, hashed=False):  # noqa: ANN001, ANN201
     pl.seed_everything(0, verbose=False)
-    model = Click(hybrid, optimizer)
+    model = Click(hybrid, optimizer, hashed)
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_epochs=epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -146,6 +155,19 @@ def main() -> None:
     )
     results["resume_bit_for_bit"] = bool(torch.equal(whole.emb.weight, resumed.emb.weight))
     results["tables_dir"] = sorted(p.name for p in Path(ckpt + ".tables").iterdir()) if rank == 0 else None
+
+    # 5. the same with hashed ids: the id index is saved and restored (rows compared through it)
+    def by_id(model: Click) -> torch.Tensor:
+        rows = model.emb.index.lookup(raw_ids(torch.arange(VOCAB)).numpy())
+        return model.emb.weight[torch.from_numpy(rows)].clone()
+
+    hashed_ckpt = str(scratch / "hashed.ckpt")
+    hier = lambda: HierSlicedStrategy(devices_per_node=2)  # noqa: E731
+    _, whole = fit(hier(), hybrid=True, optimizer="adagrad", epochs=2, hashed=True)
+    trainer, _ = fit(hier(), hybrid=True, optimizer="adagrad", epochs=1, hashed=True)
+    trainer.save_checkpoint(hashed_ckpt)
+    _, resumed = fit(hier(), hybrid=True, optimizer="adagrad", epochs=2, ckpt_path=hashed_ckpt, hashed=True)
+    results["hashed_resume_bit_for_bit"] = bool(torch.equal(by_id(whole), by_id(resumed)))
     if rank == 0:
         out.write_text(json.dumps(results, indent=2))
 
