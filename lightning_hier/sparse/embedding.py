@@ -234,7 +234,8 @@ class HybridEmbedding(nn.Module):
         ):
             low, high = int(unique.min()), int(unique.max())
             raise IndexError(f"ids must be in [0, {self.num_embeddings}); got ids from {low} to {high}.")
-        rows = self.weight[self._rows_of(unique)].to(torch.float32)
+        unique = unique.cpu()  # the table lives in host memory; rows go to the input's device
+        rows = self.weight[self._rows_of(unique)].to(device=input.device, dtype=torch.float32)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             rows.register_hook(lambda grad, ids=unique: self._record(ids, grad))
@@ -244,7 +245,7 @@ class HybridEmbedding(nn.Module):
         return F.embedding_bag(local, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
 
     def _record(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        self._pending.append((ids, grad.detach().float()))
+        self._pending.append((ids, grad.detach().float().cpu()))
 
     # ------------------------------------------------------------------ update
     def pending_gradient(self) -> tuple[torch.Tensor, torch.Tensor]:
