@@ -181,14 +181,14 @@ def cleanup(prefix: str = PREFIX) -> None:
         _run(["ip", "link", "del", link], check=False)
 
 
-def _make_node(index: int, subnet_prefix: str) -> Node:
+def _make_node(index: int, subnet_prefix: str, name_prefix: str = PREFIX) -> Node:
     """Names and address for node ``index`` (interface names stay below 16 characters)."""
     return Node(
         index=index,
-        netns=f"{PREFIX}-n{index}",
+        netns=f"{name_prefix}-n{index}",
         ip=f"{subnet_prefix}.{index + 1}",
-        ifname=f"{PREFIX}-e{index}",
-        peer_ifname=f"{PREFIX}-v{index}",
+        ifname=f"{name_prefix}-e{index}",
+        peer_ifname=f"{name_prefix}-v{index}",
     )
 
 
@@ -256,6 +256,7 @@ def emulated_cluster(
     latency_ms: int = LATENCY_MS,
     burst_bytes: int | None = None,
     subnet_prefix: str = SUBNET_PREFIX,
+    name_prefix: str = PREFIX,
 ) -> Iterator[EmulatedCluster]:
     """Build an emulated ``num_nodes`` cluster with ``rate_mbit`` egress per node; tear it down on exit.
 
@@ -265,6 +266,9 @@ def emulated_cluster(
         latency_ms: tbf ``latency`` (maximum queueing delay before drops).
         burst_bytes: tbf ``burst``; default :func:`burst_bytes_for` ``(rate_mbit)``.
         subnet_prefix: first three octets of the private /24 used for the nodes.
+        name_prefix: prefix of every namespace and link created (and of what is cleaned up), so
+            that benchmarks with different prefixes do not remove each other's clusters; at most
+            12 characters (interface names must stay below 16).
 
     Yields:
         An :class:`EmulatedCluster` describing the nodes.
@@ -272,10 +276,18 @@ def emulated_cluster(
     require_tools()
     if not 1 <= num_nodes <= 250:
         raise ValueError(f"num_nodes must be in [1, 250], got {num_nodes}")
+    if not name_prefix or len(name_prefix) > 12 or not name_prefix.replace("-", "").isalnum():
+        raise ValueError(f"name_prefix must be 1-12 characters [A-Za-z0-9-], got {name_prefix!r}")
     burst = burst_bytes if burst_bytes is not None else burst_bytes_for(rate_mbit)
-    nodes = [_make_node(i, subnet_prefix) for i in range(num_nodes)]
-    cluster = EmulatedCluster(nodes=nodes, rate_mbit=rate_mbit, burst_bytes=burst, latency_ms=latency_ms)
-    cleanup()
+    nodes = [_make_node(i, subnet_prefix, name_prefix) for i in range(num_nodes)]
+    cluster = EmulatedCluster(
+        nodes=nodes,
+        rate_mbit=rate_mbit,
+        burst_bytes=burst,
+        latency_ms=latency_ms,
+        bridge=f"{name_prefix}-br",
+    )
+    cleanup(name_prefix)
     try:
         _create_bridge(cluster.bridge)
         for node in nodes:
@@ -287,7 +299,7 @@ def emulated_cluster(
         try:
             cluster.kill_processes()
         finally:
-            cleanup()
+            cleanup(name_prefix)
 
 
 _SINK = """

@@ -9,7 +9,9 @@ the same collectives in the same order:
   per-parameter ready times are averaged over those steps and over all ranks (one all-reduce),
   rank 0 clusters them and broadcasts the plan;
 - afterwards every step measures how far the observed bucket-completion times drift from the
-  plan's time points (``|observed_i - t_i| / t_n``, smoothed); every ``check_every`` steps the
+  plan's time points, each relative to its own backward's length
+  (``|observed_i / T_observed - t_i / T_plan|``, smoothed), so a uniformly slower or faster
+  backward is not drift but a change in where the bursts fall is; every ``check_every`` steps the
   ranks agree (all-reduce MAX) whether the drift exceeds ``reprofile_threshold``; if so, or if the
   set of parameters producing gradients changed, profiling starts again;
 - :meth:`request_reprofile` (the ``GradientTimingProfiler`` callback's ``reprofile_every_n_epochs``)
@@ -154,11 +156,16 @@ class TimeBucketing:
 
     def _update_drift(self, timeline: StepTimeline) -> None:
         assert self.plan is not None
-        horizon = max(self.plan.time_points[-1], 1e-9)
         observed = timeline.bucket_launch
         if len(observed) != len(self.plan.time_points):
             return
-        step_drift = max(abs(o - t) / horizon for o, t in zip(observed, self.plan.time_points))
+        # positions relative to each backward's own length: a backward that is uniformly slower or
+        # faster (a busy machine) keeps the same clusters and must not count as drift
+        planned_span = max(self.plan.backward_seconds, self.plan.time_points[-1], 1e-9)
+        observed_span = max(timeline.backward_seconds, max(observed), 1e-9)
+        step_drift = max(
+            abs(o / observed_span - t / planned_span) for o, t in zip(observed, self.plan.time_points)
+        )
         self.drift = (1 - self.smoothing) * self.drift + self.smoothing * step_drift
 
     def after_step(self, globally_used: frozenset[int]) -> TimePlan | None:

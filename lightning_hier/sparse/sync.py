@@ -6,9 +6,9 @@ an id seen by one trainer gets that trainer's gradient, an id seen by all gets t
 is what DDP's average gives a dense embedding when every id occurs everywhere).
 
 The exchange is hierarchical, so only one node-level copy crosses the slow link: trainers of a
-node gather at local rank 0, which merges them into ``(ids, sum, count)``; the local ranks 0 of
-all nodes all-gather those and finish the average. Tensors of different lengths travel padded to
-the longest, with their true lengths exchanged first.
+node gather at local rank 0 (``dist.gather``: the others receive nothing), which merges them into
+``(ids, sum, count)``; the local ranks 0 of all nodes all-gather those and finish the average.
+Tensors of different lengths travel padded to the longest, with their lengths exchanged once.
 """
 
 from __future__ import annotations
@@ -37,18 +37,35 @@ def frequency_average(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[t
     return unique, summed / counts.unsqueeze(1)
 
 
-def _all_gather_padded(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """All-gather tensors whose first dimension differs between ranks."""
+def _exchange_padded(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, to_leader_only: bool = False
+) -> list[list[torch.Tensor]]:
+    """Gather tensors whose first dimension differs between ranks (all share that length per rank).
+
+    Lengths are exchanged once; every tensor travels padded to the longest. With
+    ``to_leader_only`` only group rank 0 receives (``dist.gather``): the other ranks of a node
+    need nobody's gradients, so they should not receive them. Returns, per tensor, the list of
+    every rank's tensor (on receivers; empty lists elsewhere).
+    """
     size = dist.get_world_size(group)
-    length = torch.tensor([tensor.shape[0]], dtype=torch.int64)
+    rank = dist.get_rank(group)
+    length = torch.tensor([tensors[0].shape[0]], dtype=torch.int64)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(lengths, length, group=group)
-    longest = max(int(n.item()) for n in lengths)
-    padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype)
-    padded[: tensor.shape[0]] = tensor
-    gathered = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(gathered, padded, group=group)
-    return [g[: int(n.item())] for g, n in zip(gathered, lengths)]
+    counts = [int(n.item()) for n in lengths]
+    longest = max(counts)
+    receiving = not to_leader_only or rank == 0
+    result: list[list[torch.Tensor]] = []
+    for tensor in tensors:
+        padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype)
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in range(size)] if receiving else None
+        if to_leader_only:
+            dist.gather(padded, gathered, group=group, group_dst=0)
+        else:
+            dist.all_gather(gathered, padded, group=group)
+        result.append([g[:n] for g, n in zip(gathered, counts)] if receiving else [])
+    return result
 
 
 def hierarchical_frequency_average(
@@ -65,16 +82,16 @@ def hierarchical_frequency_average(
     ids = ids.to(torch.int64).cpu()
     rows = rows.float().cpu()
     if intra_group is not None and dist.get_world_size(intra_group) > 1:
-        gathered_ids = _all_gather_padded(ids, intra_group)  # int64 ids travel as int64 (64-bit hashes)
-        gathered_rows = _all_gather_padded(rows, intra_group)
+        # int64 ids travel as int64 (64-bit hashes); only the node leader receives
+        gathered_ids, gathered_rows = _exchange_padded([ids, rows], intra_group, to_leader_only=True)
         if not is_node_leader:
             return None
         node_ids, node_sum, node_count = coalesce(torch.cat(gathered_ids), torch.cat(gathered_rows))
     else:
         node_ids, node_sum, node_count = coalesce(ids, rows)
     if inter_group is not None and dist.get_world_size(inter_group) > 1:
-        all_ids = torch.cat(_all_gather_padded(node_ids, inter_group))
-        all_counts = torch.cat(_all_gather_padded(node_count, inter_group))
-        all_sums = torch.cat(_all_gather_padded(node_sum, inter_group))
-        node_ids, node_sum, node_count = coalesce(all_ids, all_sums, all_counts)
+        all_ids, all_counts, all_sums = _exchange_padded([node_ids, node_count, node_sum], inter_group)
+        node_ids, node_sum, node_count = coalesce(
+            torch.cat(all_ids), torch.cat(all_sums), torch.cat(all_counts)
+        )
     return node_ids, node_sum / node_count.unsqueeze(1)
