@@ -335,17 +335,22 @@ class HierSlicedEngine:
                 elif torch.is_tensor(value) and value.shape == shard.shape:
                     value[lo:hi].zero_()  # state first made by this step: as fresh as DDP's would be
         self._unused_snapshot = []
-        works = []
-        for bucket in self.buckets:
-            works.extend(all_gather_slices(bucket.params, bucket.bounds, self.topology.intra_group))
-        for work in works:
-            work.wait()
+        self.gather_params()
         self.zero_grad()
         if self.time_bucketing is not None:
             new_plan = self.time_bucketing.after_step(self._globally_used)
             if new_plan is not None:
                 log.info("time bucketing: %s", new_plan.describe())
                 self.rebuild(new_plan.plan)
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Fill every rank's full parameters from the slices' owners inside the node (in place)."""
+        works = []
+        for bucket in self.buckets:
+            works.extend(all_gather_slices(bucket.params, bucket.bounds, self.topology.intra_group))
+        for work in works:
+            work.wait()
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:

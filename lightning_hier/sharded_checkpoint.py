@@ -25,7 +25,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_hier.comm.hierarchical import all_gather_slices
 from lightning_hier.engine import HierSlicedEngine
 
 META_FILE = "meta.pt"
@@ -110,16 +109,13 @@ def check_layout(engine: HierSlicedEngine, meta: dict[str, Any], path: str | os.
 def load_sharded_params(engine: HierSlicedEngine, path: str | os.PathLike) -> None:
     """Read only this rank's parameter slices, then stitch full parameters by intra-node all-gather."""
     local = engine.topology.local_rank
-    state = {_model_key(b, local): shard.detach() for b, shard in enumerate(engine.sharding.shards)}
-    dcp.load(state, checkpoint_id=str(path))
-    for b, shard in enumerate(engine.sharding.shards):
-        if state[_model_key(b, local)] is not shard.detach():
-            shard.detach().copy_(state[_model_key(b, local)])
-    works = []
-    for bucket in engine.buckets:
-        works.extend(all_gather_slices(bucket.params, bucket.bounds, engine.topology.intra_group))
-    for work in works:
-        work.wait()
+    targets = {_model_key(b, local): shard.detach() for b, shard in enumerate(engine.sharding.shards)}
+    state = dict(targets)
+    dcp.load(state, checkpoint_id=str(path))  # loads in place into the slices
+    for key, target in targets.items():
+        if state[key] is not target:  # only if DCP handed back a new tensor instead
+            target.copy_(state[key])
+    engine.gather_params()
 
 
 def load_sharded_optimizer(engine: HierSlicedEngine, path: str | os.PathLike, meta: dict[str, Any]) -> None:
