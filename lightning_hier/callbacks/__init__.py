@@ -1,5 +1,6 @@
 """Lightning callbacks: thin views onto the engines."""
 
 from lightning_hier.callbacks.gradient_timing import GradientTimingProfiler
+from lightning_hier.callbacks.stage_rebalancer import StageRebalancer
 
-__all__ = ["GradientTimingProfiler"]
+__all__ = ["GradientTimingProfiler", "StageRebalancer"]

@@ -50,6 +50,10 @@ from lightning_hier.sparse.checkpoint import (
     save_tables,
 )
 from lightning_hier.sparse.embedding import HybridEmbedding
+from lightning_hier.strategies.global_norm_clipping import (
+    install_global_norm_clipping,
+    remove_global_norm_clipping,
+)
 from lightning_hier.topology import Topology, validate_layout
 
 log = logging.getLogger(__name__)
@@ -200,7 +204,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            _install_global_norm_clipping(self.precision_plugin, self)
+            install_global_norm_clipping(self.precision_plugin, self)
             self._install_sharded_grad_scaler()
 
     def _groups(self) -> Topology:
@@ -439,7 +443,7 @@ class HierSlicedStrategy(DDPStrategy):
             # keep the engine: the optimizer stays sharded, and a checkpoint saved after fit
             # (trainer.save_checkpoint) must still consolidate through it
             self.engine.close()
-        _remove_global_norm_clipping(self.precision_plugin)
+        remove_global_norm_clipping(self.precision_plugin)
         super().teardown()
 
     @classmethod
@@ -450,32 +454,3 @@ class HierSlicedStrategy(DDPStrategy):
             description="Hierarchical sliced gradient reduction (intra-node reduce-scatter, inter-node "
             "all-reduce, sharded optimizer, intra-node all-gather)",
         )
-
-
-def _clip_grad_by_norm(self: Precision, optimizer: Optimizer, clip_val: int | float) -> None:
-    strategy: HierSlicedStrategy = self._hier_strategy  # type: ignore[attr-defined]
-    assert strategy.engine is not None
-    strategy.engine.clip_grad_norm_(float(clip_val))
-
-
-def _install_global_norm_clipping(plugin: Precision, strategy: HierSlicedStrategy) -> None:
-    """Make Lightning's gradient-norm clipping use the global norm across slices.
-
-    Lightning clips through the precision plugin, which only sees this rank's slices. Subclassing
-    the plugin's own class (instead of wrapping it) keeps every ``isinstance`` check Lightning
-    makes on the plugin true, and unscaling in AMP plugins still runs before the norm.
-    """
-    base = type(plugin)
-    if not getattr(base, "_hier_global_norm", False):
-        patched = type(f"GlobalNorm{base.__name__}", (base,), {"clip_grad_by_norm": _clip_grad_by_norm})
-        patched._hier_global_norm = True  # type: ignore[attr-defined]
-        patched._hier_base = base  # type: ignore[attr-defined]
-        plugin.__class__ = patched
-    plugin._hier_strategy = strategy  # type: ignore[attr-defined]
-
-
-def _remove_global_norm_clipping(plugin: Precision) -> None:
-    base = getattr(type(plugin), "_hier_base", None)
-    if base is not None:
-        plugin.__class__ = base
-        plugin.__dict__.pop("_hier_strategy", None)

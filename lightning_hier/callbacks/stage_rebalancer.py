@@ -1,0 +1,189 @@
+"""``StageRebalancer``: configure, watch and plot ``hier_pipeline``'s rebalancing.
+
+Add it to the Trainer's callbacks with ``strategy="hier_pipeline"``. Settings given here
+(``rebalance``, ``imbalance_threshold``, ``memory_limit``, ...) override the strategy's. It
+
+- logs at each rebalance check ``pipeline/stage_time_<s>`` (ms per micro-batch),
+  ``pipeline/imbalance`` and, when the split changed, ``pipeline/migrated_layers``,
+  ``pipeline/migrated_bytes`` and ``pipeline/migration_pause_s``;
+- writes ``pipeline_rebalance.json`` (every check that changed the split: partitions, stage
+  times before and predicted after, migrations, memory plans) and ``pipeline_stage_times.png``
+  (per-stage time before and after each rebalance) in the log directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+
+class StageMetricsSync(Callback):
+    """Copies the last stage's (rank 0's) logged metrics to every stage process.
+
+    Only the last stage computes the loss and the metrics, but ``ModelCheckpoint`` and
+    ``EarlyStopping`` read them on every rank; ``HierPipelineStrategy`` installs this callback
+    first in the list so they see the same values everywhere.
+    """
+
+    def _sync(self, trainer: pl.Trainer) -> None:
+        if trainer.world_size < 2 or not dist.is_initialized():
+            return
+        metrics = trainer.callback_metrics
+        payload: list[Any] = [
+            {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in metrics.items()}
+            if trainer.global_rank == 0
+            else None
+        ]
+        dist.broadcast_object_list(payload, src=0)
+        if trainer.global_rank != 0:
+            metrics.update(payload[0])
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._sync(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sync(trainer)
+
+
+class StageRebalancer(Callback):
+    """Logs per-stage times, partitions, migrations and memory plans of ``hier_pipeline``.
+
+    Args:
+        rebalance, imbalance_threshold, balance_tolerance, memory_limit, swap_bandwidth,
+            profile_steps: when given, replace the strategy's setting of the same name.
+        save_figure: draw ``pipeline_stage_times.png`` (needs matplotlib).
+        output_dir: where files go; default the logger's directory.
+    """
+
+    def __init__(
+        self,
+        rebalance: str | int | None = None,
+        imbalance_threshold: float | None = None,
+        balance_tolerance: float | None = None,
+        memory_limit: int | None = None,
+        swap_bandwidth: float | None = None,
+        profile_steps: int | None = None,
+        save_figure: bool = True,
+        output_dir: str | None = None,
+    ) -> None:
+        self.overrides = {
+            name: value
+            for name, value in (
+                ("rebalance", rebalance),
+                ("imbalance_threshold", imbalance_threshold),
+                ("balance_tolerance", balance_tolerance),
+                ("memory_limit", memory_limit),
+                ("swap_bandwidth", swap_bandwidth),
+                ("profile_steps", profile_steps),
+            )
+            if value is not None
+        }
+        from lightning_hier.pipeline.settings import PipelineSettings
+
+        dataclasses.replace(PipelineSettings(), **self.overrides)  # validates now, not at fit time
+        self.save_figure = save_figure
+        self.output_dir = output_dir
+        self._events_seen = 0
+        self._decision_seen: Any = None
+        self.events: list[dict[str, Any]] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
+
+        strategy = trainer.strategy
+        if not isinstance(strategy, HierPipelineStrategy):
+            raise ValueError(
+                f"StageRebalancer needs strategy='hier_pipeline', got {type(strategy).__name__}."
+            )
+        if self.overrides:
+            strategy.settings = dataclasses.replace(strategy.settings, **self.overrides)
+
+    def _directory(self, trainer: pl.Trainer) -> Path:
+        # not trainer.log_dir: it broadcasts (a collective) and this runs on rank 0 only
+        logger_dir = trainer.logger.log_dir if trainer.logger is not None else None
+        path = Path(self.output_dir or logger_dir or trainer.default_root_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None or not trainer.is_global_zero:
+            return
+        decision = engine.last_decision
+        if decision is not None and decision is not self._decision_seen:
+            self._decision_seen = decision
+            metrics = {f"pipeline/stage_time_{s}": t * 1e3 for s, t in enumerate(decision.stage_times)}
+            metrics["pipeline/imbalance"] = decision.imbalance_before
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        new_events = engine.history[self._events_seen :]
+        self._events_seen = len(engine.history)
+        for event in new_events:
+            record = event.to_dict()
+            self.events.append(record)
+            moved = sum(len(r["layers"]) for r in record["migration"]) // 2
+            sent = sum(r["bytes_sent"] for r in record["migration"])
+            pl_module.log_dict(
+                {
+                    "pipeline/migrated_layers": float(moved),
+                    "pipeline/migrated_bytes": float(sent),
+                    "pipeline/migration_pause_s": record["pause_seconds"],
+                },
+                on_step=True,
+                on_epoch=False,
+                rank_zero_only=True,
+            )
+            log.info(
+                "hier_pipeline rebalanced at step %d: %s -> %s", record["step"], record["old"], record["new"]
+            )
+        if new_events:
+            self._write(trainer)
+
+    def _write(self, trainer: pl.Trainer) -> None:
+        directory = self._directory(trainer)
+        (directory / "pipeline_rebalance.json").write_text(json.dumps(self.events, indent=2, default=str))
+        if self.save_figure:
+            try:
+                draw_stage_times(self.events, directory / "pipeline_stage_times.png")
+            except ImportError:
+                log.warning("StageRebalancer: install matplotlib to get pipeline_stage_times.png")
+
+
+def draw_stage_times(events: list[dict[str, Any]], path: Path) -> None:
+    """One panel per rebalance: measured stage times before, predicted after (ms per micro-batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not events:
+        return
+    fig, axes = plt.subplots(1, len(events), figsize=(4 * len(events), 3.2), squeeze=False)
+    for ax, event in zip(axes[0], events):
+        before = [t * 1e3 for t in event["stage_times"]]
+        after = [t * 1e3 for t in event["predicted_times"]]
+        xs = range(len(before))
+        ax.bar(
+            [x - 0.2 for x in xs], before, width=0.4, label=f"before (imb {event['imbalance_before']:.2f})"
+        )
+        ax.bar([x + 0.2 for x in xs], after, width=0.4, label=f"after (imb {event['imbalance_after']:.2f})")
+        ax.set_xticks(list(xs))
+        ax.set_xlabel("stage")
+        ax.set_ylabel("ms per micro-batch")
+        ax.set_title(f"step {event['step']}, pause {event['pause_seconds'] * 1e3:.0f} ms")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,54 @@
+"""Split a batch into micro-batches along dimension 0."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def batch_size(batch: Any) -> int | None:
+    """Length along dimension 0 of the first tensor found in ``batch``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() > 0 else None
+    if isinstance(batch, Mapping):
+        items = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        items = list(batch)
+    else:
+        return None
+    for item in items:
+        size = batch_size(item)
+        if size is not None:
+            return size
+    return None
+
+
+def _take(batch: Any, start: int, end: int, size: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:end] if batch.dim() > 0 and batch.shape[0] == size else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _take(v, start, end, size) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_take(v, start, end, size) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_take(v, start, end, size) for v in batch)
+    return batch
+
+
+def split_batch(batch: Any, num_micro: int) -> tuple[list[tuple[Any, int]], int]:
+    """``([(micro_batch, its size), ...], batch size)``: at most ``num_micro`` nearly equal parts.
+
+    Tensors whose first dimension is the batch size are split; everything else is passed to
+    every micro-batch unchanged. A batch smaller than ``num_micro`` gives one part per sample.
+    """
+    size = batch_size(batch)
+    if size is None:
+        raise ValueError(
+            "hier_pipeline could not find a batch dimension: the batch holds no tensor with a first "
+            "dimension to split into micro-batches."
+        )
+    parts = max(1, min(num_micro, size))
+    bounds = [round(i * size / parts) for i in range(parts + 1)]
+    return [(_take(batch, a, b, size), b - a) for a, b in zip(bounds, bounds[1:])], size

@@ -1,0 +1,244 @@
+"""A model's forward as a list of layers in execution order, grouped into clusters.
+
+The forward is traced with ``torch.fx``: every ``call_module`` / ``call_function`` /
+``call_method`` / ``get_attr`` node is a *layer*. A pipeline cut is only allowed where exactly
+one value produced by a layer is still needed later (the cut carries one tensor, so each stage
+has a single entry and a single exit). The layers between two allowed cuts form a *cluster*:
+an Inception- or ResNet-like block, whose branches keep several values alive between the fork
+and the join, becomes one cluster; in a plain stack every layer is its own cluster. Layers that
+share a module or a parameter (a module called twice, tied weights) are kept in one cluster, so
+a parameter always lives on exactly one stage.
+"""
+
+from __future__ import annotations
+
+import linecache
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
+
+
+class PipelineTraceError(ValueError):
+    """The model's forward could not be traced into layers."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One traced node: ``name`` is the fx node name, ``owner`` the module/attribute it uses."""
+
+    index: int
+    name: str
+    op: str
+    target: str
+    owner: str | None
+    state_names: tuple[str, ...]  # parameter and buffer names (as in the model's state_dict)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Contiguous layers ``[start, end)`` with one value flowing out (``exit_value``)."""
+
+    index: int
+    start: int
+    end: int
+    exit_value: str | None  # fx node name crossing the cut after this cluster; None for the last
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+
+class _LeafTracer(fx.Tracer):
+    """fx tracer that also treats the user's ``leaf_modules`` (qualified names) as opaque layers."""
+
+    def __init__(self, leaf_modules: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.extra_leaves = set(leaf_modules)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.extra_leaves:
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def _offending_call(exc: BaseException) -> str:
+    """``file:line `code``` of the innermost frame outside torch, i.e. the user's call that failed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = str(torch.__file__).rsplit("/", 1)[0]
+    for frame in reversed(frames):
+        if not frame.filename.startswith(torch_dir):
+            code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+            return f"{frame.filename}:{frame.lineno} `{code}`"
+    return "<unknown location>"
+
+
+def trace_model(module: nn.Module, leaf_modules: Sequence[str] = ()) -> fx.GraphModule:
+    """Trace ``module.forward``; the graph module shares the model's submodules and parameters."""
+    names = dict(module.named_modules())
+    missing = [m for m in leaf_modules if m not in names]
+    if missing:
+        raise ValueError(f"leaf_modules {missing} are not submodules of {type(module).__name__}.")
+    tracer = _LeafTracer(leaf_modules)
+    try:
+        graph = tracer.trace(module)
+    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, ...
+        raise PipelineTraceError(
+            f"hier_pipeline could not trace {type(module).__name__}.forward: {exc} "
+            f"(at {_offending_call(exc)}). Make that call traceable by torch.fx, list the submodule "
+            "that contains it in `leaf_modules` (it then runs as one opaque layer), or build the "
+            "model as an nn.Sequential of such blocks."
+        ) from exc
+    return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def _state_names(root: nn.Module, node: fx.Node) -> tuple[str, tuple[str, ...]] | tuple[None, tuple]:
+    if node.op == "call_module":
+        sub = root.get_submodule(str(node.target))
+        prefix = f"{node.target}."
+        names = [prefix + n for n, _ in sub.named_parameters(remove_duplicate=False)]
+        names += [prefix + n for n, _ in sub.named_buffers(remove_duplicate=False)]
+        return str(node.target), tuple(names)
+    if node.op == "get_attr":
+        return str(node.target), (str(node.target),)
+    return None, ()
+
+
+def _target_text(node: fx.Node) -> str:
+    if node.op in ("call_module", "get_attr", "call_method"):
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+class LayerGraph:
+    """Layers, clusters and the allowed cuts of a traced model.
+
+    Args:
+        module: the model (a LightningModule works: its ``forward`` is traced).
+        leaf_modules: qualified names of submodules to keep as one opaque layer (e.g. a block
+            with data-dependent control flow that fx cannot trace).
+    """
+
+    def __init__(self, module: nn.Module, leaf_modules: Sequence[str] = ()) -> None:
+        self.root = module
+        self.graph_module = trace_model(module, leaf_modules)
+        self.placeholders: list[fx.Node] = []
+        self.nodes: list[fx.Node] = []
+        self.output_node: fx.Node | None = None
+        for node in self.graph_module.graph.nodes:
+            if node.op == "placeholder":
+                self.placeholders.append(node)
+            elif node.op == "output":
+                self.output_node = node
+            else:
+                self.nodes.append(node)
+        if not self.nodes:
+            raise PipelineTraceError(f"{type(module).__name__}.forward has no layers to split.")
+        self.layers: list[Layer] = []
+        for i, node in enumerate(self.nodes):
+            owner, names = _state_names(module, node)
+            self.layers.append(Layer(i, node.name, node.op, _target_text(node), owner, names))
+        self.index_of = {layer.name: layer.index for layer in self.layers}
+        self.clusters = self._find_clusters()
+
+    # ------------------------------------------------------------------ clusters
+    def _last_use(self) -> dict[str, int]:
+        """Position of each value's last consumer (``len(nodes)`` for the graph output)."""
+        end = len(self.nodes)
+        last: dict[str, int] = {}
+        for node in self.placeholders + self.nodes:
+            uses = [end if u.op == "output" else self.index_of[u.name] for u in node.users]
+            last[node.name] = max(uses, default=-1)
+        return last
+
+    def crossing_values(self, position: int) -> list[str]:
+        """Values defined at or before layer ``position`` that a later layer or the output needs."""
+        last = self._last_use()
+        defined = [p.name for p in self.placeholders] + [n.name for n in self.nodes[: position + 1]]
+        return [name for name in defined if last[name] > position]
+
+    def _find_clusters(self) -> list[Cluster]:
+        last = self._last_use()
+        placeholder_names = {p.name for p in self.placeholders}
+        live: set[str] = {p.name for p in self.placeholders if last[p.name] >= 0}
+        cuts: list[tuple[int, str]] = []  # (position of the last layer before the cut, crossing value)
+        for pos, node in enumerate(self.nodes[:-1]):
+            live.add(node.name)
+            live = {name for name in live if last[name] > pos}
+            if len(live) == 1:
+                (value,) = live
+                if value not in placeholder_names:
+                    cuts.append((pos, value))
+        cuts = self._drop_cuts_inside_shared_state(cuts)
+        clusters: list[Cluster] = []
+        start = 0
+        for pos, value in cuts:
+            clusters.append(Cluster(len(clusters), start, pos + 1, value))
+            start = pos + 1
+        clusters.append(Cluster(len(clusters), start, len(self.nodes), None))
+        return clusters
+
+    def _drop_cuts_inside_shared_state(self, cuts: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """A module or parameter used by several layers must not be split across stages."""
+        tensors = dict(self.root.named_parameters(remove_duplicate=False))
+        tensors.update(dict(self.root.named_buffers(remove_duplicate=False)))
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for layer in self.layers:
+            for name in layer.state_names:
+                key = id(tensors[name]) if name in tensors else hash(name)
+                first.setdefault(key, layer.index)
+                last[key] = layer.index
+        spans = [(first[k], last[k]) for k in first if last[k] > first[k]]
+        return [(pos, v) for pos, v in cuts if not any(a <= pos < b for a, b in spans)]
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_clusters(self) -> int:
+        return len(self.clusters)
+
+    def layer_counts(self) -> list[int]:
+        return [c.num_layers for c in self.clusters]
+
+    def cluster_layers(self, cluster: Cluster) -> list[Layer]:
+        return self.layers[cluster.start : cluster.end]
+
+    def state_names(self, start_cluster: int, end_cluster: int) -> list[str]:
+        """Parameter and buffer names owned by clusters ``[start_cluster, end_cluster)``."""
+        names: list[str] = []
+        seen: set[str] = set()
+        for cluster in self.clusters[start_cluster:end_cluster]:
+            for layer in self.cluster_layers(cluster):
+                for name in layer.state_names:
+                    if name not in seen:
+                        seen.add(name)
+                        names.append(name)
+        return names
+
+    def parameter_counts(self) -> list[int]:
+        """Number of parameter elements per cluster (for ``partition="parameters"``)."""
+        params = dict(self.root.named_parameters(remove_duplicate=False))
+        counts = []
+        for c in self.clusters:
+            names = self.state_names(c.index, c.index + 1)
+            counts.append(sum(params[n].numel() for n in names if n in params))
+        return counts
+
+    def describe(self) -> str:
+        lines = []
+        for c in self.clusters:
+            names = ", ".join(layer.name for layer in self.cluster_layers(c))
+            lines.append(f"cluster {c.index}: [{names}]")
+        return "\n".join(lines)
+
+    def fetch_attr(self, target: str) -> Any:
+        obj: Any = self.root
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj

@@ -1,0 +1,204 @@
+"""Live layer migration between running stage processes.
+
+For each layer that changes stage (in layer order, the same list on every rank): the source
+announces it with the shapes and dtypes of its parameters and buffers; the target builds the
+empty layer and answers ready; the source sends parameters, buffers and optimizer state, then
+releases them. Migrations run at an optimizer-step boundary, where the synchronous schedules
+(GPipe, 1F1B) have flushed, so no stashed activation needs to move: every micro-batch's backward
+has already run on the stage that ran its forward.
+
+Processing one shared list in order cannot deadlock: the earliest unfinished move always has
+both of its ranks waiting on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_hier.pipeline.graph import LayerGraph
+from lightning_hier.pipeline.partition import StagePartition
+
+
+@dataclass(frozen=True)
+class LayerMove:
+    """Layer ``layer`` (with its parameter/buffer names) moves from stage ``src`` to ``dst``."""
+
+    layer: str
+    state_names: tuple[str, ...]
+    src: int
+    dst: int
+
+
+@dataclass
+class MigrationReport:
+    """What one rank did in one migration: moves, bytes, and the pause it caused."""
+
+    moves: list[LayerMove] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layers": [f"{m.layer}: {m.src}->{m.dst}" for m in self.moves],
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "seconds": self.seconds,
+        }
+
+
+def plan_moves(graph: LayerGraph, old: StagePartition, new: StagePartition) -> list[LayerMove]:
+    """Every layer that owns state and sits on a different stage under ``new``."""
+    moves = []
+    for cluster in graph.clusters:
+        src, dst = old.stage_of_cluster(cluster.index), new.stage_of_cluster(cluster.index)
+        if src == dst:
+            continue
+        for layer in graph.cluster_layers(cluster):
+            if layer.state_names:
+                moves.append(LayerMove(layer.name, layer.state_names, src, dst))
+    return moves
+
+
+# ---------------------------------------------------------------------- local state surgery
+def named_state(root: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by every name they have (tied tensors appear under each name)."""
+    state: dict[str, torch.Tensor] = dict(root.named_parameters(remove_duplicate=False))
+    state.update(dict(root.named_buffers(remove_duplicate=False)))
+    return state
+
+
+def _set_buffer(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = root.get_submodule(owner_name) if owner_name else root
+    owner._buffers[attr] = value
+
+
+def release_state(root: nn.Module, names: Iterable[str], optimizers: Sequence[Optimizer]) -> int:
+    """Drop the storage (and optimizer state) of ``names``; returns the bytes freed.
+
+    Parameters stay registered (empty), so the module, its optimizer param groups and Lightning
+    keep their structure; an optimizer skips them because their gradient is ``None``.
+    """
+    state = named_state(root)
+    params = dict(root.named_parameters(remove_duplicate=False))
+    freed = 0
+    seen: set[int] = set()
+    for name in names:
+        tensor = state[name]
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        freed += tensor.numel() * tensor.element_size()
+        empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        if name in params:
+            params[name].data = empty
+            params[name].grad = None
+            for opt in optimizers:
+                opt.state.pop(params[name], None)
+        else:
+            _set_buffer(root, name, empty)
+    return freed
+
+
+def materialize_state(
+    root: nn.Module, values: dict[str, torch.Tensor], device: torch.device | None = None
+) -> None:
+    """Give ``names`` their storage back with the given values (a copy on ``device``)."""
+    params = dict(root.named_parameters(remove_duplicate=False))
+    for name, value in values.items():
+        target_device = device if device is not None else value.device
+        data = value.detach().to(target_device, copy=True)
+        if name in params:
+            params[name].data = data
+        else:
+            _set_buffer(root, name, data)
+
+
+def _optimizer_state(param: nn.Parameter, optimizers: Sequence[Optimizer]) -> list[dict[str, Any] | None]:
+    return [
+        {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in opt.state[param].items()}
+        if param in opt.state
+        else None
+        for opt in optimizers
+    ]
+
+
+def _install_optimizer_state(
+    param: nn.Parameter, states: list[dict[str, Any] | None], optimizers: Sequence[Optimizer]
+) -> None:
+    for opt, state in zip(optimizers, states):
+        if state is None:
+            continue
+        opt.state[param] = {
+            # Adam-style `step` counters stay where torch keeps them (on the host unless fused)
+            k: (v.to(param.device) if torch.is_tensor(v) and k != "step" else v)
+            for k, v in state.items()
+        }
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---------------------------------------------------------------------- the protocol
+def migrate(
+    moves: Sequence[LayerMove],
+    stage: int,
+    rank_of_stage: Callable[[int], int],
+    root: nn.Module,
+    optimizers: Sequence[Optimizer],
+    device: torch.device,
+) -> MigrationReport:
+    """Carry out ``moves`` on this rank (every rank calls this with the same list)."""
+    report = MigrationReport()
+    start = time.perf_counter()
+    params = dict(root.named_parameters(remove_duplicate=False))
+    for move in moves:
+        if stage not in (move.src, move.dst):
+            continue
+        report.moves.append(move)
+        if stage == move.src:
+            peer = rank_of_stage(move.dst)
+            state = named_state(root)
+            meta = {n: (tuple(state[n].shape), state[n].dtype) for n in move.state_names}
+            dist.send_object_list([{"layer": move.layer, "meta": meta}], dst=peer)
+            ready = torch.zeros(1, dtype=torch.int64)
+            dist.recv(ready, src=peer)
+            if int(ready.item()) != 1:
+                raise RuntimeError(f"stage {move.dst} refused layer {move.layer}.")
+            tensors = {n: state[n].detach().cpu() for n in move.state_names}
+            optim = {n: _optimizer_state(params[n], optimizers) for n in move.state_names if n in params}
+            dist.send_object_list([{"tensors": tensors, "optim": optim}], dst=peer)
+            report.bytes_sent += _nbytes(tensors.values())
+            release_state(root, move.state_names, optimizers)
+        else:
+            peer = rank_of_stage(move.src)
+            announce: list[Any] = [None]
+            dist.recv_object_list(announce, src=peer)
+            meta = announce[0]["meta"]
+            if announce[0]["layer"] != move.layer:
+                raise RuntimeError(f"expected layer {move.layer}, stage {move.src} announced {announce[0]}.")
+            # the empty layer, ready to be filled
+            materialize_state(
+                root, {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in meta.items()}, device
+            )
+            dist.send(torch.ones(1, dtype=torch.int64), dst=peer)
+            payload: list[Any] = [None]
+            dist.recv_object_list(payload, src=peer)
+            state = named_state(root)
+            for name, value in payload[0]["tensors"].items():
+                state[name].data.copy_(value)
+            for name, states in payload[0]["optim"].items():
+                _install_optimizer_state(params[name], states, optimizers)
+            report.bytes_received += _nbytes(payload[0]["tensors"].values())
+    report.seconds = time.perf_counter() - start
+    return report

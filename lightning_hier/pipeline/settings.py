@@ -1,0 +1,142 @@
+"""Validated settings of ``hier_pipeline`` and the initial partition they ask for."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_hier.pipeline.graph import LayerGraph
+from lightning_hier.pipeline.partition import StagePartition, partition_balanced, partition_uniform
+from lightning_hier.pipeline.schedule import SCHEDULES
+
+PARTITION_MODES = ("parameters", "uniform", "time")
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """Everything ``HierPipelineStrategy`` is configured with; invalid values raise at construction."""
+
+    stages: int | None = None
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+    partition: str | Sequence[int] | Sequence[str] = "parameters"
+    rebalance: str | int = "epoch"
+    imbalance_threshold: float = 0.1
+    balance_tolerance: float = 0.02
+    memory_limit: int | None = None
+    swap_bandwidth: float | None = None
+    profile_steps: int = 3
+    leaf_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
+            raise ValueError(f"stages must be a positive integer or None, got {self.stages!r}.")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive integer, got {self.micro_batches!r}.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {list(SCHEDULES)}.")
+        if isinstance(self.partition, str):
+            if self.partition not in PARTITION_MODES:
+                raise ValueError(
+                    f"partition={self.partition!r} is not one of {list(PARTITION_MODES)}, a list of clusters "
+                    "per stage, or a list of layer names where stages begin."
+                )
+        else:
+            items = list(self.partition)
+            if not items or not (
+                all(isinstance(i, int) for i in items) or all(isinstance(i, str) for i in items)
+            ):
+                raise ValueError(
+                    f"partition={self.partition!r}: give clusters per stage (positive integers) or the layer "
+                    "names where stages 1..K-1 begin (strings)."
+                )
+            if isinstance(items[0], int) and any(i < 1 for i in items):
+                raise ValueError(f"partition={items}: every stage needs at least one cluster.")
+        if isinstance(self.rebalance, str):
+            if self.rebalance not in ("epoch", "never"):
+                raise ValueError(
+                    f"rebalance={self.rebalance!r} is not 'epoch', 'never' or a positive number of steps."
+                )
+        elif not isinstance(self.rebalance, int) or self.rebalance < 1:
+            raise ValueError(
+                f"rebalance must be 'epoch', 'never' or a positive integer, got {self.rebalance!r}."
+            )
+        if not (self.imbalance_threshold >= 0 and math.isfinite(self.imbalance_threshold)):
+            raise ValueError(f"imbalance_threshold must be >= 0, got {self.imbalance_threshold!r}.")
+        if not (self.balance_tolerance >= 0 and math.isfinite(self.balance_tolerance)):
+            raise ValueError(f"balance_tolerance must be >= 0, got {self.balance_tolerance!r}.")
+        if self.memory_limit is not None and (
+            not isinstance(self.memory_limit, int) or self.memory_limit < 1
+        ):
+            raise ValueError(
+                f"memory_limit must be a positive number of bytes or None, got {self.memory_limit!r}."
+            )
+        if self.swap_bandwidth is not None and not self.swap_bandwidth > 0:
+            raise ValueError(f"swap_bandwidth must be positive bytes/s or None, got {self.swap_bandwidth!r}.")
+        if not isinstance(self.profile_steps, int) or self.profile_steps < 1:
+            raise ValueError(f"profile_steps must be a positive integer, got {self.profile_steps!r}.")
+
+    def check_world_size(self, world_size: int) -> None:
+        """One stage per process (called before the process group exists)."""
+        if self.stages is not None and self.stages != world_size:
+            raise ValueError(
+                f"hier_pipeline runs one stage per process: stages={self.stages} but the Trainer launches "
+                f"{world_size} process(es) (devices x num_nodes); set devices so that they match."
+            )
+        if not isinstance(self.partition, str):
+            items = list(self.partition)
+            expected = len(items) if isinstance(items[0], int) else len(items) + 1
+            if expected != world_size:
+                raise ValueError(
+                    f"partition={items} describes {expected} stages but the Trainer launches {world_size} "
+                    "process(es)."
+                )
+
+
+def _starts_from_names(graph: LayerGraph, names: Sequence[str]) -> tuple[int, ...]:
+    cluster_start = {}
+    for cluster in graph.clusters:
+        first = graph.layers[cluster.start]
+        cluster_start[first.name] = cluster.index
+        if first.owner is not None:
+            cluster_start.setdefault(first.owner, cluster.index)
+    starts = [0]
+    for name in names:
+        if name not in cluster_start:
+            valid = sorted(cluster_start, key=lambda n: cluster_start[n])
+            raise ValueError(
+                f"partition: stages can only begin where a cluster begins; {name!r} does not. Valid split "
+                f"points: {valid[1:]}"
+            )
+        starts.append(cluster_start[name])
+    if any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"partition: split points {list(names)} must be in execution order and distinct.")
+    return tuple(starts)
+
+
+def initial_partition(graph: LayerGraph, settings: PipelineSettings, num_stages: int) -> StagePartition:
+    """The split training starts with (``"time"`` starts like ``"parameters"``)."""
+    n = graph.num_clusters
+    if num_stages > n:
+        raise ValueError(
+            f"hier_pipeline: {num_stages} stages but the model splits into only {n} cluster(s) "
+            f"(single-entry/single-exit layer groups); use at most {n} stages.\n{graph.describe()}"
+        )
+    mode = settings.partition
+    if mode == "uniform":
+        return partition_uniform(graph.layer_counts(), num_stages)
+    if mode in ("parameters", "time"):
+        counts = [float(c) for c in graph.parameter_counts()]
+        if sum(counts) == 0:
+            return partition_uniform(graph.layer_counts(), num_stages)
+        return partition_balanced(counts, num_stages, None, 0.0)
+    items = list(mode)
+    if isinstance(items[0], int):
+        if sum(items) != n:
+            raise ValueError(f"partition={items} covers {sum(items)} clusters; the model has {n}.")
+        starts = [0]
+        for count in items[:-1]:
+            starts.append(starts[-1] + count)
+        return StagePartition(tuple(starts), n)
+    return StagePartition(_starts_from_names(graph, items), n)

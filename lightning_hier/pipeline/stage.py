@@ -1,0 +1,185 @@
+"""Run one stage's share of a traced model, and time every layer while doing so.
+
+The stage interprets its slice of the fx graph node by node (rather than building a sub
+``GraphModule``) because its slice changes at run time when layers migrate: re-slicing is just a
+new ``[start, end)``. Layers call the model's own submodules, so parameters keep their names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from lightning_hier.pipeline.graph import LayerGraph
+from lightning_hier.pipeline.partition import StagePartition
+
+KEEP = "keep"
+
+LayerRun = Callable[[str, str, Callable[..., Any], tuple[Any, ...]], Any]
+
+
+class LayerTimes:
+    """Running sums of per-layer forward and backward seconds (per micro-batch) and exit bytes."""
+
+    def __init__(self, num_layers: int, num_clusters: int) -> None:
+        self.forward = [0.0] * num_layers
+        self.backward = [0.0] * num_layers
+        self.forward_count = [0] * num_layers
+        self.backward_count = [0] * num_layers
+        self.exit_bytes = [0] * num_clusters
+
+    def mean_forward(self, layer: int) -> float:
+        return self.forward[layer] / max(self.forward_count[layer], 1)
+
+    def mean_backward(self, layer: int) -> float:
+        return self.backward[layer] / max(self.backward_count[layer], 1)
+
+    def summary(self, layers: range) -> dict[int, tuple[float, float]]:
+        """``{layer: (mean forward s, mean backward s)}`` for layers measured at least once."""
+        return {i: (self.mean_forward(i), self.mean_backward(i)) for i in layers if self.forward_count[i] > 0}
+
+
+class StageExecutor:
+    """Executes clusters ``partition.stage_ranges()[stage]`` of ``graph``.
+
+    ``forward(value)`` takes the single value entering the stage (for stage 0: the model's
+    forward arguments) and returns the single value leaving it (the model's output on the last
+    stage). Per-layer forward time is taken around each node; backward time per layer comes from
+    gradient hooks on each layer's output (the time between the gradient reaching a layer's
+    output and the next gradient arrival).
+    """
+
+    def __init__(self, graph: LayerGraph, partition: StagePartition, stage: int) -> None:
+        self.graph = graph
+        self.stage = stage
+        self.times = LayerTimes(len(graph.layers), graph.num_clusters)
+        self.policies: dict[str, str] = {}
+        self.layer_run: LayerRun | None = None
+        self.timing = True
+        self._events: list[tuple[float, int]] = []
+        self.set_partition(partition)
+
+    # ------------------------------------------------------------------ placement
+    def set_partition(self, partition: StagePartition) -> None:
+        if partition.num_clusters != self.graph.num_clusters:
+            raise ValueError(
+                f"partition has {partition.num_clusters} clusters, the model {self.graph.num_clusters}."
+            )
+        self.partition = partition
+        first, last = partition.stage_ranges()[self.stage]
+        clusters = self.graph.clusters
+        self.cluster_range = range(first, last)
+        self.layer_range = range(clusters[first].start, clusters[last - 1].end)
+        self.entry_value = clusters[first - 1].exit_value if first > 0 else None
+        self.exit_value = clusters[last - 1].exit_value
+        self.is_first = first == 0
+        self.is_last = last == self.graph.num_clusters
+        last_use: dict[str, int] = {}
+        for i in self.layer_range:
+            for arg in self.graph.nodes[i].all_input_nodes:
+                last_use[arg.name] = i
+        keep = {self.exit_value} if self.exit_value is not None else set()
+        self._free_after: dict[int, list[str]] = {}
+        if not self.is_last:
+            for name, i in last_use.items():
+                if name not in keep:
+                    self._free_after.setdefault(i, []).append(name)
+        self._exit_of_layer = {
+            clusters[c].end - 1: c for c in self.cluster_range if clusters[c].exit_value is not None
+        }
+
+    def state_names(self) -> list[str]:
+        return self.graph.state_names(self.cluster_range.start, self.cluster_range.stop)
+
+    # ------------------------------------------------------------------ forward
+    def _bind_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        placeholders = self.graph.placeholders
+        if len(args) > len(placeholders):
+            raise TypeError(f"forward takes {len(placeholders)} inputs, got {len(args)}.")
+        for node, value in zip(placeholders, args):
+            env[node.name] = value
+        for node in placeholders[len(args) :]:
+            name = str(node.target).lstrip("*")
+            if name in kwargs:
+                env[node.name] = kwargs[name]
+            elif node.args:
+                env[node.name] = node.args[0]
+            else:
+                raise TypeError(f"forward is missing the input {name!r}.")
+        return env
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run this stage; stage 0 takes the model's inputs, the others the value sent to them."""
+        if self.is_first:
+            env = self._bind_inputs(args, kwargs)
+        else:
+            (value,) = args
+            env = {self.entry_value: value}
+        record_backward = self.timing and torch.is_grad_enabled()
+        graph = self.graph
+        for i in self.layer_range:
+            node = graph.nodes[i]
+            start = time.perf_counter()
+            value = self._run_node(node, env)
+            if self.timing:
+                self.times.forward[i] += time.perf_counter() - start
+                self.times.forward_count[i] += 1
+            env[node.name] = value
+            if record_backward and isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                value.register_hook(self._backward_hook(i))
+            cluster = self._exit_of_layer.get(i)
+            if cluster is not None and self.timing:
+                exit_value = env[graph.clusters[cluster].exit_value]
+                if isinstance(exit_value, torch.Tensor):
+                    self.times.exit_bytes[cluster] = exit_value.numel() * exit_value.element_size()
+            for name in self._free_after.get(i, ()):
+                env.pop(name, None)
+        if self.is_last:
+            assert graph.output_node is not None
+            return fx.node.map_arg(graph.output_node.args[0], lambda n: env[n.name])
+        return env[self.exit_value]
+
+    def _run_node(self, node: fx.Node, env: dict[str, Any]) -> Any:
+        if node.op == "get_attr":
+            return self.graph.fetch_attr(str(node.target))
+        args = fx.node.map_arg(node.args, lambda n: env[n.name])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+        if node.op == "call_module":
+            fn: Callable[..., Any] = self.graph.root.get_submodule(str(node.target))
+        elif node.op == "call_function":
+            fn = node.target  # type: ignore[assignment]
+        else:
+            self_obj, *rest = args
+            fn = getattr(self_obj, str(node.target))
+            args = tuple(rest)
+        policy = self.policies.get(node.name, KEEP)
+        if self.layer_run is None or (policy == KEEP and not self.layer_run_always):
+            return fn(*args, **kwargs)
+        call = (lambda *a: fn(*a, **kwargs)) if kwargs else fn
+        return self.layer_run(node.name, policy, call, tuple(args))
+
+    layer_run_always = False
+
+    # ------------------------------------------------------------------ backward timing
+    def _backward_hook(self, layer: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._events.append((time.perf_counter(), layer))
+
+        return hook
+
+    def finish_backward(self) -> None:
+        """Attribute the gradient-arrival intervals of one micro-batch's backward to layers."""
+        end = time.perf_counter()
+        events = sorted(self._events)
+        self._events = []
+        for (t, layer), (t_next, _) in zip(events, events[1:] + [(end, -1)]):
+            self.times.backward[layer] += t_next - t
+            self.times.backward_count[layer] += 1
+
+    def reset_times(self) -> None:
+        self.times = LayerTimes(len(self.graph.layers), self.graph.num_clusters)

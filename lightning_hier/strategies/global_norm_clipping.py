@@ -1,0 +1,40 @@
+"""Lightning's gradient-norm clipping over the global norm when each rank holds part of the model.
+
+Lightning clips through the precision plugin, which only sees this rank's gradients (a slice
+under ``hier_sliced``, a stage under ``hier_pipeline``). Subclassing the plugin's own class
+(instead of wrapping it) keeps every ``isinstance`` check Lightning makes on the plugin true,
+and unscaling in AMP plugins still runs before the norm. The strategy's ``engine`` provides
+``clip_grad_norm_(max_norm)``, which all-reduces the squared norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.plugins.precision import Precision
+from torch.optim import Optimizer
+
+
+def _clip_grad_by_norm(self: Precision, optimizer: Optimizer, clip_val: int | float) -> None:
+    strategy: Any = self._hier_strategy  # type: ignore[attr-defined]
+    assert strategy.engine is not None
+    strategy.engine.clip_grad_norm_(float(clip_val))
+
+
+def install_global_norm_clipping(plugin: Precision, strategy: Any) -> None:
+    """Route ``clip_grad_by_norm`` of ``plugin`` to ``strategy.engine.clip_grad_norm_``."""
+    base = type(plugin)
+    if not getattr(base, "_hier_global_norm", False):
+        patched = type(f"GlobalNorm{base.__name__}", (base,), {"clip_grad_by_norm": _clip_grad_by_norm})
+        patched._hier_global_norm = True  # type: ignore[attr-defined]
+        patched._hier_base = base  # type: ignore[attr-defined]
+        plugin.__class__ = patched
+    plugin._hier_strategy = strategy  # type: ignore[attr-defined]
+
+
+def remove_global_norm_clipping(plugin: Precision) -> None:
+    """Give the plugin its own class back (at teardown)."""
+    base = getattr(type(plugin), "_hier_base", None)
+    if base is not None:
+        plugin.__class__ = base
+        plugin.__dict__.pop("_hier_strategy", None)

@@ -1,0 +1,429 @@
+"""``strategy="hier_pipeline"``: pipeline stages rebalanced by live layer migration.
+
+A thin adapter: Lightning's DDP machinery launches the processes and makes the default group;
+:class:`lightning_hier.pipeline.engine.PipelineEngine` runs the stage. See ``docs/hier_pipeline.md``
+for the contract a LightningModule follows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+
+from lightning_hier.pipeline.batching import split_batch
+from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
+from lightning_hier.pipeline.graph import LayerGraph
+from lightning_hier.pipeline.partition import StagePartition
+from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
+from lightning_hier.strategies.global_norm_clipping import (
+    install_global_norm_clipping,
+    remove_global_norm_clipping,
+)
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "hier_pipeline"
+
+
+class _StageOutput(BaseException):
+    """Ends the user's step on a non-last stage right after its ``forward`` (not an error)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+
+@contextmanager
+def _forward_replaced(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+class HierPipelineStrategy(DDPStrategy):
+    """Pipeline-parallel training whose stage split follows measured layer times.
+
+    The LightningModule's ``forward`` is traced (torch.fx) into layers, grouped into
+    single-entry/single-exit clusters and split into one stage per process. Each step runs
+    ``micro_batches`` micro-batches through the stages with a GPipe or 1F1B schedule. Every stage
+    times its layers; at each rebalance point the last stage compares stage times and, when
+    ``(max - min) / mean > imbalance_threshold``, computes a new split (slowest stage minimal;
+    among near-optimal splits, fewest bytes between stages) and the layers that change stage
+    migrate live with their parameters and optimizer state. With ``memory_limit`` each stage then
+    picks keep / swap-to-host / recompute per layer for its stashed activations.
+
+    Args:
+        stages: number of stages; ``None`` takes the number of processes (one stage each).
+        micro_batches: micro-batches per step (the batch is split along dimension 0).
+        schedule: ``"1f1b"`` (one forward, one backward; stage ``s`` holds at most
+            ``stages - s`` micro-batches) or ``"gpipe"`` (all forwards, then all backwards).
+        partition: initial split: ``"parameters"`` (balance parameter counts), ``"uniform"``
+            (equal layer counts), ``"time"`` (start by parameters, then repartition from measured
+            times after ``profile_steps`` steps), a list of clusters per stage, or a list of layer
+            names at which stages 1..K-1 begin.
+        rebalance: ``"epoch"`` (check at each epoch's last step), ``"never"``, or an integer N
+            (check every N optimizer steps).
+        imbalance_threshold: repartition when ``(max - min) / mean`` of stage times exceeds this.
+        balance_tolerance: splits whose slowest stage is within this fraction of the best one
+            compete on bytes crossing stage boundaries.
+        memory_limit: bytes of stashed activations (plus parameters, gradients and optimizer state)
+            a stage may hold; ``None`` keeps every activation.
+        swap_bandwidth: host-link bytes per second for the swap cost; ``None`` measures it.
+        profile_steps: steps measured before the first ``partition="time"`` split and before the
+            first memory plan.
+        leaf_modules: submodule names traced as one opaque layer (for code fx cannot trace).
+    """
+
+    strategy_name = "hier_pipeline"
+
+    def __init__(
+        self,
+        stages: int | None = None,
+        micro_batches: int = 4,
+        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        partition: str | Sequence[int] | Sequence[str] = "parameters",
+        rebalance: str | int = "epoch",
+        imbalance_threshold: float = 0.1,
+        balance_tolerance: float = 0.02,
+        memory_limit: int | None = None,
+        swap_bandwidth: float | None = None,
+        profile_steps: int = 3,
+        leaf_modules: Sequence[str] = (),
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.settings = PipelineSettings(
+            stages=stages,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            partition=partition,
+            rebalance=rebalance,
+            imbalance_threshold=imbalance_threshold,
+            balance_tolerance=balance_tolerance,
+            memory_limit=memory_limit,
+            swap_bandwidth=swap_bandwidth,
+            profile_steps=profile_steps,
+            leaf_modules=tuple(leaf_modules),
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.engine: PipelineEngine | None = None
+        self._time_split_done = False
+        self._user_zero_grad: Callable[..., Any] = lambda *args, **kwargs: None
+
+    # ------------------------------------------------------------------ environment
+    def setup_distributed(self) -> None:
+        self.settings.check_world_size(self.num_nodes * self.num_processes)
+        super().setup_distributed()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage reads the same batches: stage 0 needs the inputs, the last stage the targets
+        return {"num_replicas": 1, "rank": 0}
+
+    @staticmethod
+    def _keep_users_sampler(trainer: pl.Trainer) -> None:
+        """Stages are not data-parallel replicas: each reads the user's loader as it is.
+
+        Lightning would otherwise inject a (shuffling) DistributedSampler because the run is
+        distributed; with one replica it would only change the order the user asked for.
+        """
+        trainer._accelerator_connector.use_distributed_sampler = False
+
+    def _take_over_zero_grad(self, module: pl.LightningModule) -> None:
+        """Lightning zeroes gradients between ``training_step`` and ``backward``; the schedule's
+        backward runs inside ``training_step``, so the strategy zeroes them before it instead."""
+        if "optimizer_zero_grad" not in module.__dict__:
+            self._user_zero_grad = module.optimizer_zero_grad
+            module.optimizer_zero_grad = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+    def _zero_grad(self, batch_idx: int) -> None:
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        if batch_idx % max(int(trainer.accumulate_grad_batches), 1) != 0:
+            return
+        for optimizer in self.optimizers:
+            for callback in trainer.callbacks:
+                callback.on_before_zero_grad(trainer, module, optimizer)
+            module.on_before_zero_grad(optimizer)
+            self._user_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+
+    @property
+    def num_stages(self) -> int:
+        return self.world_size
+
+    @property
+    def stage(self) -> int:
+        return self.world_size - 1 - self.global_rank
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        module = self.lightning_module
+        assert module is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not module.automatic_optimization:
+            raise ValueError(
+                "HierPipelineStrategy runs backward inside its schedule and needs automatic optimization; "
+                "set `self.automatic_optimization = True` or use strategy='ddp'."
+            )
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            raise ValueError(
+                "HierPipelineStrategy does not support precision='16-mixed' (a loss scaler across stages); "
+                "use '32-true' or 'bf16-mixed'."
+            )
+        self.precision_plugin.convert_module(self.model)
+        if self.engine is None:
+            self._build_engine()
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+            assert self.engine is not None
+            self.engine.set_optimizers(self.optimizers)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            install_global_norm_clipping(self.precision_plugin, self)
+        self._install_metric_sync(trainer)
+        self._keep_users_sampler(trainer)
+        if fitting:
+            self._take_over_zero_grad(module)
+
+    def _build_engine(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        graph = LayerGraph(module, self.settings.leaf_modules)
+        decided: list[Any] = [None]
+        if self.global_rank == 0:
+            decided = [initial_partition(graph, self.settings, self.num_stages)]
+        dist.broadcast_object_list(decided, src=0)
+        partition: StagePartition = decided[0]
+        self.engine = PipelineEngine(
+            graph, partition, self.stage, self.root_device, self.settings.schedule, self.settings
+        )
+        log.info("hier_pipeline: %d clusters, partition %s", graph.num_clusters, partition)
+
+    def _install_metric_sync(self, trainer: pl.Trainer) -> None:
+        from lightning_hier.callbacks.stage_rebalancer import StageMetricsSync
+
+        if not any(isinstance(cb, StageMetricsSync) for cb in trainer.callbacks):
+            # before ModelCheckpoint / EarlyStopping, which read the metrics on every rank
+            trainer.callbacks.insert(0, StageMetricsSync())
+
+    # ------------------------------------------------------------------ steps
+    def _step_forward(
+        self, step_name: str, micro: list[tuple[Any, int]], total: int, args: tuple[Any, ...], scale: float
+    ) -> Callable[[int, torch.Tensor | None], Any]:
+        """Per micro-batch: what this stage computes, calling the module's own ``*_step`` at the ends."""
+        engine = self.engine
+        module = self.lightning_module
+        assert engine is not None and module is not None
+        executor = engine.executor
+        step_fn = getattr(module, step_name)
+        self._losses: list[torch.Tensor] = []
+        self._outputs: list[Any] = []
+
+        def run_user_step(m: int, forward: Callable[..., Any]) -> Any:
+            with _forward_replaced(module, forward):
+                return step_fn(micro[m][0], *args)
+
+        def forward(m: int, received: torch.Tensor | None) -> Any:
+            if engine.is_first and not engine.is_last:
+
+                def first_stage(*f_args: Any, **f_kwargs: Any) -> Any:
+                    raise _StageOutput(executor.forward(*f_args, **f_kwargs))
+
+                try:
+                    run_user_step(m, first_stage)
+                except _StageOutput as out:
+                    return out.value
+                raise RuntimeError(
+                    f"{type(module).__name__}.{step_name} returned without calling self(...); under "
+                    "hier_pipeline the step must run the model through its forward once."
+                )
+            if not engine.is_last:
+                return executor.forward(received)
+
+            def last_stage(*f_args: Any, **f_kwargs: Any) -> Any:
+                if engine.is_first:
+                    return executor.forward(*f_args, **f_kwargs)
+                return executor.forward(received)
+
+            output = run_user_step(m, last_stage)
+            if step_name != "training_step":
+                self._outputs.append(output)
+                return output
+            loss = output["loss"] if isinstance(output, dict) else output
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(
+                    f"training_step must return a loss tensor (or a dict with 'loss'), got {output!r}."
+                )
+            weight = micro[m][1] / total
+            self._losses.append(loss.detach() * weight)
+            return loss * (weight * scale)
+
+        return forward
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.engine is not None and self.lightning_module is not None
+        batch, *rest = args
+        micro, total = split_batch(batch, self.settings.micro_batches)
+        trainer = self.lightning_module.trainer
+        self._zero_grad(int(rest[0]) if rest else trainer.fit_loop.epoch_loop.batch_idx)
+        scale = 1.0 / max(int(trainer.accumulate_grad_batches), 1)
+        with self.precision_plugin.train_step_context():
+            forward = self._step_forward("training_step", micro, total, tuple(rest), scale)
+            self.engine.train_step(len(micro), forward)
+        loss = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=self.root_device)
+        loss = loss.to(self.root_device)
+        dist.broadcast(loss, src=rank_of_stage(self.num_stages, self.num_stages - 1))
+        return loss
+
+    def _eval_step(self, step_name: str, context: Any, *args: Any) -> Any:
+        assert self.engine is not None
+        batch, *rest = args
+        micro = [(batch, 0)]
+        with context():
+            forward = self._step_forward(step_name, micro, 1, tuple(rest), 1.0)
+            self.engine.eval_step(1, forward)
+        return self._outputs[0] if self._outputs else None
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context, *args)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", self.precision_plugin.test_step_context, *args)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args)
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Any:
+        # the schedule already ran every micro-batch's backward inside training_step
+        return closure_loss
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        # stages are not replicas: a value logged on the last stage is already the whole batch's
+        return tensor
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._maybe_rebalance()
+        return output
+
+    def _maybe_rebalance(self) -> None:
+        assert self.engine is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        steps = trainer.global_step + 1  # global_step is incremented after optimizer_step returns
+        settings = self.settings
+        if settings.partition == "time" and not self._time_split_done and steps >= settings.profile_steps:
+            self._time_split_done = True
+            self.engine.rebalance(settings.imbalance_threshold, settings.balance_tolerance, force=True)
+            self.engine.decide_memory_plan()
+            return
+        if self.engine.memory_plan_due(steps):
+            self.engine.decide_memory_plan()
+        if settings.rebalance == "never":
+            return
+        if settings.rebalance == "epoch":
+            loop = trainer.fit_loop.epoch_loop
+            due = loop.batch_progress.is_last_batch or loop.batch_idx + 1 >= trainer.num_training_batches
+        else:
+            due = steps % int(settings.rebalance) == 0
+        if due:
+            decision = self.engine.rebalance(settings.imbalance_threshold, settings.balance_tolerance)
+            if decision.new is not None:
+                self.engine.decide_memory_plan()
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # stages and their owned tensors must exist before states are loaded
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        state = self.lightning_module.state_dict()
+        if self.engine is None:
+            return state
+        return self.engine.consolidated_state_dict(state)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.engine is None:
+            return super().optimizer_state(optimizer)
+        return self.engine.consolidated_optimizer_state(optimizer)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self.engine is not None:
+            checkpoint[CHECKPOINT_KEY] = self.engine.checkpoint_meta()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if self.engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self.engine.load_full_state(checkpoint["state_dict"], checkpoint.get(CHECKPOINT_KEY), strict=strict)
+        return None
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self.engine is not None:
+            self.engine.drop_foreign_optimizer_state()
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        remove_global_norm_clipping(self.precision_plugin)
+        module = self.lightning_module
+        if module is not None and "optimizer_zero_grad" in module.__dict__:
+            del module.optimizer_zero_grad
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Pipeline stages rebalanced by live layer migration, with keep/swap/recompute "
+            "per layer",
+        )

@@ -1,0 +1,82 @@
+"""Models and data for the hier_pipeline tests (plain LightningModules, as a user writes them)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Residual(nn.Module):
+    """A fork/join block: two branches joined by an add (one cluster)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.left = nn.Linear(width, width)
+        self.right = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.left(x)) + self.right(x)
+
+
+class SkewedNet(pl.LightningModule):
+    """Blocks of very different widths; ``heavy`` blocks are wide (slow), the rest narrow."""
+
+    def __init__(
+        self,
+        in_features: int = 16,
+        classes: int = 4,
+        widths: tuple[int, ...] = (32, 32, 256, 256, 32, 32, 32, 32),
+        optimizer: str = "adam",
+        lr: float = 0.01,
+    ) -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.stem = nn.Linear(in_features, widths[0])
+        self.blocks = nn.ModuleList()
+        prev = widths[0]
+        for width in widths:
+            self.blocks.append(nn.Sequential(nn.Linear(prev, width), nn.Tanh()))
+            prev = width
+        self.res = Residual(prev)
+        self.head = nn.Linear(prev, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.res(x))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+
+    def predict_step(self, batch, batch_idx):  # noqa: ANN001
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def dataset(n: int = 256, in_features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, in_features, generator=g)
+    w = torch.randn(in_features, classes, generator=g)
+    y = (x @ w).argmax(-1)
+    return TensorDataset(x, y)
+
+
+def loader(batch_size: int = 32, **kwargs) -> DataLoader:  # noqa: ANN003
+    return DataLoader(dataset(**kwargs), batch_size=batch_size, shuffle=False)
