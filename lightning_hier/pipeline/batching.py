@@ -50,5 +50,8 @@ def split_batch(batch: Any, num_micro: int) -> tuple[list[tuple[Any, int]], int]
             "dimension to split into micro-batches."
         )
     parts = max(1, min(num_micro, size))
-    bounds = [round(i * size / parts) for i in range(parts + 1)]
+    base, extra = divmod(size, parts)  # like torch.tensor_split: the first `extra` parts are longer
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return [(_take(batch, a, b, size), b - a) for a, b in zip(bounds, bounds[1:])], size

@@ -10,6 +10,7 @@ repartitions, is rank 0, where Lightning logs and saves.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,17 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_hier.pipeline.activation_store import ActivationMeter, LayerRunner
 from lightning_hier.pipeline.graph import LayerGraph
+from lightning_hier.pipeline.memory_policy import (
+    KEEP,
+    SWAP,
+    LayerMemoryStats,
+    MemoryLimitError,
+    MemoryPlan,
+    decide_memory_plan,
+    needs_new_plan,
+)
 from lightning_hier.pipeline.migration import (
     MigrationReport,
     materialize_state,
@@ -99,9 +110,18 @@ class PipelineEngine:
         self.link = StageLink(stage, self.num_stages, self._rank_of_stage, device)
         self.schedule = PipelineSchedule(self.link, schedule, on_backward_done=self.executor.finish_backward)
         self.history: list[RebalanceEvent] = []
+        self.checks: list[tuple[int, str, bool]] = []  # (step, reason, split changed) per check
         self.last_decision: RebalanceDecision | None = None
         self.steps = 0
+        self.meter: ActivationMeter | None = None
+        self.runner: LayerRunner | None = None
+        self.memory_plan: MemoryPlan | None = None
+        self.memory_plans: list[str] = []
+        self._kept_bytes: dict[str, int] = {}
+        self.layer_table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
+        self._measured_bandwidth: float | None = None
         self._release_foreign_state()
+        self._enable_memory_policy()
 
     def _rank_of_stage(self, stage: int) -> int:
         return rank_of_stage(self.num_stages, stage)
@@ -143,10 +163,15 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ rebalancing
     def local_times(self) -> dict[str, Any]:
+        """This stage's measurements since the last check: layer times, exit and activation bytes."""
         times = self.executor.times
+        self._refresh_kept_bytes()
+        names = {i: self.graph.layers[i].name for i in self.executor.layer_range}
         return {
             "layers": times.summary(self.executor.layer_range),
             "exit_bytes": {c: times.exit_bytes[c] for c in self.executor.cluster_range},
+            "input_bytes": {i: times.input_bytes[i] for i in self.executor.layer_range},
+            "saved_bytes": {i: self._kept_bytes[n] for i, n in names.items() if n in self._kept_bytes},
         }
 
     def rebalance(self, threshold: float, tolerance: float = 0.02, force: bool = False) -> RebalanceDecision:
@@ -155,19 +180,21 @@ class PipelineEngine:
         dist.gather_object(self.local_times(), gathered if self.is_last else None, dst=self._last_rank)
         payload: list[Any] = [None]
         if self.is_last:
-            layer_times: dict[int, tuple[float, float]] = {}
+            table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
             exit_bytes = [0] * self.graph.num_clusters
             for item in gathered:
-                layer_times.update(item["layers"])
+                for key in table:
+                    table[key].update(item[key])
                 for c, b in item["exit_bytes"].items():
                     exit_bytes[c] = b
             decision = decide_rebalance(
-                self.graph, self.partition, layer_times, exit_bytes, threshold, tolerance, force
+                self.graph, self.partition, table["layers"], exit_bytes, threshold, tolerance, force
             )
-            payload = [decision]
+            payload = [(decision, table)]
         dist.broadcast_object_list(payload, src=self._last_rank)
-        decision = payload[0]
+        decision, self.layer_table = payload[0]
         self.last_decision = decision
+        self.checks.append((self.steps, decision.reason, decision.new is not None))
         self.executor.reset_times()
         if decision.new is None:
             return decision
@@ -320,12 +347,140 @@ class PipelineEngine:
         return total
 
     # ------------------------------------------------------------------ memory policy
-    def memory_plan_due(self, steps: int) -> bool:
-        return False
+    def _enable_memory_policy(self) -> None:
+        """With a ``memory_limit`` every layer runs through the runner, which measures what it stashes."""
+        if self.settings.memory_limit is None:
+            return
+        self.meter = ActivationMeter()
+        self.runner = LayerRunner(self.meter, self.device)
+        self.executor.layer_run = self.runner
+        self.executor.layer_run_always = True
 
-    def decide_memory_plan(self) -> None:
-        return None
+    def memory_plan_due(self, steps: int) -> bool:
+        """The first plan after ``profile_steps`` steps; afterwards at every rebalance check."""
+        return self.settings.memory_limit is not None and steps == self.settings.profile_steps
+
+    def base_bytes(self) -> int:
+        """Parameters, gradients and optimizer state of this stage (they count against the limit)."""
+        state = named_state(self.root)
+        owned = {id(state[n]) for n in self.owned_state_names() if n in state}
+        total = 0
+        for tensor in state.values():
+            if id(tensor) not in owned:
+                continue
+            owned.discard(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+            if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                total += tensor.numel() * tensor.element_size()  # its gradient
+        for opt in self.optimizers:
+            for per_param in opt.state.values():
+                total += sum(v.numel() * v.element_size() for v in per_param.values() if torch.is_tensor(v))
+        return total
+
+    def swap_bandwidth(self) -> float:
+        """Host-link bytes/s: the setting, else a one-off timed device-to-host copy of 32 MiB."""
+        if self.settings.swap_bandwidth is not None:
+            return float(self.settings.swap_bandwidth)
+        if self._measured_bandwidth is None:
+            self._measured_bandwidth = measure_host_bandwidth(self.device)
+        return self._measured_bandwidth
+
+    def _refresh_kept_bytes(self) -> None:
+        """Bytes each layer stashes when kept: measured under keep or swap (recompute hides them)."""
+        if self.meter is None:
+            return
+        for i in self.executor.layer_range:
+            name = self.graph.layers[i].name
+            policy = self.executor.policies.get(name, KEEP)
+            if policy == KEEP and name in self.meter.layer_bytes:
+                self._kept_bytes[name] = self.meter.layer_bytes[name]
+            elif policy == SWAP and name in self.meter.layer_host_bytes:
+                self._kept_bytes[name] = self.meter.layer_host_bytes[name]
+
+    def layer_memory_stats(self) -> list[LayerMemoryStats]:
+        """This stage's layers as the memory policy sees them (per micro-batch, as if kept).
+
+        Layers measured here since the last check use this stage's figures; layers that just
+        migrated in use the figures their previous stage sent with the rebalance decision.
+        """
+        self._refresh_kept_bytes()
+        times = self.executor.times
+        table = self.layer_table
+        stats = []
+        for i in self.executor.layer_range:
+            name = self.graph.layers[i].name
+            if times.forward_count[i] > 0:
+                forward, backward = times.mean_forward(i), times.mean_backward(i)
+                input_bytes = times.input_bytes[i]
+            else:
+                forward, backward = table["layers"].get(i, (0.0, 0.0))
+                input_bytes = table["input_bytes"].get(i, 0)
+            saved = self._kept_bytes.get(name, table["saved_bytes"].get(i, 0))
+            stats.append(LayerMemoryStats(name, saved, input_bytes, forward, backward))
+        return stats
+
+    def measured_peak_bytes(self) -> int:
+        """Base bytes plus the peak of stashed activations measured since the last plan."""
+        return self.base_bytes() + (self.meter.peak_bytes if self.meter is not None else 0)
+
+    def decide_memory_plan(self, force: bool = True) -> MemoryPlan | None:
+        """Each stage picks keep / swap / recompute per layer (collective: errors end every stage)."""
+        limit = self.settings.memory_limit
+        if limit is None or self.meter is None:
+            return None
+        error: tuple[str, int] | None = None
+        plan = self.memory_plan
+        if force or needs_new_plan(plan, self.measured_peak_bytes(), limit):
+            try:
+                plan = decide_memory_plan(
+                    self.layer_memory_stats(),
+                    in_flight=self.schedule.in_flight_limit(self.settings.micro_batches),
+                    memory_limit=limit,
+                    swap_bandwidth=self.swap_bandwidth(),
+                    base_bytes=self.base_bytes(),
+                    previous=plan,
+                )
+            except MemoryLimitError as exc:
+                error = (f"stage {self.stage}: {exc}", exc.required_bytes)
+        errors: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(errors, error)
+        failed = [e for e in errors if e is not None]
+        if failed:  # every stage raises, so none waits for the others in the next step
+            raise MemoryLimitError(
+                "; ".join(message for message, _ in failed),
+                memory_limit=limit,
+                required_bytes=max(required for _, required in failed),
+            )
+        assert plan is not None
+        self.memory_plan = plan
+        self.executor.policies = plan.as_mapping()
+        self.meter.reset_peak()
+        plans: list[Any] = [None] * self.num_stages if self.is_last else []
+        dist.gather_object(str(plan), plans if self.is_last else None, dst=self._last_rank)
+        if self.is_last:
+            self.memory_plans = plans
+            if self.history:
+                self.history[-1].memory_plans = plans
+        log.info("hier_pipeline stage %d memory plan: %s", self.stage, plan)
+        return plan
 
     def timing_summary(self) -> str:
         times = self.stage_times()
         return f"stage times {[round(t * 1e3, 2) for t in times]} ms, imbalance {self.imbalance:.3f}"
+
+
+def measure_host_bandwidth(device: torch.device, nbytes: int = 32 << 20) -> float:
+    """Bytes per second of a device-to-host copy (pinned on CUDA), best of three."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pinned = device.type == "cuda"
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    best = float("inf")
+    for _ in range(3):
+        if pinned:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source, non_blocking=pinned)
+        if pinned:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / max(best, 1e-9)

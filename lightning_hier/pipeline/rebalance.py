@@ -74,4 +74,5 @@ def decide_rebalance(
         return RebalanceDecision(partition, None, times, times, "the best split is the current one")
     if max(predicted) >= max(times):
         return RebalanceDecision(partition, None, times, times, "no split makes the slowest stage faster")
-    return RebalanceDecision(partition, candidate, times, predicted, f"imbalance {spread:.3f} > {threshold}")
+    reason = "split from measured times" if force else f"imbalance {spread:.3f} > {threshold}"
+    return RebalanceDecision(partition, candidate, times, predicted, reason)

@@ -31,6 +31,7 @@ class LayerTimes:
         self.forward_count = [0] * num_layers
         self.backward_count = [0] * num_layers
         self.exit_bytes = [0] * num_clusters
+        self.input_bytes = [0] * num_layers
 
     def mean_forward(self, layer: int) -> float:
         return self.forward[layer] / max(self.forward_count[layer], 1)
@@ -121,6 +122,9 @@ class StageExecutor:
             (value,) = args
             env = {self.entry_value: value}
         record_backward = self.timing and torch.is_grad_enabled()
+        begin = getattr(self.layer_run, "begin_forward", None)
+        if begin is not None:
+            begin()
         graph = self.graph
         for i in self.layer_range:
             node = graph.nodes[i]
@@ -157,6 +161,10 @@ class StageExecutor:
             self_obj, *rest = args
             fn = getattr(self_obj, str(node.target))
             args = tuple(rest)
+        if self.timing:
+            self.times.input_bytes[self.graph.index_of[node.name]] = sum(
+                a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
+            )
         policy = self.policies.get(node.name, KEEP)
         if self.layer_run is None or (policy == KEEP and not self.layer_run_always):
             return fn(*args, **kwargs)

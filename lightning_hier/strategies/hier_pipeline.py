@@ -7,6 +7,7 @@ for the contract a LightningModule follows.
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,6 +38,11 @@ from lightning_hier.strategies.global_norm_clipping import (
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "hier_pipeline"
+
+
+def _destroy_process_group_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _StageOutput(BaseException):
@@ -145,6 +151,10 @@ class HierPipelineStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         self.settings.check_world_size(self.num_nodes * self.num_processes)
         super().setup_distributed()
+        # Gloo's worker threads can still hold the point-to-point sends' tensors when the
+        # interpreter shuts down, which aborts the process (SIGABRT) if the group is not destroyed
+        # first; Lightning leaves the group alive, so destroy it at exit.
+        atexit.register(_destroy_process_group_at_exit)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -372,8 +382,8 @@ class HierPipelineStrategy(DDPStrategy):
             due = steps % int(settings.rebalance) == 0
         if due:
             decision = self.engine.rebalance(settings.imbalance_threshold, settings.balance_tolerance)
-            if decision.new is not None:
-                self.engine.decide_memory_plan()
+            # a new split re-decides every stage's plan; otherwise only where memory changed
+            self.engine.decide_memory_plan(force=decision.new is not None)
 
     # ------------------------------------------------------------------ checkpoints
     @property

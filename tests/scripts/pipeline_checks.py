@@ -1,0 +1,214 @@
+"""Run under torchrun: train pipeline_models.SkewedNet under hier_pipeline; rank 0 reports.
+
+    pipeline_checks.py SCENARIO OUT_JSON WORKDIR
+
+Rank 0 writes JSON with the per-step losses, the rebalance history and the path of a final
+checkpoint (consolidated, loadable without the strategy); the test compares them with a
+single-process Lightning run of the same module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from pipeline_models import SkewedNet, loader  # noqa: E402
+
+from lightning_hier import HierPipelineStrategy, StageRebalancer  # noqa: E402
+
+SCENARIOS: dict[str, dict] = {
+    # 4 stages, a deliberately lopsided start (3 tiny stages, everything else on the last one)
+    "rebalance_adam_1f1b": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(partition=[1, 1, 1, 16], rebalance=2, micro_batches=4),
+        trainer=dict(max_steps=8),
+        rebalancer=True,
+    ),
+    "gpipe_sgd_clip_accumulate": dict(
+        model=dict(optimizer="sgd"),
+        strategy=dict(partition="uniform", schedule="gpipe", rebalance=3, micro_batches=3),
+        trainer=dict(max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=2),
+    ),
+    "resume_first_2_stages": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(partition=[2, 17], rebalance=1, micro_batches=2),
+        trainer=dict(max_steps=3, limit_train_batches=3),
+    ),
+    "resume_then_4_stages": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(partition="parameters", rebalance="never", micro_batches=4),
+        trainer=dict(max_steps=6, limit_train_batches=3),
+        resume="resume_first_2_stages",
+    ),
+    "validate_predict_monitor": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(partition="time", profile_steps=2, micro_batches=2),
+        trainer=dict(max_epochs=2, limit_train_batches=4, limit_val_batches=2),
+        monitor=True,
+    ),
+    "crash_during_migration": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(partition=[1, 18], rebalance=3, micro_batches=2, timeout=timedelta(seconds=20)),
+        trainer=dict(max_steps=6, limit_train_batches=2),
+        crash_stage=1,
+        every_step_checkpoint=True,
+    ),
+    "memory_cap": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=4, profile_steps=2),
+        trainer=dict(max_steps=5),
+        memory_probe=True,
+    ),
+    "memory_limit_too_small": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(
+            partition="uniform", rebalance="never", micro_batches=4, profile_steps=1, memory_limit=1
+        ),
+        trainer=dict(max_steps=3),
+    ),
+    "crash_resume": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(partition=[1, 18], rebalance="never", micro_batches=2),
+        trainer=dict(max_steps=6, limit_train_batches=2),
+        resume="last",
+    ),
+}
+
+
+class LossRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        self.losses.append(float(outputs["loss"]))
+
+
+def _install_crash(stage_to_kill: int, strategy: HierPipelineStrategy) -> None:
+    """The source stage dies after announcing its first layer, before sending it."""
+    original = dist.send_object_list
+    calls = {"n": 0}
+
+    def send_object_list(objects, dst=None, group=None, device=None, group_dst=None):  # noqa: ANN001, ANN202
+        if strategy.stage == stage_to_kill:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                os._exit(17)
+        return original(objects, dst=dst, group=group, device=device, group_dst=group_dst)
+
+    dist.send_object_list = send_object_list
+
+
+def _probe_memory_limit() -> int:
+    """A limit between what every stage needs at least and what keeping everything takes."""
+    pl.seed_everything(0, verbose=False)
+    strategy = HierPipelineStrategy(
+        partition="uniform", rebalance="never", micro_batches=4, profile_steps=2, memory_limit=10**12
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(SkewedNet(optimizer="adam"), loader())
+    from lightning_hier.pipeline.memory_policy import estimate_peak_bytes, minimum_peak_bytes
+
+    engine = strategy.engine
+    assert engine is not None
+    stats = engine.layer_memory_stats()
+    in_flight = engine.schedule.in_flight_limit(4)
+    base = engine.base_bytes()
+    mine = (minimum_peak_bytes(stats, in_flight, base), estimate_peak_bytes(stats, {}, in_flight, base))
+    both: list = [None] * trainer.world_size
+    dist.all_gather_object(both, mine)
+    lowest = max(m for m, _ in both)
+    keep_all = max(k for _, k in both)
+    assert keep_all > lowest, both
+    return (lowest + keep_all) // 2
+
+
+def main() -> None:
+    name, out, workdir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    spec = SCENARIOS[name]
+    if spec.get("memory_probe"):
+        spec["strategy"]["memory_limit"] = _probe_memory_limit()
+    pl.seed_everything(0, verbose=False)
+    model = SkewedNet(**spec["model"])
+    recorder = LossRecorder()
+    callbacks: list[pl.Callback] = [recorder]
+    if spec.get("rebalancer"):
+        callbacks.append(StageRebalancer(output_dir=str(workdir / "rebalancer")))
+    if spec.get("monitor"):
+        callbacks.append(ModelCheckpoint(dirpath=workdir / "monitor", monitor="val_loss", save_top_k=1))
+    if spec.get("every_step_checkpoint"):
+        callbacks.append(ModelCheckpoint(dirpath=workdir / "every", every_n_train_steps=1, save_last=True))
+    strategy = HierPipelineStrategy(**spec["strategy"])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=bool(spec.get("monitor") or spec.get("every_step_checkpoint")),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        default_root_dir=str(workdir),
+        **spec["trainer"],
+    )
+    if "crash_stage" in spec:
+        _install_crash(spec["crash_stage"], strategy)
+    resume = spec.get("resume")
+    ckpt_path = None
+    if resume == "last":
+        ckpt_path = str(workdir / "every" / "last.ckpt")
+    elif resume is not None:
+        ckpt_path = str(workdir / f"{resume}.ckpt")
+    val_loader = loader(batch_size=32, seed=1) if spec.get("monitor") else None
+    trainer.fit(model, loader(), val_dataloaders=val_loader, ckpt_path=ckpt_path)
+    final = workdir / f"{name}.ckpt"
+    trainer.save_checkpoint(final)
+    result: dict = {"losses": recorder.losses, "checkpoint": str(final)}
+    if spec.get("monitor"):
+        checkpoint_cb = next(cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint))
+        result["best_score"] = float(checkpoint_cb.best_model_score)
+        result["best_path"] = checkpoint_cb.best_model_path
+        result["val_loss_seen_by_rank"] = float(trainer.callback_metrics["val_loss"])
+        predictions = trainer.predict(model, loader(batch_size=32, seed=2))
+        if trainer.is_global_zero:
+            result["predictions"] = torch.cat(predictions).tolist()
+    engine = strategy.engine
+    assert engine is not None
+    result["history"] = [event.to_dict() for event in engine.history]
+    result["partition"] = engine.partition.to_dict()
+    result["checks"] = engine.checks
+    mine = {
+        "val_loss": result.get("val_loss_seen_by_rank"),
+        "measured_peak": engine.measured_peak_bytes(),
+        "memory_plan": engine.memory_plan.to_dict() if engine.memory_plan is not None else None,
+    }
+    gathered: list = [None] * trainer.world_size
+    dist.all_gather_object(gathered, mine)
+    result["val_loss_by_rank"] = [g["val_loss"] for g in gathered]
+    result["measured_peak_by_rank"] = [g["measured_peak"] for g in gathered]
+    result["memory_plan_by_rank"] = [g["memory_plan"] for g in gathered]
+    result["memory_limit"] = spec["strategy"].get("memory_limit")
+    if trainer.is_global_zero:
+        out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

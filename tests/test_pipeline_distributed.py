@@ -1,0 +1,209 @@
+"""hier_pipeline end to end on several gloo processes, against a single-process Lightning run.
+
+Each scenario trains ``SkewedNet`` with ``strategy=HierPipelineStrategy(...)`` under torchrun
+(tests/scripts/pipeline_checks.py) and is compared with the same module trained by Lightning on
+one device: migration, swapping and recomputing change placement, never the math.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import SCRIPTS, run_torchrun
+
+sys.path.insert(0, str(SCRIPTS))
+from pipeline_models import SkewedNet, loader  # noqa: E402
+
+from lightning_hier.pipeline.partition import StagePartition  # noqa: E402
+
+LOSS_RTOL = 1e-5
+
+
+class _Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        self.values.append(float(outputs["loss"]))
+
+
+def _plain_trainer(losses: _Losses, **trainer_kwargs) -> pl.Trainer:  # noqa: ANN003
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[losses],
+        **trainer_kwargs,
+    )
+
+
+def reference(
+    optimizer: str, resume_after: int | None = None, tmp: Path | None = None, **trainer_kwargs
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process Lightning; with ``resume_after`` it saves after that many steps and resumes,
+    so Lightning's own resume bookkeeping (which epoch/batch comes next) is the same as compared."""
+    pl.seed_everything(0, verbose=False)
+    model = SkewedNet(optimizer=optimizer)
+    losses = _Losses()
+    ckpt_path = None
+    if resume_after is not None:
+        assert tmp is not None
+        first = _plain_trainer(losses, **{**trainer_kwargs, "max_steps": resume_after})
+        first.fit(model, loader())
+        ckpt_path = str(tmp / "reference_resume.ckpt")
+        first.save_checkpoint(ckpt_path)
+        pl.seed_everything(0, verbose=False)
+        model = SkewedNet(optimizer=optimizer)
+    _plain_trainer(losses, **trainer_kwargs).fit(model, loader(), ckpt_path=ckpt_path)
+    return losses.values, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_scenario(name: str, nproc: int, workdir: Path) -> dict:
+    out = workdir / f"{name}.json"
+    run_torchrun("pipeline_checks.py", nproc, name, str(out), str(workdir), timeout=300)
+    return json.loads(out.read_text())
+
+
+def assert_losses_match(losses: list[float], expected: list[float]) -> None:
+    assert len(losses) == len(expected)
+    for got, want in zip(losses, expected):
+        assert abs(got - want) <= LOSS_RTOL * abs(want), (losses, expected)
+
+
+def assert_checkpoint_matches(path: str, expected: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
+    """The consolidated checkpoint loads into the bare module (no strategy) and equals the reference."""
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    model = SkewedNet()
+    model.load_state_dict(state)  # strict: every name of the LightningModule, full shapes
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=atol, msg=key)
+
+
+def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: Path) -> None:
+    result = run_scenario("rebalance_adam_1f1b", 4, tmp_path)
+    expected_losses, expected_state = reference("adam", max_steps=8)
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state)
+    history = result["history"]
+    assert history, "the lopsided start [1, 1, 1, 16] must be rebalanced"
+    first = history[0]
+    assert first["old"]["starts"] == [0, 1, 2, 3]
+    assert first["imbalance_before"] > 1.0
+    assert first["imbalance_after"] < first["imbalance_before"]
+    moved = sum(r["bytes_sent"] for r in first["migration"])
+    received = sum(r["bytes_received"] for r in first["migration"])
+    assert moved > 0 and moved == received
+    assert all(len(r["layers"]) >= 0 for r in first["migration"])
+    # the StageRebalancer wrote its log and figure
+    assert (tmp_path / "rebalancer" / "pipeline_rebalance.json").exists()
+    assert (tmp_path / "rebalancer" / "pipeline_stage_times.png").exists()
+    # the checkpoint records the partition the run ended with
+    meta = torch.load(result["checkpoint"], map_location="cpu", weights_only=False)["hier_pipeline"]
+    assert StagePartition.from_dict(meta["partition"]).to_dict() == result["partition"]
+
+
+def test_gpipe_sgd_with_global_norm_clipping_and_accumulation(tmp_path: Path) -> None:
+    result = run_scenario("gpipe_sgd_clip_accumulate", 2, tmp_path)
+    expected_losses, expected_state = reference(
+        "sgd", max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=2
+    )
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state)
+
+
+def test_resume_with_a_different_number_of_stages(tmp_path: Path) -> None:
+    first = run_scenario("resume_first_2_stages", 2, tmp_path)
+    assert first["history"], "rebalance=1 from [2, 17] must migrate before the checkpoint"
+    second = run_scenario("resume_then_4_stages", 4, tmp_path)
+    expected_losses, expected_state = reference(
+        "adam", resume_after=3, tmp=tmp_path, max_steps=6, limit_train_batches=3
+    )
+    assert_losses_match(first["losses"] + second["losses"], expected_losses)
+    assert_checkpoint_matches(second["checkpoint"], expected_state)
+
+
+def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> None:
+    result = run_scenario("validate_predict_monitor", 2, tmp_path)
+    # every stage process sees the last stage's val_loss (ModelCheckpoint monitors it everywhere)
+    assert len(set(result["val_loss_by_rank"])) == 1
+    assert result["best_score"] <= result["val_loss_by_rank"][0] + 1e-6
+    assert Path(result["best_path"]).exists()
+    # partition="time": a forced check from measured times after profile_steps, then one per epoch
+    assert [step for step, _, _ in result["checks"]] == [2, 4, 8]
+    pl.seed_everything(0, verbose=False)
+    model = SkewedNet(optimizer="adam")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, loader(), loader(batch_size=32, seed=1))
+    assert abs(float(trainer.callback_metrics["val_loss"]) - result["val_loss_by_rank"][0]) < 1e-5
+    expected = torch.cat(trainer.predict(model, loader(batch_size=32, seed=2)))
+    assert torch.equal(torch.tensor(result["predictions"]), expected)
+
+
+def test_memory_limit_picks_swap_and_recompute_and_stays_under_it(tmp_path: Path) -> None:
+    result = run_scenario("memory_cap", 2, tmp_path)
+    expected_losses, expected_state = reference("adam", max_steps=5)
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state)
+    limit = result["memory_limit"]
+    assert all(peak <= limit for peak in result["measured_peak_by_rank"]), result
+    policies = [p for plan in result["memory_plan_by_rank"] for _, p in plan["policies"]]
+    assert any(p != "keep" for p in policies), "the limit is below keeping everything on some stage"
+
+
+def test_memory_limit_below_the_minimum_names_it(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError) as info:
+        run_scenario("memory_limit_too_small", 2, tmp_path)
+    assert "MemoryLimitError" in str(info.value)
+    assert "memory_limit=1 bytes is below" in str(info.value)
+    assert "raise memory_limit to at least" in str(info.value)
+
+
+def test_crash_during_migration_leaves_a_resumable_checkpoint(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError):
+        run_scenario("crash_during_migration", 2, tmp_path)
+    assert time.monotonic() - start < 120, "a peer dying mid-migration must end the job, not hang it"
+    last = tmp_path / "every" / "last.ckpt"
+    checkpoint = torch.load(last, map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 2  # saved after step 2; the crash is in step 3's migration
+    partition = StagePartition.from_dict(checkpoint["hier_pipeline"]["partition"])
+    assert partition.starts == (0, 1) and partition.num_clusters == 19
+    result = run_scenario("crash_resume", 2, tmp_path)
+    expected_losses, expected_state = reference("adam", max_steps=6, limit_train_batches=2)
+    assert_losses_match(result["losses"], expected_losses[2:])
+    assert_checkpoint_matches(result["checkpoint"], expected_state)
+
+
+def test_stages_must_match_processes_before_any_collective() -> None:
+    code = (
+        "import lightning.pytorch as pl, sys; sys.path.insert(0, %r)\n"
+        "from pipeline_models import SkewedNet, loader\n"
+        "from lightning_hier import HierPipelineStrategy\n"
+        "pl.Trainer(accelerator='cpu', devices=2, strategy=HierPipelineStrategy(stages=3), max_steps=1,"
+        " logger=False).fit(SkewedNet(), loader())\n"
+    ) % str(SCRIPTS)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "stages=3 but the Trainer launches 2" in proc.stderr

@@ -1,0 +1,212 @@
+"""Layer tracing, cluster detection and stage execution of hier_pipeline (single process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hier.pipeline.batching import split_batch
+from lightning_hier.pipeline.graph import LayerGraph, PipelineTraceError
+from lightning_hier.pipeline.partition import StagePartition, partition_uniform
+from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
+from lightning_hier.pipeline.stage import StageExecutor
+
+
+class InceptionBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.branch_a = nn.Linear(width, width)
+        self.branch_b1 = nn.Linear(width, width)
+        self.branch_b2 = nn.Linear(width, width)
+        self.branch_c = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.branch_a(x)
+        b = self.branch_b2(torch.relu(self.branch_b1(x)))
+        c = self.branch_c(x)
+        return torch.cat([a, b, c], dim=-1)
+
+
+class BranchyNet(nn.Module):
+    """stem -> inception (fork into 3, join by cat) -> proj -> residual (fork, join by add) -> head."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, width)
+        self.inception = InceptionBlock(width)
+        self.proj = nn.Linear(3 * width, width)
+        self.res = nn.Linear(width, width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = self.proj(self.inception(x))
+        x = torch.tanh(self.res(x)) + x
+        return self.head(x)
+
+
+def _cluster_names(graph: LayerGraph) -> list[list[str]]:
+    return [[layer.name for layer in graph.cluster_layers(c)] for c in graph.clusters]
+
+
+def test_branches_joining_form_one_cluster() -> None:
+    graph = LayerGraph(BranchyNet())
+    assert _cluster_names(graph) == [
+        ["stem"],
+        ["inception_branch_a", "inception_branch_b1", "relu", "inception_branch_b2", "inception_branch_c", "cat"],
+        ["proj"],
+        ["res", "tanh", "add"],
+        ["head"],
+    ]
+    # the value leaving each cluster is its last layer's output
+    assert [c.exit_value for c in graph.clusters] == ["stem", "cat", "proj", "add", None]
+
+
+def test_plain_stack_is_one_cluster_per_layer() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    graph = LayerGraph(model)
+    assert graph.num_clusters == 5
+    assert graph.layer_counts() == [1] * 5
+    assert graph.parameter_counts() == [40, 0, 72, 0, 18]
+
+
+def test_shared_module_and_long_skip_stay_in_one_cluster() -> None:
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            x = self.b(x)
+            x = self.a(x)  # `a` again: a..a cannot be split
+            return self.c(x)
+
+    graph = LayerGraph(Shared())
+    assert _cluster_names(graph) == [["a", "b", "a_1"], ["c"]]
+
+    class LongSkip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.d(self.c(self.b(h)) + h)
+
+    graph = LayerGraph(LongSkip())
+    assert _cluster_names(graph) == [["a"], ["b", "c", "add"], ["d"]]
+
+
+def test_untraceable_model_names_the_call_and_leaf_modules_fix_it() -> None:
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:  # data-dependent control flow
+                return self.lin(x)
+            return -x
+
+    model = nn.Sequential(nn.Linear(4, 4), Gate(), nn.Linear(4, 2))
+    with pytest.raises(PipelineTraceError, match=r"test_pipeline_graph.py:\d+ `if x.sum\(\) > 0:") as info:
+        LayerGraph(model)
+    assert "leaf_modules" in str(info.value)
+    graph = LayerGraph(model, leaf_modules=["1"])
+    assert [layer.name for layer in graph.layers] == ["_0", "_1", "_2"]
+    with pytest.raises(ValueError, match="not submodules"):
+        LayerGraph(model, leaf_modules=["nope"])
+
+
+@pytest.mark.parametrize("starts", [(0,), (0, 2), (0, 1, 3, 4), (0, 2, 3)])
+def test_stages_in_sequence_equal_the_whole_model(starts: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    model = BranchyNet().double()
+    graph = LayerGraph(model)
+    partition = StagePartition(starts, graph.num_clusters)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    expected = model(x)
+    expected.sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    expected_input_grad = x.grad.clone()
+    model.zero_grad()
+    x.grad = None
+
+    value = x
+    executors = [StageExecutor(graph, partition, s) for s in range(partition.num_stages)]
+    for executor in executors:
+        value = executor.forward(value)
+    torch.testing.assert_close(value, expected, rtol=0, atol=0)
+    value.sum().backward()
+    for executor in executors:
+        executor.finish_backward()
+    for p, g in zip(model.parameters(), expected_grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, expected_input_grad, rtol=0, atol=0)
+    # every layer with a differentiable output got forward and backward time
+    times = [e.times for e in executors]
+    for e, t in zip(executors, times):
+        for i in e.layer_range:
+            assert t.forward_count[i] == 1 and t.forward[i] > 0
+
+
+def test_initial_partitions_and_their_errors() -> None:
+    graph = LayerGraph(BranchyNet(width=8))
+    by_params = initial_partition(graph, PipelineSettings(partition="parameters"), 2)
+    counts = graph.parameter_counts()
+    costs = [sum(counts[a:b]) for a, b in by_params.stage_ranges()]
+    assert max(costs) == min(
+        max(sum(counts[:k]), sum(counts[k:])) for k in range(1, graph.num_clusters)
+    )
+    assert initial_partition(graph, PipelineSettings(partition="uniform"), 2) == partition_uniform(
+        graph.layer_counts(), 2
+    )
+    assert initial_partition(graph, PipelineSettings(partition=[2, 3]), 2).starts == (0, 2)
+    assert initial_partition(graph, PipelineSettings(partition=["proj"]), 2).starts == (0, 2)
+    with pytest.raises(ValueError, match="only 5 cluster"):
+        initial_partition(graph, PipelineSettings(), 6)
+    with pytest.raises(ValueError, match="Valid split points"):
+        initial_partition(graph, PipelineSettings(partition=["relu"]), 2)
+    with pytest.raises(ValueError, match="covers 4 clusters"):
+        initial_partition(graph, PipelineSettings(partition=[2, 2]), 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(stages=0), "stages"),
+        (dict(micro_batches=0), "micro_batches"),
+        (dict(schedule="interleaved"), "schedule"),
+        (dict(partition="fastest"), "partition"),
+        (dict(partition=[2, 0]), "at least one cluster"),
+        (dict(rebalance="always"), "rebalance"),
+        (dict(rebalance=0), "rebalance"),
+        (dict(imbalance_threshold=-1.0), "imbalance_threshold"),
+        (dict(memory_limit=0), "memory_limit"),
+        (dict(swap_bandwidth=0.0), "swap_bandwidth"),
+    ],
+)
+def test_bad_settings_fail_with_the_setting_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PipelineSettings(**kwargs)
+
+
+def test_world_size_must_match_stages() -> None:
+    with pytest.raises(ValueError, match="stages=3 but the Trainer launches 4"):
+        PipelineSettings(stages=3).check_world_size(4)
+    with pytest.raises(ValueError, match="describes 3 stages"):
+        PipelineSettings(partition=[1, 1, 1]).check_world_size(2)
+
+
+def test_split_batch_into_micro_batches() -> None:
+    x, y = torch.arange(10).view(10, 1), torch.arange(10)
+    parts, total = split_batch((x, y, "tag"), 4)
+    assert total == 10 and [n for _, n in parts] == [3, 3, 2, 2]
+    assert torch.equal(torch.cat([p[0][0] for p in parts]), x)
+    assert all(p[0][2] == "tag" for p in parts)
+    parts, _ = split_batch({"x": x[:2]}, 4)
+    assert len(parts) == 2
+    with pytest.raises(ValueError, match="batch dimension"):
+        split_batch(["no tensors"], 2)
