@@ -198,12 +198,12 @@ def test_crash_during_migration_leaves_a_resumable_checkpoint(tmp_path: Path) ->
 
 def test_stages_must_match_processes_before_any_collective() -> None:
     code = (
-        "import lightning.pytorch as pl, sys; sys.path.insert(0, %r)\n"
+        f"import lightning.pytorch as pl, sys; sys.path.insert(0, {str(SCRIPTS)!r})\n"
         "from pipeline_models import SkewedNet, loader\n"
         "from lightning_hier import HierPipelineStrategy\n"
         "pl.Trainer(accelerator='cpu', devices=2, strategy=HierPipelineStrategy(stages=3), max_steps=1,"
         " logger=False).fit(SkewedNet(), loader())\n"
-    ) % str(SCRIPTS)
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "stages=3 but the Trainer launches 2" in proc.stderr

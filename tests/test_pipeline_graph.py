@@ -54,7 +54,14 @@ def test_branches_joining_form_one_cluster() -> None:
     graph = LayerGraph(BranchyNet())
     assert _cluster_names(graph) == [
         ["stem"],
-        ["inception_branch_a", "inception_branch_b1", "relu", "inception_branch_b2", "inception_branch_c", "cat"],
+        [
+            "inception_branch_a",
+            "inception_branch_b1",
+            "relu",
+            "inception_branch_b2",
+            "inception_branch_c",
+            "cat",
+        ],
         ["proj"],
         ["res", "tanh", "add"],
         ["head"],
@@ -157,9 +164,7 @@ def test_initial_partitions_and_their_errors() -> None:
     by_params = initial_partition(graph, PipelineSettings(partition="parameters"), 2)
     counts = graph.parameter_counts()
     costs = [sum(counts[a:b]) for a, b in by_params.stage_ranges()]
-    assert max(costs) == min(
-        max(sum(counts[:k]), sum(counts[k:])) for k in range(1, graph.num_clusters)
-    )
+    assert max(costs) == min(max(sum(counts[:k]), sum(counts[k:])) for k in range(1, graph.num_clusters))
     assert initial_partition(graph, PipelineSettings(partition="uniform"), 2) == partition_uniform(
         graph.layer_counts(), 2
     )
