@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -154,3 +155,27 @@ def test_dlrm_example_with_hybrid_embeddings_learns_and_leaves_no_segments(tmp_p
         aurocs = [float(row["val_auroc"]) for row in csv.DictReader(handle) if row.get("val_auroc")]
     assert len(aurocs) == 2 and aurocs[-1] > 0.6, aurocs  # chance is 0.5
     assert _our_segments() <= before  # the node-shared tables are gone with the job
+
+
+PIPELINE_CONFIG = ROOT / "examples" / "configs" / "hier_pipeline.yaml"
+
+
+def test_pipeline_example_rebalances_live_and_learns(tmp_path: Path) -> None:
+    config = yaml.safe_load(PIPELINE_CONFIG.read_text())
+    config["trainer"].update(
+        max_epochs=3, default_root_dir=str(tmp_path / "run"), enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        config["trainer"]["logger"] = {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(tmp_path / "run")},
+        }
+    proc = run_cli("fit", "--config", str(write_config(tmp_path / "pipe.yaml", config)), cwd=tmp_path)
+    assert proc.returncode == 0, failure(proc)
+    accuracies = val_accuracies(tmp_path / "run")
+    assert len(accuracies) == 3 and accuracies[-1] > 0.5, accuracies
+    # the uniform start puts both 512-wide layers on stage 0: the first epoch's check moves layers
+    events = json.loads(next((tmp_path / "run").rglob("pipeline_rebalance.json")).read_text())
+    assert events and events[0]["new"]["starts"] != events[0]["old"]["starts"]
+    assert next((tmp_path / "run").rglob("pipeline_stage_times.png")).stat().st_size > 0

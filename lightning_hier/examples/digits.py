@@ -74,3 +74,24 @@ class DigitsClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+
+
+class DigitsPipelineClassifier(DigitsClassifier):
+    """A deeper tanh MLP of uneven widths (the wide layers first), to split into pipeline stages.
+
+    With ``partition="uniform"`` the wide layers all land on the first stage; ``hier_pipeline``
+    measures that imbalance and migrates layers to even it out.
+    """
+
+    def __init__(
+        self, widths: tuple[int, ...] = (512, 512, 64, 64, 64, 64), lr: float = 0.05, momentum: float = 0.9
+    ) -> None:
+        super().__init__(hidden=widths[0], lr=lr, momentum=momentum)
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        prev = 64
+        for width in widths:
+            layers += [nn.Linear(prev, width), nn.Tanh()]
+            prev = width
+        layers.append(nn.Linear(prev, 10))
+        self.net = nn.Sequential(*layers)

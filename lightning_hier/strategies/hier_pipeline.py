@@ -45,6 +45,19 @@ def _destroy_process_group_at_exit() -> None:
         dist.destroy_process_group()
 
 
+def _keep_metrics_local(module: torch.nn.Module) -> None:
+    """torchmetrics objects would all-gather their state across every process at ``compute()``;
+    only the last stage updates them, so that gather would wait forever. Keep them local."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return
+    for sub in module.modules():
+        if isinstance(sub, Metric):
+            sub.sync_on_compute = False
+            sub._to_sync = False
+
+
 class _StageOutput(BaseException):
     """Ends the user's step on a non-last stage right after its ``forward`` (not an error)."""
 
@@ -228,6 +241,7 @@ class HierPipelineStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             install_global_norm_clipping(self.precision_plugin, self)
         self._install_metric_sync(trainer)
+        _keep_metrics_local(module)
         self._keep_users_sampler(trainer)
         if fitting:
             self._take_over_zero_grad(module)
