@@ -140,7 +140,7 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     assert result["best_score"] <= result["val_loss_by_rank"][0] + 1e-6
     assert Path(result["best_path"]).exists()
     # partition="time": a forced check from measured times after profile_steps, then one per epoch
-    assert [step for step, _, _ in result["checks"]] == [2, 4, 8]
+    assert [check["step"] for check in result["checks"]] == [2, 4, 8]
     pl.seed_everything(0, verbose=False)
     model = SkewedNet(optimizer="adam")
     trainer = pl.Trainer(

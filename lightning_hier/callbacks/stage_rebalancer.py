@@ -148,6 +148,13 @@ class StageRebalancer(Callback):
             log.info(
                 "hier_pipeline rebalanced at step %d: %s -> %s", record["step"], record["old"], record["new"]
             )
+        # the first check after a rebalance measures the new split: "after (measured)" in the figure
+        for record in self.events:
+            if record.get("measured_after") is None:
+                later = [c for c in engine.checks if c["step"] > record["step"]]
+                if later:
+                    record["measured_after"] = later[0]["stage_times"]
+                    new_events = new_events or [None]
         if new_events:
             self._write(trainer)
 
@@ -162,7 +169,8 @@ class StageRebalancer(Callback):
 
 
 def draw_stage_times(events: list[dict[str, Any]], path: Path) -> None:
-    """One panel per rebalance: measured stage times before, predicted after (ms per micro-batch)."""
+    """One panel per rebalance: stage times measured before, predicted after and, once the next
+    check has run, measured after (ms per micro-batch)."""
     import matplotlib
 
     matplotlib.use("Agg")

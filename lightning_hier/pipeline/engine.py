@@ -106,11 +106,11 @@ class PipelineEngine:
         self.num_stages = partition.num_stages
         self.device = device
         self.optimizers: list[Optimizer] = []
-        self.executor = StageExecutor(graph, partition, stage)
+        self.executor = StageExecutor(graph, partition, stage, device)
         self.link = StageLink(stage, self.num_stages, self._rank_of_stage, device)
         self.schedule = PipelineSchedule(self.link, schedule, on_backward_done=self.executor.finish_backward)
         self.history: list[RebalanceEvent] = []
-        self.checks: list[tuple[int, str, bool]] = []  # (step, reason, split changed) per check
+        self.checks: list[dict[str, Any]] = []  # every check: step, reason, changed, measured stage times
         self.last_decision: RebalanceDecision | None = None
         self.steps = 0
         self.meter: ActivationMeter | None = None
@@ -156,6 +156,7 @@ class PipelineEngine:
     # ------------------------------------------------------------------ steps
     def train_step(self, num_micro: int, forward: Any) -> None:
         self.schedule.train_step(num_micro, forward)
+        self.executor.resolve()
         self.steps += 1
 
     def eval_step(self, num_micro: int, forward: Any) -> list[Any]:
@@ -194,7 +195,14 @@ class PipelineEngine:
         dist.broadcast_object_list(payload, src=self._last_rank)
         decision, self.layer_table = payload[0]
         self.last_decision = decision
-        self.checks.append((self.steps, decision.reason, decision.new is not None))
+        self.checks.append(
+            {
+                "step": self.steps,
+                "reason": decision.reason,
+                "changed": decision.new is not None,
+                "stage_times": list(decision.stage_times),
+            }
+        )
         self.executor.reset_times()
         if decision.new is None:
             return decision

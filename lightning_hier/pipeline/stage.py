@@ -44,6 +44,33 @@ class LayerTimes:
         return {i: (self.mean_forward(i), self.mean_backward(i)) for i in layers if self.forward_count[i] > 0}
 
 
+class StageClock:
+    """Time stamps for per-layer timing: ``perf_counter`` on CPU, CUDA events on a GPU.
+
+    GPU kernels run asynchronously, so a host clock would time their launch only; CUDA events
+    are recorded on the stream and resolved once per step (``resolve``), after a synchronize.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.cuda = device is not None and device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
 class StageExecutor:
     """Executes clusters ``partition.stage_ranges()[stage]`` of ``graph``.
 
@@ -54,14 +81,19 @@ class StageExecutor:
     output and the next gradient arrival).
     """
 
-    def __init__(self, graph: LayerGraph, partition: StagePartition, stage: int) -> None:
+    def __init__(
+        self, graph: LayerGraph, partition: StagePartition, stage: int, device: torch.device | None = None
+    ) -> None:
         self.graph = graph
+        self.clock = StageClock(device)
+        self._pending_forward: list[tuple[int, Any, Any]] = []
+        self._pending_backward: list[tuple[list[tuple[Any, int]], Any]] = []
         self.stage = stage
         self.times = LayerTimes(len(graph.layers), graph.num_clusters)
         self.policies: dict[str, str] = {}
         self.layer_run: LayerRun | None = None
         self.timing = True
-        self._events: list[tuple[float, int]] = []
+        self._events: list[tuple[Any, int]] = []
         self.set_partition(partition)
 
     # ------------------------------------------------------------------ placement
@@ -128,11 +160,10 @@ class StageExecutor:
         graph = self.graph
         for i in self.layer_range:
             node = graph.nodes[i]
-            start = time.perf_counter()
+            start = self.clock.mark() if self.timing else None
             value = self._run_node(node, env)
             if self.timing:
-                self.times.forward[i] += time.perf_counter() - start
-                self.times.forward_count[i] += 1
+                self._pending_forward.append((i, start, self.clock.mark()))
             env[node.name] = value
             if record_backward and isinstance(value, torch.Tensor) and value.grad_fn is not None:
                 value.register_hook(self._backward_hook(i))
@@ -143,6 +174,8 @@ class StageExecutor:
                     self.times.exit_bytes[cluster] = exit_value.numel() * exit_value.element_size()
             for name in self._free_after.get(i, ()):
                 env.pop(name, None)
+        if not self.clock.cuda:
+            self.resolve()
         if self.is_last:
             assert graph.output_node is not None
             return fx.node.map_arg(graph.output_node.args[0], lambda n: env[n.name])
@@ -176,18 +209,36 @@ class StageExecutor:
     # ------------------------------------------------------------------ backward timing
     def _backward_hook(self, layer: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            self._events.append((time.perf_counter(), layer))
+            # autograd runs a device's backward on one thread, so hooks fire in time order
+            self._events.append((self.clock.mark(), layer))
 
         return hook
 
     def finish_backward(self) -> None:
-        """Attribute the gradient-arrival intervals of one micro-batch's backward to layers."""
-        end = time.perf_counter()
-        events = sorted(self._events)
+        """Close one micro-batch's backward: its gradient-arrival marks become layer intervals."""
+        if self._events:
+            self._pending_backward.append((self._events, self.clock.mark()))
         self._events = []
-        for (t, layer), (t_next, _) in zip(events, events[1:] + [(end, -1)]):
-            self.times.backward[layer] += t_next - t
-            self.times.backward_count[layer] += 1
+        if not self.clock.cuda:
+            self.resolve()
+
+    def resolve(self) -> None:
+        """Turn the recorded marks into per-layer seconds (one synchronize per call on a GPU)."""
+        if not (self._pending_forward or self._pending_backward):
+            return
+        self.clock.synchronize()
+        times = self.times
+        for i, start, end in self._pending_forward:
+            times.forward[i] += self.clock.seconds(start, end)
+            times.forward_count[i] += 1
+        for events, end in self._pending_backward:
+            for (mark, layer), (next_mark, _) in zip(events, events[1:] + [(end, -1)]):
+                times.backward[layer] += self.clock.seconds(mark, next_mark)
+                times.backward_count[layer] += 1
+        self._pending_forward.clear()
+        self._pending_backward.clear()
 
     def reset_times(self) -> None:
+        self._pending_forward.clear()
+        self._pending_backward.clear()
         self.times = LayerTimes(len(self.graph.layers), self.graph.num_clusters)
