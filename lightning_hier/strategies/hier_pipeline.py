@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
+from torch.utils.data import RandomSampler
 
 from lightning_hier.pipeline.batching import split_batch
 from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
@@ -183,6 +184,21 @@ class HierPipelineStrategy(DDPStrategy):
         """
         trainer._accelerator_connector.use_distributed_sampler = False
 
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Every stage must read the same batches in the same order.
+
+        A shuffling ``RandomSampler`` without its own generator draws its order from the global
+        RNG, which the stages consume differently (dropout on one stage, for instance); it gets a
+        generator seeded from rank 0 here, so all stages draw the same permutation every epoch.
+        """
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(sampler, RandomSampler) and sampler.generator is None:
+            seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            if dist.is_initialized():
+                dist.broadcast(seed, src=0)
+            sampler.generator = torch.Generator().manual_seed(int(seed.item()))
+        return dataloader
+
     def _take_over_zero_grad(self, module: pl.LightningModule) -> None:
         """Lightning zeroes gradients between ``training_step`` and ``backward``; the schedule's
         backward runs inside ``training_step``, so the strategy zeroes them before it instead."""
@@ -252,8 +268,13 @@ class HierPipelineStrategy(DDPStrategy):
         graph = LayerGraph(module, self.settings.leaf_modules)
         decided: list[Any] = [None]
         if self.global_rank == 0:
-            decided = [initial_partition(graph, self.settings, self.num_stages)]
+            try:
+                decided = [initial_partition(graph, self.settings, self.num_stages)]
+            except ValueError as exc:  # every stage raises it, none waits for the others
+                decided = [str(exc)]
         dist.broadcast_object_list(decided, src=0)
+        if isinstance(decided[0], str):
+            raise ValueError(decided[0])
         partition: StagePartition = decided[0]
         self.engine = PipelineEngine(
             graph, partition, self.stage, self.root_device, self.settings.schedule, self.settings

@@ -29,7 +29,7 @@ SCENARIOS: dict[str, dict] = {
     # 4 stages, a deliberately lopsided start (3 tiny stages, everything else on the last one)
     "rebalance_adam_1f1b": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(partition=[1, 1, 1, 16], rebalance=2, micro_batches=4),
+        strategy=dict(partition=[1, 1, 1, 17], rebalance=2, micro_batches=4),
         trainer=dict(max_steps=8),
         rebalancer=True,
     ),
@@ -40,7 +40,7 @@ SCENARIOS: dict[str, dict] = {
     ),
     "resume_first_2_stages": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(partition=[2, 17], rebalance=1, micro_batches=2),
+        strategy=dict(partition=[2, 18], rebalance=1, micro_batches=2),
         trainer=dict(max_steps=3, limit_train_batches=3),
     ),
     "resume_then_4_stages": dict(
@@ -57,7 +57,7 @@ SCENARIOS: dict[str, dict] = {
     ),
     "crash_during_migration": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(partition=[1, 18], rebalance=3, micro_batches=2, timeout=timedelta(seconds=20)),
+        strategy=dict(partition=[1, 19], rebalance=3, micro_batches=2, timeout=timedelta(seconds=20)),
         trainer=dict(max_steps=6, limit_train_batches=2),
         crash_stage=1,
         every_step_checkpoint=True,
@@ -75,9 +75,15 @@ SCENARIOS: dict[str, dict] = {
         ),
         trainer=dict(max_steps=3),
     ),
+    "shuffled_loader_with_dropout": dict(
+        model=dict(optimizer="adam", dropout=0.3),
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_epochs=3, limit_train_batches=3),
+        shuffle=True,
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(partition=[1, 18], rebalance="never", micro_batches=2),
+        strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),
         trainer=dict(max_steps=6, limit_train_batches=2),
         resume="last",
     ),
@@ -87,6 +93,10 @@ SCENARIOS: dict[str, dict] = {
 class LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.batches: list[list[int]] = []  # the labels of every batch this process read
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+        self.batches.append(batch[1].tolist())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
         self.losses.append(float(outputs["loss"]))
@@ -178,7 +188,9 @@ def main() -> None:
     elif resume is not None:
         ckpt_path = str(workdir / f"{resume}.ckpt")
     val_loader = loader(batch_size=32, seed=1) if spec.get("monitor") else None
-    trainer.fit(model, loader(), val_dataloaders=val_loader, ckpt_path=ckpt_path)
+    trainer.fit(
+        model, loader(shuffle=spec.get("shuffle", False)), val_dataloaders=val_loader, ckpt_path=ckpt_path
+    )
     final = workdir / f"{name}.ckpt"
     trainer.save_checkpoint(final)
     result: dict = {"losses": recorder.losses, "checkpoint": str(final)}
@@ -198,12 +210,14 @@ def main() -> None:
     mine = {
         "val_loss": result.get("val_loss_seen_by_rank"),
         "measured_peak": engine.measured_peak_bytes(),
+        "batches": recorder.batches,
         "memory_plan": engine.memory_plan.to_dict() if engine.memory_plan is not None else None,
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
     result["val_loss_by_rank"] = [g["val_loss"] for g in gathered]
     result["measured_peak_by_rank"] = [g["measured_peak"] for g in gathered]
+    result["batches_by_rank"] = [g["batches"] for g in gathered]
     result["memory_plan_by_rank"] = [g["memory_plan"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     if trainer.is_global_zero:

@@ -30,11 +30,13 @@ class SkewedNet(pl.LightningModule):
         widths: tuple[int, ...] = (32, 32, 256, 256, 32, 32, 32, 32),
         optimizer: str = "adam",
         lr: float = 0.01,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.optimizer_name = optimizer
         self.lr = lr
         self.stem = nn.Linear(in_features, widths[0])
+        self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList()
         prev = widths[0]
         for width in widths:
@@ -44,7 +46,7 @@ class SkewedNet(pl.LightningModule):
         self.head = nn.Linear(prev, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
+        x = self.drop(self.stem(x))
         for block in self.blocks:
             x = block(x)
         return self.head(self.res(x))
@@ -78,5 +80,5 @@ def dataset(n: int = 256, in_features: int = 16, classes: int = 4, seed: int = 0
     return TensorDataset(x, y)
 
 
-def loader(batch_size: int = 32, **kwargs) -> DataLoader:  # noqa: ANN003
-    return DataLoader(dataset(**kwargs), batch_size=batch_size, shuffle=False)
+def loader(batch_size: int = 32, shuffle: bool = False, **kwargs) -> DataLoader:  # noqa: ANN003
+    return DataLoader(dataset(**kwargs), batch_size=batch_size, shuffle=shuffle)
