@@ -182,9 +182,10 @@ def test_memory_limit_below_the_minimum_names_it(tmp_path: Path) -> None:
 
 def test_crash_during_migration_leaves_a_resumable_checkpoint(tmp_path: Path) -> None:
     start = time.monotonic()
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError) as info:
         run_scenario("crash_during_migration", 2, tmp_path)
     assert time.monotonic() - start < 120, "a peer dying mid-migration must end the job, not hang it"
+    assert "hier_pipeline: migrating layer" in str(info.value) and "resume from it" in str(info.value)
     last = tmp_path / "every" / "last.ckpt"
     checkpoint = torch.load(last, map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == 2  # saved after step 2; the crash is in step 3's migration

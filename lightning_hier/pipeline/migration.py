@@ -150,6 +150,58 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 # ---------------------------------------------------------------------- the protocol
+def _send_layer(
+    move: LayerMove,
+    peer: int,
+    root: nn.Module,
+    params: dict[str, nn.Parameter],
+    optimizers: Sequence[Optimizer],
+    device: torch.device,
+) -> int:
+    """Source side: announce, wait for ready, send state, release it; returns bytes sent."""
+    state = named_state(root)
+    meta = {n: (tuple(state[n].shape), state[n].dtype) for n in move.state_names}
+    dist.send_object_list([{"layer": move.layer, "meta": meta}], dst=peer)
+    ready = torch.zeros(1, dtype=torch.int64, device=device)  # NCCL needs device tensors
+    dist.recv(ready, src=peer)
+    if int(ready.item()) != 1:
+        raise RuntimeError(f"stage {move.dst} refused layer {move.layer}.")
+    tensors = {n: state[n].detach().cpu() for n in move.state_names}
+    optim = {n: _optimizer_state(params[n], optimizers) for n in move.state_names if n in params}
+    dist.send_object_list([{"tensors": tensors, "optim": optim}], dst=peer)
+    release_state(root, move.state_names, optimizers)
+    return _nbytes(tensors.values())
+
+
+def _receive_layer(
+    move: LayerMove,
+    peer: int,
+    root: nn.Module,
+    params: dict[str, nn.Parameter],
+    optimizers: Sequence[Optimizer],
+    device: torch.device,
+) -> int:
+    """Target side: build the empty layer, answer ready, fill it; returns bytes received."""
+    announce: list[Any] = [None]
+    dist.recv_object_list(announce, src=peer)
+    if announce[0]["layer"] != move.layer:
+        raise RuntimeError(f"expected layer {move.layer}, stage {move.src} announced {announce[0]['layer']}.")
+    meta = announce[0]["meta"]
+    materialize_state(
+        root, {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in meta.items()}, device
+    )
+    dist.send(torch.ones(1, dtype=torch.int64, device=device), dst=peer)
+    payload: list[Any] = [None]
+    dist.recv_object_list(payload, src=peer)
+    state = named_state(root)
+    with torch.no_grad():
+        for name, value in payload[0]["tensors"].items():
+            state[name].copy_(value)
+    for name, states in payload[0]["optim"].items():
+        _install_optimizer_state(params[name], states, optimizers)
+    return _nbytes(payload[0]["tensors"].values())
+
+
 def migrate(
     moves: Sequence[LayerMove],
     stage: int,
@@ -166,39 +218,20 @@ def migrate(
         if stage not in (move.src, move.dst):
             continue
         report.moves.append(move)
-        if stage == move.src:
-            peer = rank_of_stage(move.dst)
-            state = named_state(root)
-            meta = {n: (tuple(state[n].shape), state[n].dtype) for n in move.state_names}
-            dist.send_object_list([{"layer": move.layer, "meta": meta}], dst=peer)
-            ready = torch.zeros(1, dtype=torch.int64)
-            dist.recv(ready, src=peer)
-            if int(ready.item()) != 1:
-                raise RuntimeError(f"stage {move.dst} refused layer {move.layer}.")
-            tensors = {n: state[n].detach().cpu() for n in move.state_names}
-            optim = {n: _optimizer_state(params[n], optimizers) for n in move.state_names if n in params}
-            dist.send_object_list([{"tensors": tensors, "optim": optim}], dst=peer)
-            report.bytes_sent += _nbytes(tensors.values())
-            release_state(root, move.state_names, optimizers)
-        else:
-            peer = rank_of_stage(move.src)
-            announce: list[Any] = [None]
-            dist.recv_object_list(announce, src=peer)
-            meta = announce[0]["meta"]
-            if announce[0]["layer"] != move.layer:
-                raise RuntimeError(f"expected layer {move.layer}, stage {move.src} announced {announce[0]}.")
-            # the empty layer, ready to be filled
-            materialize_state(
-                root, {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in meta.items()}, device
-            )
-            dist.send(torch.ones(1, dtype=torch.int64), dst=peer)
-            payload: list[Any] = [None]
-            dist.recv_object_list(payload, src=peer)
-            state = named_state(root)
-            for name, value in payload[0]["tensors"].items():
-                state[name].data.copy_(value)
-            for name, states in payload[0]["optim"].items():
-                _install_optimizer_state(params[name], states, optimizers)
-            report.bytes_received += _nbytes(payload[0]["tensors"].values())
+        try:
+            if stage == move.src:
+                report.bytes_sent += _send_layer(
+                    move, rank_of_stage(move.dst), root, params, optimizers, device
+                )
+            else:
+                report.bytes_received += _receive_layer(
+                    move, rank_of_stage(move.src), root, params, optimizers, device
+                )
+        except (RuntimeError, ConnectionError) as exc:
+            raise RuntimeError(
+                f"hier_pipeline: migrating layer {move.layer} from stage {move.src} to stage {move.dst} "
+                f"failed ({exc}). The other stage probably died; checkpoints are only written between "
+                "steps, so the last one describes a valid partition: resume from it."
+            ) from exc
     report.seconds = time.perf_counter() - start
     return report
