@@ -143,18 +143,7 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     assert [check["step"] for check in result["checks"]] == [2, 4, 8]
     pl.seed_everything(0, verbose=False)
     model = SkewedNet(optimizer="adam")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        limit_train_batches=4,
-        limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = _plain_trainer(_Losses(), max_epochs=2, limit_train_batches=4, limit_val_batches=2)
     trainer.fit(model, loader(), loader(batch_size=32, seed=1))
     assert abs(float(trainer.callback_metrics["val_loss"]) - result["val_loss_by_rank"][0]) < 1e-5
     expected = torch.cat(trainer.predict(model, loader(batch_size=32, seed=2)))
