@@ -161,6 +161,14 @@ def test_memory_limit_picks_swap_and_recompute_and_stays_under_it(tmp_path: Path
     assert any(p != "keep" for p in policies), "the limit is below keeping everything on some stage"
 
 
+def test_recomputing_every_layer_matches_and_survives_migration(tmp_path: Path) -> None:
+    result = run_scenario("recompute_everything", 2, tmp_path)
+    expected_losses, expected_state = reference("sgd", max_steps=5)
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state)
+    assert result["checks"], "rebalance=2 checks the split during the run"
+
+
 def test_memory_limit_below_the_minimum_names_it(tmp_path: Path) -> None:
     with pytest.raises(AssertionError) as info:
         run_scenario("memory_limit_too_small", 2, tmp_path)

@@ -191,6 +191,7 @@ def test_initial_partitions_and_their_errors() -> None:
         (dict(imbalance_threshold=-1.0), "imbalance_threshold"),
         (dict(memory_limit=0), "memory_limit"),
         (dict(swap_bandwidth=0.0), "swap_bandwidth"),
+        (dict(activation_policy="offload"), "activation_policy"),
     ],
 )
 def test_bad_settings_fail_with_the_setting_named(kwargs: dict, match: str) -> None:

@@ -230,6 +230,7 @@ class PipelineEngine:
         report = migrate(moves, self.stage, self._rank_of_stage, self.root, self.optimizers, self.device)
         self.partition = new
         self.executor.set_partition(new)
+        self._apply_fixed_policy()
         return report
 
     def adopt_partition(self, new: StagePartition, full_state: dict[str, torch.Tensor]) -> None:
@@ -243,6 +244,7 @@ class PipelineEngine:
         )
         self.partition = new
         self.executor.set_partition(new)
+        self._apply_fixed_policy()
 
     def stage_times(self) -> list[float]:
         if self.last_decision is None:
@@ -355,14 +357,27 @@ class PipelineEngine:
         return total
 
     # ------------------------------------------------------------------ memory policy
+    @property
+    def _fixed_policy(self) -> str | None:
+        policy = self.settings.activation_policy
+        return None if policy == "auto" else policy
+
     def _enable_memory_policy(self) -> None:
-        """With a ``memory_limit`` every layer runs through the runner, which measures what it stashes."""
-        if self.settings.memory_limit is None:
+        """With a ``memory_limit`` (or a fixed ``activation_policy``) every layer runs through the
+        runner, which measures what it stashes."""
+        if self.settings.memory_limit is None and self._fixed_policy is None:
             return
         self.meter = ActivationMeter()
         self.runner = LayerRunner(self.meter, self.device)
         self.executor.layer_run = self.runner
         self.executor.layer_run_always = True
+        self._apply_fixed_policy()
+
+    def _apply_fixed_policy(self) -> None:
+        """``activation_policy="swap"|"recompute"|"keep"``: the same policy for every layer here."""
+        policy = self._fixed_policy
+        if policy is not None:
+            self.executor.policies = {self.graph.layers[i].name: policy for i in self.executor.layer_range}
 
     def memory_plan_due(self, steps: int) -> bool:
         """The first plan after ``profile_steps`` steps; afterwards at every rebalance check."""
@@ -434,7 +449,7 @@ class PipelineEngine:
     def decide_memory_plan(self, force: bool = True) -> MemoryPlan | None:
         """Each stage picks keep / swap / recompute per layer (collective: errors end every stage)."""
         limit = self.settings.memory_limit
-        if limit is None or self.meter is None:
+        if limit is None or self.meter is None or self._fixed_policy is not None:
             return None
         error: tuple[str, int] | None = None
         plan = self.memory_plan

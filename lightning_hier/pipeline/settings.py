@@ -11,6 +11,7 @@ from lightning_hier.pipeline.partition import StagePartition, partition_balanced
 from lightning_hier.pipeline.schedule import SCHEDULES
 
 PARTITION_MODES = ("parameters", "uniform", "time")
+ACTIVATION_POLICIES = ("auto", "keep", "swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class PipelineSettings:
     swap_bandwidth: float | None = None
     profile_steps: int = 3
     leaf_modules: tuple[str, ...] = ()
+    activation_policy: str = "auto"
 
     def __post_init__(self) -> None:
         if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
@@ -74,6 +76,10 @@ class PipelineSettings:
             )
         if self.swap_bandwidth is not None and not self.swap_bandwidth > 0:
             raise ValueError(f"swap_bandwidth must be positive bytes/s or None, got {self.swap_bandwidth!r}.")
+        if self.activation_policy not in ACTIVATION_POLICIES:
+            raise ValueError(
+                f"activation_policy={self.activation_policy!r} is not one of {list(ACTIVATION_POLICIES)}."
+            )
         if not isinstance(self.profile_steps, int) or self.profile_steps < 1:
             raise ValueError(f"profile_steps must be a positive integer, got {self.profile_steps!r}.")
 

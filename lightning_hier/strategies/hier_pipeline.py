@@ -108,6 +108,9 @@ class HierPipelineStrategy(DDPStrategy):
         profile_steps: steps measured before the first ``partition="time"`` split and before the
             first memory plan.
         leaf_modules: submodule names traced as one opaque layer (for code fx cannot trace).
+        activation_policy: ``"auto"`` (the memory policy above, when ``memory_limit`` is set), or
+            one policy for every layer: ``"keep"``, ``"swap"`` (all stashed activations to host
+            memory) or ``"recompute"`` (activation checkpointing of every layer).
     """
 
     strategy_name = "hier_pipeline"
@@ -125,6 +128,7 @@ class HierPipelineStrategy(DDPStrategy):
         swap_bandwidth: float | None = None,
         profile_steps: int = 3,
         leaf_modules: Sequence[str] = (),
+        activation_policy: Literal["auto", "keep", "swap", "recompute"] = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -146,6 +150,7 @@ class HierPipelineStrategy(DDPStrategy):
             swap_bandwidth=swap_bandwidth,
             profile_steps=profile_steps,
             leaf_modules=tuple(leaf_modules),
+            activation_policy=activation_policy,
         )
         super().__init__(
             accelerator=accelerator,

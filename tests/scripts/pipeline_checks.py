@@ -68,6 +68,11 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_steps=5),
         memory_probe=True,
     ),
+    "recompute_everything": dict(
+        model=dict(optimizer="sgd"),
+        strategy=dict(partition="uniform", rebalance=2, micro_batches=4, activation_policy="recompute"),
+        trainer=dict(max_steps=5),
+    ),
     "memory_limit_too_small": dict(
         model=dict(optimizer="adam"),
         strategy=dict(
