@@ -9,6 +9,7 @@ from torch import nn
 from lightning_hier.pipeline.batching import split_batch
 from lightning_hier.pipeline.graph import LayerGraph, PipelineTraceError
 from lightning_hier.pipeline.partition import StagePartition, partition_uniform
+from lightning_hier.pipeline.rebalance import decide_rebalance
 from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
 from lightning_hier.pipeline.stage import StageExecutor
 
@@ -216,3 +217,27 @@ def test_split_batch_into_micro_batches() -> None:
     assert len(parts) == 2
     with pytest.raises(ValueError, match="batch dimension"):
         split_batch(["no tensors"], 2)
+
+
+def test_rebalance_needs_a_real_gain_and_an_imbalance() -> None:
+    graph = LayerGraph(nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))))
+    current = StagePartition((0, 2), 4)
+    exits = [64, 64, 64, 0]
+
+    def times(*costs: float) -> dict[int, tuple[float, float]]:
+        return {i: (c / 3, 2 * c / 3) for i, c in enumerate(costs)}
+
+    # balanced within the threshold: nothing to do
+    d = decide_rebalance(graph, current, times(1, 1, 1, 1.1), exits, threshold=0.1)
+    assert d.new is None and "balanced" in d.reason
+    # imbalanced, and moving layer 1 makes the slowest stage 3 -> 2: applied
+    d = decide_rebalance(graph, current, times(2, 1, 0.5, 0.5), exits, threshold=0.1)
+    assert d.new is not None and d.new.starts == (0, 1)
+    assert d.stage_times == (3.0, 1.0) and d.predicted_times == (2.0, 2.0)
+    # imbalanced by granularity, best split only 2% faster: kept (no back-and-forth on noise)
+    # (stages 0.5 | 1.0; the best split gives 0.98 | 0.52)
+    lopsided = StagePartition((0, 1), 4)
+    d = decide_rebalance(graph, lopsided, times(0.5, 0.48, 0.26, 0.26), exits, threshold=0.1)
+    assert d.new is None and "faster" in d.reason
+    d = decide_rebalance(graph, lopsided, times(0.5, 0.48, 0.26, 0.26), exits, 0.1, min_gain=0.0)
+    assert d.new is not None and d.new.starts == (0, 2)

@@ -175,7 +175,9 @@ class PipelineEngine:
             "saved_bytes": {i: self._kept_bytes[n] for i, n in names.items() if n in self._kept_bytes},
         }
 
-    def rebalance(self, threshold: float, tolerance: float = 0.02, force: bool = False) -> RebalanceDecision:
+    def rebalance(
+        self, threshold: float, tolerance: float = 0.02, force: bool = False, min_gain: float = 0.05
+    ) -> RebalanceDecision:
         """Gather per-layer times on the last stage, decide, broadcast, migrate (collective)."""
         gathered: list[Any] = [None] * self.num_stages if self.is_last else []
         dist.gather_object(self.local_times(), gathered if self.is_last else None, dst=self._last_rank)
@@ -189,7 +191,7 @@ class PipelineEngine:
                 for c, b in item["exit_bytes"].items():
                     exit_bytes[c] = b
             decision = decide_rebalance(
-                self.graph, self.partition, table["layers"], exit_bytes, threshold, tolerance, force
+                self.graph, self.partition, table["layers"], exit_bytes, threshold, tolerance, force, min_gain
             )
             payload = [(decision, table)]
         dist.broadcast_object_list(payload, src=self._last_rank)

@@ -149,6 +149,16 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _optimizer_nbytes(optim: dict[str, list[dict[str, Any] | None]]) -> int:
+    """Bytes of the optimizer state tensors that travel with a layer (momentum, Adam moments...)."""
+    return sum(
+        _nbytes(v for v in state.values() if torch.is_tensor(v))
+        for states in optim.values()
+        for state in states
+        if state is not None
+    )
+
+
 # ---------------------------------------------------------------------- the protocol
 def _send_layer(
     move: LayerMove,
@@ -170,7 +180,7 @@ def _send_layer(
     optim = {n: _optimizer_state(params[n], optimizers) for n in move.state_names if n in params}
     dist.send_object_list([{"tensors": tensors, "optim": optim}], dst=peer)
     release_state(root, move.state_names, optimizers)
-    return _nbytes(tensors.values())
+    return _nbytes(tensors.values()) + _optimizer_nbytes(optim)
 
 
 def _receive_layer(
@@ -199,7 +209,7 @@ def _receive_layer(
             state[name].copy_(value)
     for name, states in payload[0]["optim"].items():
         _install_optimizer_state(params[name], states, optimizers)
-    return _nbytes(payload[0]["tensors"].values())
+    return _nbytes(payload[0]["tensors"].values()) + _optimizer_nbytes(payload[0]["optim"])
 
 
 def migrate(

@@ -55,12 +55,14 @@ def decide_rebalance(
     threshold: float,
     tolerance: float = 0.02,
     force: bool = False,
+    min_gain: float = 0.05,
 ) -> RebalanceDecision:
     """Repartition when ``(max - min) / mean`` of stage times exceeds ``threshold`` (or ``force``).
 
     The new split minimises the slowest stage; among splits within ``tolerance`` of that, the
     fewest bytes crossing stage boundaries wins. A split equal to the current one, or one that
-    would not make the slowest stage faster, is not applied.
+    would not make the slowest stage at least ``min_gain`` faster, is not applied: without that
+    margin two near-equal splits take turns on measurement noise, each migration costing a pause.
     """
     costs = cluster_costs(graph, layer_times)
     times = tuple(stage_costs(partition, costs))
@@ -72,7 +74,9 @@ def decide_rebalance(
     predicted = tuple(stage_costs(candidate, costs))
     if candidate.starts == partition.starts:
         return RebalanceDecision(partition, None, times, times, "the best split is the current one")
-    if max(predicted) >= max(times):
-        return RebalanceDecision(partition, None, times, times, "no split makes the slowest stage faster")
+    if not force and max(predicted) > (1.0 - min_gain) * max(times):
+        return RebalanceDecision(
+            partition, None, times, times, f"no split makes the slowest stage {min_gain:.0%} faster"
+        )
     reason = "split from measured times" if force else f"imbalance {spread:.3f} > {threshold}"
     return RebalanceDecision(partition, candidate, times, predicted, reason)

@@ -25,6 +25,7 @@ class PipelineSettings:
     rebalance: str | int = "epoch"
     imbalance_threshold: float = 0.1
     balance_tolerance: float = 0.02
+    min_rebalance_gain: float = 0.05
     memory_limit: int | None = None
     swap_bandwidth: float | None = None
     profile_steps: int = 3
@@ -68,6 +69,8 @@ class PipelineSettings:
             raise ValueError(f"imbalance_threshold must be >= 0, got {self.imbalance_threshold!r}.")
         if not (self.balance_tolerance >= 0 and math.isfinite(self.balance_tolerance)):
             raise ValueError(f"balance_tolerance must be >= 0, got {self.balance_tolerance!r}.")
+        if not (0 <= self.min_rebalance_gain < 1):
+            raise ValueError(f"min_rebalance_gain must be in [0, 1), got {self.min_rebalance_gain!r}.")
         if self.memory_limit is not None and (
             not isinstance(self.memory_limit, int) or self.memory_limit < 1
         ):

@@ -102,6 +102,9 @@ class HierPipelineStrategy(DDPStrategy):
         imbalance_threshold: repartition when ``(max - min) / mean`` of stage times exceeds this.
         balance_tolerance: splits whose slowest stage is within this fraction of the best one
             compete on bytes crossing stage boundaries.
+        min_rebalance_gain: a new split is applied only if its slowest stage is predicted to be
+            at least this fraction faster than the current slowest stage (no back-and-forth
+            between near-equal splits on measurement noise).
         memory_limit: bytes of stashed activations (plus parameters, gradients and optimizer state)
             a stage may hold; ``None`` keeps every activation.
         swap_bandwidth: host-link bytes per second for the swap cost; ``None`` measures it.
@@ -124,6 +127,7 @@ class HierPipelineStrategy(DDPStrategy):
         rebalance: str | int = "epoch",
         imbalance_threshold: float = 0.1,
         balance_tolerance: float = 0.02,
+        min_rebalance_gain: float = 0.05,
         memory_limit: int | None = None,
         swap_bandwidth: float | None = None,
         profile_steps: int = 3,
@@ -146,6 +150,7 @@ class HierPipelineStrategy(DDPStrategy):
             rebalance=rebalance,
             imbalance_threshold=imbalance_threshold,
             balance_tolerance=balance_tolerance,
+            min_rebalance_gain=min_rebalance_gain,
             memory_limit=memory_limit,
             swap_bandwidth=swap_bandwidth,
             profile_steps=profile_steps,
@@ -421,7 +426,9 @@ class HierPipelineStrategy(DDPStrategy):
         else:
             due = steps % int(settings.rebalance) == 0
         if due:
-            decision = self.engine.rebalance(settings.imbalance_threshold, settings.balance_tolerance)
+            decision = self.engine.rebalance(
+                settings.imbalance_threshold, settings.balance_tolerance, min_gain=settings.min_rebalance_gain
+            )
             # a new split re-decides every stage's plan; otherwise only where memory changed
             self.engine.decide_memory_plan(force=decision.new is not None)
 
