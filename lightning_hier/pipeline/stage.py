@@ -87,6 +87,7 @@ class StageExecutor:
         self.graph = graph
         self.clock = StageClock(device)
         self._pending_forward: list[tuple[int, Any, Any]] = []
+        self._module_cache: dict[int, torch.nn.Module] = {}
         self._pending_backward: list[tuple[list[tuple[Any, int]], Any]] = []
         self.stage = stage
         self.times = LayerTimes(len(graph.layers), graph.num_clusters)
@@ -161,7 +162,7 @@ class StageExecutor:
         for i in self.layer_range:
             node = graph.nodes[i]
             start = self.clock.mark() if self.timing else None
-            value = self._run_node(node, env)
+            value = self._run_node(i, node, env)
             if self.timing:
                 self._pending_forward.append((i, start, self.clock.mark()))
             env[node.name] = value
@@ -181,21 +182,29 @@ class StageExecutor:
             return fx.node.map_arg(graph.output_node.args[0], lambda n: env[n.name])
         return env[self.exit_value]
 
-    def _run_node(self, node: fx.Node, env: dict[str, Any]) -> Any:
+    def _module(self, i: int, target: str) -> torch.nn.Module:
+        # modules keep their identity across migrations (only tensors' storage moves): cache them
+        module = self._module_cache.get(i)
+        if module is None:
+            module = self._module_cache[i] = self.graph.root.get_submodule(target)
+        return module
+
+    def _run_node(self, i: int, node: fx.Node, env: dict[str, Any]) -> Any:
         if node.op == "get_attr":
             return self.graph.fetch_attr(str(node.target))
-        args = fx.node.map_arg(node.args, lambda n: env[n.name])
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+        lookup = env.__getitem__
+        args = fx.node.map_arg(node.args, lambda n: lookup(n.name))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: lookup(n.name)) if node.kwargs else {}
         if node.op == "call_module":
-            fn: Callable[..., Any] = self.graph.root.get_submodule(str(node.target))
+            fn: Callable[..., Any] = self._module(i, str(node.target))
         elif node.op == "call_function":
             fn = node.target  # type: ignore[assignment]
         else:
             self_obj, *rest = args
             fn = getattr(self_obj, str(node.target))
             args = tuple(rest)
-        if self.timing:
-            self.times.input_bytes[self.graph.index_of[node.name]] = sum(
+        if self.timing and self.times.forward_count[i] == 0:  # once per timing window
+            self.times.input_bytes[i] = sum(
                 a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
             )
         policy = self.policies.get(node.name, KEEP)
