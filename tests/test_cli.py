@@ -176,6 +176,6 @@ def test_pipeline_example_rebalances_live_and_learns(tmp_path: Path) -> None:
     accuracies = val_accuracies(tmp_path / "run")
     assert len(accuracies) == 3 and accuracies[-1] > 0.5, accuracies
     # the uniform start puts both 512-wide layers on stage 0: the first epoch's check moves layers
-    events = json.loads(next((tmp_path / "run").rglob("pipeline_rebalance.json")).read_text())
+    events = json.loads(next((tmp_path / "run").rglob("pipeline_rebalance.json")).read_text())["rebalances"]
     assert events and events[0]["new"]["starts"] != events[0]["old"]["starts"]
     assert next((tmp_path / "run").rglob("pipeline_stage_times.png")).stat().st_size > 0

@@ -159,6 +159,11 @@ def test_memory_limit_picks_swap_and_recompute_and_stays_under_it(tmp_path: Path
     assert all(peak <= limit for peak in result["measured_peak_by_rank"]), result
     policies = [p for plan in result["memory_plan_by_rank"] for _, p in plan["policies"]]
     assert any(p != "keep" for p in policies), "the limit is below keeping everything on some stage"
+    # StageRebalancer recorded the plans (decided after profile_steps=2)
+    logged = json.loads((tmp_path / "rebalancer" / "pipeline_rebalance.json").read_text())["memory_plans"]
+    assert logged[0]["step"] == 2 and len(logged[0]["plans"]) == 2
+    swapped = sum(plan["counts"]["swap"] + plan["counts"]["recompute"] for plan in logged[0]["plans"])
+    assert swapped == sum(p != "keep" for p in policies)
 
 
 def test_recomputing_every_layer_matches_and_survives_migration(tmp_path: Path) -> None:

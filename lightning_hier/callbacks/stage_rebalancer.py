@@ -6,9 +6,13 @@ Add it to the Trainer's callbacks with ``strategy="hier_pipeline"``. Settings gi
 - logs at each rebalance check ``pipeline/stage_time_<s>`` (ms per micro-batch),
   ``pipeline/imbalance`` and, when the split changed, ``pipeline/migrated_layers``,
   ``pipeline/migrated_bytes`` and ``pipeline/migration_pause_s``;
-- writes ``pipeline_rebalance.json`` (every check that changed the split: partitions, stage
-  times before and predicted after, migrations, memory plans) and ``pipeline_stage_times.png``
-  (per-stage time before and after each rebalance) in the log directory.
+- logs ``pipeline/swap_layers`` and ``pipeline/recompute_layers`` whenever the stages decide
+  their memory plans (with ``memory_limit``);
+- writes ``pipeline_rebalance.json`` (``rebalances``: every check that changed the split, with
+  partitions, stage times measured before, predicted after and measured after, migrations;
+  ``memory_plans``: every stage's plan each time they were decided) and
+  ``pipeline_stage_times.png`` (per-stage time before and after each rebalance) in the log
+  directory.
 """
 
 from __future__ import annotations
@@ -95,6 +99,8 @@ class StageRebalancer(Callback):
         self.save_figure = save_figure
         self.output_dir = output_dir
         self._events_seen = 0
+        self._memory_seen = 0
+        self.memory_plans: list[dict[str, Any]] = []
         self._decision_seen: Any = None
         self.events: list[dict[str, Any]] = []
 
@@ -148,6 +154,25 @@ class StageRebalancer(Callback):
             log.info(
                 "hier_pipeline rebalanced at step %d: %s -> %s", record["step"], record["old"], record["new"]
             )
+        for record in engine.memory_events[self._memory_seen :]:
+            self.memory_plans.append(record)
+            counts = {p: sum(plan["counts"][p] for plan in record["plans"]) for p in ("swap", "recompute")}
+            pl_module.log_dict(
+                {
+                    "pipeline/swap_layers": float(counts["swap"]),
+                    "pipeline/recompute_layers": float(counts["recompute"]),
+                },
+                on_step=True,
+                on_epoch=False,
+                rank_zero_only=True,
+            )
+            log.info(
+                "hier_pipeline memory plans at step %d: %s",
+                record["step"],
+                [p["summary"] for p in record["plans"]],
+            )
+            new_events = new_events or [None]
+        self._memory_seen = len(engine.memory_events)
         # the first check after a rebalance measures the new split: "after (measured)" in the figure
         for record in self.events:
             if record.get("measured_after") is None:
@@ -160,7 +185,8 @@ class StageRebalancer(Callback):
 
     def _write(self, trainer: pl.Trainer) -> None:
         directory = self._directory(trainer)
-        (directory / "pipeline_rebalance.json").write_text(json.dumps(self.events, indent=2, default=str))
+        record = {"rebalances": self.events, "memory_plans": self.memory_plans}
+        (directory / "pipeline_rebalance.json").write_text(json.dumps(record, indent=2, default=str))
         if self.save_figure:
             try:
                 draw_stage_times(self.events, directory / "pipeline_stage_times.png")

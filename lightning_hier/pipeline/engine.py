@@ -23,6 +23,7 @@ from lightning_hier.pipeline.activation_store import ActivationMeter, LayerRunne
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.memory_policy import (
     KEEP,
+    RECOMPUTE,
     SWAP,
     LayerMemoryStats,
     MemoryLimitError,
@@ -116,7 +117,8 @@ class PipelineEngine:
         self.meter: ActivationMeter | None = None
         self.runner: LayerRunner | None = None
         self.memory_plan: MemoryPlan | None = None
-        self.memory_plans: list[str] = []
+        self.memory_plans: list[dict[str, Any]] = []  # last stage: every stage's current plan
+        self.memory_events: list[dict[str, Any]] = []  # last stage: each time the plans were decided
         self._kept_bytes: dict[str, int] = {}
         self.layer_table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
         self._measured_bandwidth: float | None = None
@@ -481,10 +483,17 @@ class PipelineEngine:
         self.executor.policies = plan.as_mapping()
         self.meter.reset_peak()
         plans: list[Any] = [None] * self.num_stages if self.is_last else []
-        dist.gather_object(str(plan), plans if self.is_last else None, dst=self._last_rank)
+        mine = {
+            "stage": self.stage,
+            "summary": str(plan),
+            "counts": {p: plan.count(p) for p in (KEEP, SWAP, RECOMPUTE)},
+            "estimated_peak_bytes": plan.estimated_peak_bytes,
+        }
+        dist.gather_object(mine, plans if self.is_last else None, dst=self._last_rank)
         if self.is_last:
             self.memory_plans = plans
-            if self.history:
+            self.memory_events.append({"step": self.steps, "plans": plans})
+            if self.history and self.history[-1].step == self.steps:
                 self.history[-1].memory_plans = plans
         log.info("hier_pipeline stage %d memory plan: %s", self.stage, plan)
         return plan

@@ -67,6 +67,7 @@ SCENARIOS: dict[str, dict] = {
         strategy=dict(partition="uniform", rebalance="never", micro_batches=4, profile_steps=2),
         trainer=dict(max_steps=5),
         memory_probe=True,
+        rebalancer=True,
     ),
     "recompute_everything": dict(
         model=dict(optimizer="sgd"),
