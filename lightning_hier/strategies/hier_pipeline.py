@@ -7,7 +7,6 @@ for the contract a LightningModule follows.
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,15 +34,11 @@ from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
 )
+from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "hier_pipeline"
-
-
-def _destroy_process_group_at_exit() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _keep_metrics_local(module: torch.nn.Module) -> None:
@@ -175,10 +170,7 @@ class HierPipelineStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         self.settings.check_world_size(self.num_nodes * self.num_processes)
         super().setup_distributed()
-        # Gloo's worker threads can still hold the point-to-point sends' tensors when the
-        # interpreter shuts down, which aborts the process (SIGABRT) if the group is not destroyed
-        # first; Lightning leaves the group alive, so destroy it at exit.
-        atexit.register(_destroy_process_group_at_exit)
+        destroy_process_group_at_exit()
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
 )
+from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, validate_layout
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,7 @@ class HierSlicedStrategy(DDPStrategy):
         )
         validate_slice_weights(self.slice_weights, topology.devices_per_node)
         super().setup_distributed()
+        destroy_process_group_at_exit()
         self.topology = Topology.from_world(
             world_size, self.global_rank, self.devices_per_node, self.num_processes
         )
