@@ -41,7 +41,7 @@ from lightning_hier.comm.time_bucketing import (
     validate_time_settings,
 )
 from lightning_hier.flat_buckets import FlatBucket, build_flat_buckets
-from lightning_hier.sharded_optim import OptimizerSharding, check_optimizer
+from lightning_hier.sharded_optim import OptimizerSharding, check_optimizer, is_elementwise_state
 from lightning_hier.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ class HierSlicedEngine:
                 continue
             saved = {"__param__": shard.detach()[lo:hi].clone()}
             for key, value in self.optimizer.state.get(shard, {}).items():
-                if torch.is_tensor(value) and value.shape == shard.shape:
+                if is_elementwise_state(key, value, shard.shape):
                     saved[key] = value[lo:hi].clone()
             self._unused_snapshot.append((bucket_index, lo, hi, saved))
 
@@ -332,7 +332,7 @@ class HierSlicedEngine:
             for key, value in self.optimizer.state.get(shard, {}).items():
                 if key in saved:
                     value[lo:hi].copy_(saved[key])
-                elif torch.is_tensor(value) and value.shape == shard.shape:
+                elif is_elementwise_state(key, value, shard.shape):
                     value[lo:hi].zero_()  # state first made by this step: as fresh as DDP's would be
         self._unused_snapshot = []
         self.gather_params()

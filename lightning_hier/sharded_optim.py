@@ -53,7 +53,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _is_elementwise_state(key: str, value: Any, shape: torch.Size) -> bool:
+def is_elementwise_state(key: str, value: Any, shape: torch.Size) -> bool:
+    """Whether optimizer state ``key`` holds one value per element of a slice of ``shape``."""
     return key not in SCALAR_STATE_KEYS and torch.is_tensor(value) and value.shape == shape
 
 
@@ -105,7 +106,7 @@ class OptimizerSharding:
             shard_state = self.optimizer.state.get(shard, {})
             for key in sorted(shard_state):
                 value = shard_state[key]
-                if _is_elementwise_state(key, value, shard.shape):
+                if is_elementwise_state(key, value, shard.shape):
                     full = torch.zeros(bucket.padded_numel, dtype=value.dtype, device=value.device)
                     start, end = bucket.owned_range
                     full[start:end].copy_(value)
@@ -150,13 +151,13 @@ class OptimizerSharding:
                 for key, value in saved_state.get(self._saved_index(slot.index), {}).items():
                     if key in new_state:
                         continue
-                    if _is_elementwise_state(key, value, slot.shape):
+                    if is_elementwise_state(key, value, slot.shape):
                         new_state[key] = torch.zeros(end - start, dtype=value.dtype, device=bucket.device)
                     else:
                         new_state[key] = value.clone() if torch.is_tensor(value) else value
             for slot, lo, hi in bucket.slots_in(start, end):
                 for key, value in saved_state.get(self._saved_index(slot.index), {}).items():
-                    if _is_elementwise_state(key, value, slot.shape):
+                    if is_elementwise_state(key, value, slot.shape):
                         target = slot.offset + lo - start
                         new_state[key][target : target + hi - lo].copy_(value.reshape(-1)[lo:hi])
             if new_state:
@@ -167,7 +168,7 @@ class OptimizerSharding:
         total = 0
         for shard in self.shards:
             for key, value in self.optimizer.state.get(shard, {}).items():
-                if _is_elementwise_state(key, value, shard.shape):
+                if is_elementwise_state(key, value, shard.shape):
                     total += value.numel()
         return total
 
