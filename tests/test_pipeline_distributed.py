@@ -148,6 +148,12 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     assert abs(float(trainer.callback_metrics["val_loss"]) - result["val_loss_by_rank"][0]) < 1e-5
     expected = torch.cat(trainer.predict(model, loader(batch_size=32, seed=2)))
     assert torch.equal(torch.tensor(result["predictions"]), expected)
+    # the best checkpoint, validated by a fresh Trainer with another initial split, and by Lightning alone
+    best = SkewedNet()
+    metrics = _plain_trainer(_Losses()).validate(
+        best, loader(batch_size=32, seed=1), ckpt_path=result["best_path"]
+    )
+    assert abs(result["fresh_validate_val_loss"] - metrics[0]["val_loss"]) < 1e-5
 
 
 def test_memory_limit_picks_swap_and_recompute_and_stays_under_it(tmp_path: Path) -> None:

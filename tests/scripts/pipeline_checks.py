@@ -208,6 +208,19 @@ def main() -> None:
         predictions = trainer.predict(model, loader(batch_size=32, seed=2))
         if trainer.is_global_zero:
             result["predictions"] = torch.cat(predictions).tolist()
+        # a fresh Trainer, strategy (another split) and module validate the best checkpoint
+        fresh = pl.Trainer(
+            accelerator="cpu",
+            devices=int(os.environ.get("WORLD_SIZE", "1")),
+            strategy=HierPipelineStrategy(partition="uniform"),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        metrics = fresh.validate(
+            SkewedNet(), loader(batch_size=32, seed=1), ckpt_path=checkpoint_cb.best_model_path
+        )
+        result["fresh_validate_val_loss"] = float(metrics[0]["val_loss"]) if fresh.is_global_zero else None
     engine = strategy.engine
     assert engine is not None
     result["history"] = [event.to_dict() for event in engine.history]
