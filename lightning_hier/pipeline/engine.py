@@ -38,6 +38,7 @@ from lightning_hier.pipeline.migration import (
     named_state,
     plan_moves,
     release_state,
+    state_on_host,
 )
 from lightning_hier.pipeline.partition import StagePartition, imbalance
 from lightning_hier.pipeline.rebalance import RebalanceDecision, decide_rebalance
@@ -132,6 +133,12 @@ class PipelineEngine:
     def _last_rank(self) -> int:
         return self._rank_of_stage(self.num_stages - 1)
 
+    def _gather_on_last(self, obj: Any) -> list[Any]:
+        """Every stage's ``obj``, in stage-rank order, on the last stage; ``[]`` elsewhere (collective)."""
+        gathered: list[Any] = [None] * self.num_stages if self.is_last else []
+        dist.gather_object(obj, gathered if self.is_last else None, dst=self._last_rank)
+        return gathered
+
     @property
     def is_first(self) -> bool:
         return self.stage == 0
@@ -181,8 +188,7 @@ class PipelineEngine:
         self, threshold: float, tolerance: float = 0.02, force: bool = False, min_gain: float = 0.05
     ) -> RebalanceDecision:
         """Gather per-layer times on the last stage, decide, broadcast, migrate (collective)."""
-        gathered: list[Any] = [None] * self.num_stages if self.is_last else []
-        dist.gather_object(self.local_times(), gathered if self.is_last else None, dst=self._last_rank)
+        gathered = self._gather_on_last(self.local_times())
         payload: list[Any] = [None]
         if self.is_last:
             table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
@@ -212,8 +218,7 @@ class PipelineEngine:
             return decision
         event = RebalanceEvent(self.steps, decision)
         report = self.apply_partition(decision.new)
-        reports: list[Any] = [None] * self.num_stages if self.is_last else []
-        dist.gather_object(report.to_dict(), reports if self.is_last else None, dst=self._last_rank)
+        reports = self._gather_on_last(report.to_dict())
         if self.is_last:
             event.migration = reports
             event.pause_seconds = max(r["seconds"] for r in reports)
@@ -266,9 +271,8 @@ class PipelineEngine:
 
     def consolidated_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The module's full ``state_dict`` on the last stage (rank 0); others get their share."""
-        gathered: list[Any] = [None] * self.num_stages if self.is_last else []
         mine = self._owned_tensors(state_dict)
-        dist.gather_object(mine, gathered if self.is_last else None, dst=self._last_rank)
+        gathered = self._gather_on_last(mine)
         if not self.is_last:
             return mine
         merged: dict[str, Any] = {}
@@ -279,12 +283,8 @@ class PipelineEngine:
     def consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` as one process training the whole model would write it."""
         local = optimizer.state_dict()
-        states = {
-            k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in s.items()}
-            for k, s in local["state"].items()
-        }
-        gathered: list[Any] = [None] * self.num_stages if self.is_last else []
-        dist.gather_object(states, gathered if self.is_last else None, dst=self._last_rank)
+        states = {k: state_on_host(s) for k, s in local["state"].items()}
+        gathered = self._gather_on_last(states)
         if not self.is_last:
             return local
         merged: dict[Any, Any] = {}
@@ -482,14 +482,13 @@ class PipelineEngine:
         self.memory_plan = plan
         self.executor.policies = plan.as_mapping()
         self.meter.reset_peak()
-        plans: list[Any] = [None] * self.num_stages if self.is_last else []
         mine = {
             "stage": self.stage,
             "summary": str(plan),
             "counts": {p: plan.count(p) for p in (KEEP, SWAP, RECOMPUTE)},
             "estimated_peak_bytes": plan.estimated_peak_bytes,
         }
-        dist.gather_object(mine, plans if self.is_last else None, dst=self._last_rank)
+        plans = self._gather_on_last(mine)
         if self.is_last:
             self.memory_plans = plans
             self.memory_events.append({"step": self.steps, "plans": plans})

@@ -123,13 +123,13 @@ def materialize_state(
             _set_buffer(root, name, data)
 
 
+def state_on_host(state: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's optimizer state with its tensors copied to the host (for pickling)."""
+    return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
 def _optimizer_state(param: nn.Parameter, optimizers: Sequence[Optimizer]) -> list[dict[str, Any] | None]:
-    return [
-        {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in opt.state[param].items()}
-        if param in opt.state
-        else None
-        for opt in optimizers
-    ]
+    return [state_on_host(opt.state[param]) if param in opt.state else None for opt in optimizers]
 
 
 def _install_optimizer_state(
