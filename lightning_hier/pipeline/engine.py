@@ -40,7 +40,7 @@ from lightning_hier.pipeline.migration import (
     release_state,
     state_on_host,
 )
-from lightning_hier.pipeline.partition import StagePartition, imbalance
+from lightning_hier.pipeline.partition import StagePartition
 from lightning_hier.pipeline.rebalance import RebalanceDecision, decide_rebalance
 from lightning_hier.pipeline.schedule import PipelineSchedule, StageLink
 from lightning_hier.pipeline.settings import PipelineSettings
@@ -254,15 +254,6 @@ class PipelineEngine:
         self.partition = new
         self.executor.set_partition(new)
         self._apply_fixed_policy()
-
-    def stage_times(self) -> list[float]:
-        if self.last_decision is None:
-            return []
-        return list(self.last_decision.stage_times)
-
-    @property
-    def imbalance(self) -> float:
-        return imbalance(self.stage_times()) if self.last_decision is not None else 0.0
 
     # ------------------------------------------------------------------ checkpoints
     def _owned_tensors(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -496,10 +487,6 @@ class PipelineEngine:
                 self.history[-1].memory_plans = plans
         log.info("hier_pipeline stage %d memory plan: %s", self.stage, plan)
         return plan
-
-    def timing_summary(self) -> str:
-        times = self.stage_times()
-        return f"stage times {[round(t * 1e3, 2) for t in times]} ms, imbalance {self.imbalance:.3f}"
 
 
 def measure_host_bandwidth(device: torch.device, nbytes: int = 32 << 20) -> float:

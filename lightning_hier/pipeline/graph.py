@@ -157,12 +157,6 @@ class LayerGraph:
             last[node.name] = max(uses, default=-1)
         return last
 
-    def crossing_values(self, position: int) -> list[str]:
-        """Values defined at or before layer ``position`` that a later layer or the output needs."""
-        last = self._last_use()
-        defined = [p.name for p in self.placeholders] + [n.name for n in self.nodes[: position + 1]]
-        return [name for name in defined if last[name] > position]
-
     def _find_clusters(self) -> list[Cluster]:
         last = self._last_use()
         placeholder_names = {p.name for p in self.placeholders}
