@@ -77,7 +77,7 @@ def save_sharded(
         for key, value in engine.optimizer.state.get(shard, {}).items():
             state[_optim_key(b, local, key)] = value
     Path(path).mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(state, checkpoint_id=str(path), process_group=engine.topology.world_group)
     if is_rank_zero:
         meta = {**meta, FORMAT_KEY: {"layout": layout_of(engine), "hyper": _group_hyper(engine)}}
         torch.save(meta, Path(path) / META_FILE)
@@ -111,7 +111,7 @@ def load_sharded_params(engine: HierSlicedEngine, path: str | os.PathLike) -> No
     local = engine.topology.local_rank
     targets = {_model_key(b, local): shard.detach() for b, shard in enumerate(engine.sharding.shards)}
     state = dict(targets)
-    dcp.load(state, checkpoint_id=str(path))  # loads in place into the slices
+    dcp.load(state, checkpoint_id=str(path), process_group=engine.topology.world_group)  # in place
     for key, target in targets.items():
         if state[key] is not target:  # only if DCP handed back a new tensor instead
             target.copy_(state[key])
@@ -132,7 +132,7 @@ def load_sharded_optimizer(engine: HierSlicedEngine, path: str | os.PathLike, me
                 else:
                     state[key] = None  # a pickled object; DCP puts the loaded value here
     if state:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), process_group=engine.topology.world_group)
     engine.optimizer.state.clear()
     for b, shard in enumerate(engine.sharding.shards):
         prefix = f"optim/bucket{b}/slice{local}/"

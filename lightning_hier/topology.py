@@ -5,17 +5,30 @@ A *node* here is a group of devices joined by a fast link. It usually is a host,
 ``devices_per_node`` smaller than the processes per host splits a host into *virtual nodes*
 (4 CPU processes as 2 nodes x 2 for development, or the NVLink islands of a big box).
 
-Two families of process groups are built from it, and nothing else in the package creates groups:
+Three kinds of process groups are built from it, and nothing else in the package creates groups:
 
+- ``world``: every rank (plans, flags, statistics: the package's control traffic);
 - ``intra``: the ranks of one node (reduce-scatter and all-gather go here, over the fast link);
 - ``inter``: the ranks with the same local index on every node (all-reduce goes here, over the slow link).
+
+**The device rule** (DESIGN principle 7). NCCL refuses CPU tensors, and some data here lives on the
+host by design (control flags and plans, node-shared embedding tables). So every group the package
+issues a collective on has a CPU backend beside the device one: on CUDA the strategies create the
+default group as ``"cuda:nccl,cpu:gloo"`` (:func:`resolve_backend`) and :meth:`Topology.build_groups`
+builds ``intra``/``inter`` with the same pair, adding ``cpu:gloo`` when a user-made default group
+lacks it (then ``world`` is a new all-rank group with the pair). Each tensor then travels where it
+lives: device tensors (gradients, parameters, activations) over NCCL, host tensors (control data,
+host-resident tables) over gloo, with no copies to satisfy a backend. Every package collective
+names one of these groups explicitly; none relies on the default group.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -32,6 +45,7 @@ class Topology:
     devices_per_node: int
     intra_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
     inter_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    world_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         validate_layout(self.world_size, self.devices_per_node)
@@ -71,10 +85,10 @@ class Topology:
         return [node * self.devices_per_node + local_index for node in range(self.num_nodes)]
 
     def build_groups(self, timeout: timedelta | None = None) -> Topology:
-        """Create the intra- and inter-node groups (a collective call: every rank must make it).
+        """Create the world, intra- and inter-node groups (a collective call: every rank must make it).
 
-        Returns a copy of this topology holding this rank's two groups. With one process the
-        default group stands in for both, so single-process code paths stay the same.
+        Returns a copy of this topology holding this rank's groups, each with a CPU backend beside
+        the device one (the device rule above).
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Topology.build_groups needs torch.distributed to be initialised first.")
@@ -83,12 +97,19 @@ class Topology:
                 f"Topology was made for world_size={self.world_size} but the process group has "
                 f"{dist.get_world_size()} ranks."
             )
+        world = control_group(timeout)
+        backend = host_capable_backend()
         intra_lists = [self.intra_ranks(node) for node in range(self.num_nodes)]
         inter_lists = [self.inter_ranks(index) for index in range(self.devices_per_node)]
-        intra, _ = dist.new_subgroups_by_enumeration(intra_lists, timeout=timeout)
-        inter, _ = dist.new_subgroups_by_enumeration(inter_lists, timeout=timeout)
+        intra, _ = dist.new_subgroups_by_enumeration(intra_lists, timeout=timeout, backend=backend)
+        inter, _ = dist.new_subgroups_by_enumeration(inter_lists, timeout=timeout, backend=backend)
         return Topology(
-            self.world_size, self.rank, self.devices_per_node, intra_group=intra, inter_group=inter
+            self.world_size,
+            self.rank,
+            self.devices_per_node,
+            intra_group=intra,
+            inter_group=inter,
+            world_group=world,
         )
 
     def describe(self) -> str:
@@ -110,3 +131,76 @@ def validate_layout(world_size: int, devices_per_node: int) -> None:
             f"devices_per_node={devices_per_node} does not divide the world size {world_size}; "
             f"valid values are {divisors} (or None for the processes per host)."
         )
+
+
+# ---------------------------------------------------------------------- the device rule
+DEVICE_BACKEND_ENV = "LIGHTNING_HIER_DEVICE_BACKEND"
+"""Names the backend that stands for NCCL (default ``nccl``); ``lightning_hier.audit`` sets it to an
+emulation so that a CPU run builds its groups exactly as a CUDA run would."""
+
+
+def device_backend_name() -> str:
+    return os.environ.get(DEVICE_BACKEND_ENV, "nccl")
+
+
+def emulating_cuda() -> bool:
+    """True in a CPU run whose groups are built as on CUDA (see :mod:`lightning_hier.audit`)."""
+    return device_backend_name() != "nccl"
+
+
+def resolve_backend(device: torch.device, requested: str | None = None) -> str:
+    """The default group's backend for a run on ``device``: ``"cuda:nccl,cpu:gloo"`` on CUDA.
+
+    ``requested`` (the strategy's ``process_group_backend``) is kept when given: a plain ``"nccl"``
+    then makes an NCCL-only default group, and :meth:`Topology.build_groups` adds a separate
+    all-rank group with a CPU backend for the package's own control traffic.
+    """
+    if requested is not None:
+        return requested
+    if device.type == "cuda" or emulating_cuda():
+        return f"cuda:{device_backend_name()},cpu:gloo"
+    return "gloo"
+
+
+def _backend_pairs(group: dist.ProcessGroup | None = None) -> dict[str, str]:
+    """``{"cuda": "nccl", "cpu": "gloo"}`` for a group (``dist.get_backend_config``'s string, parsed)."""
+    config = dist.get_backend_config(group)
+    pairs = {}
+    for part in config.split(","):
+        if ":" in part:
+            device, backend = part.split(":", 1)
+            pairs[device.strip()] = backend.strip()
+        else:  # a bare name serves every device it supports
+            pairs.setdefault("cpu", part.strip())
+    return pairs
+
+
+def host_capable_backend(group: dist.ProcessGroup | None = None) -> str | None:
+    """The backend spec for new groups: the default group's, with ``cpu:gloo`` added if it lacks one.
+
+    ``None`` when the default group already serves CPU tensors (new groups then copy it).
+    """
+    pairs = _backend_pairs(group)
+    if "cpu" in pairs:
+        return None
+    pairs["cpu"] = "gloo"
+    return ",".join(f"{device}:{backend}" for device, backend in pairs.items())
+
+
+_CONTROL_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def control_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """All ranks, with a CPU backend: the default group when it has one, else one made once per run.
+
+    A collective call the first time on a default group without a CPU backend (every rank must make it).
+    """
+    default = dist.group.WORLD
+    assert default is not None, "torch.distributed is not initialised"
+    if host_capable_backend() is None:
+        return default
+    key = id(default)
+    if key not in _CONTROL_GROUPS:
+        _CONTROL_GROUPS.clear()  # a new default group (a new run in this process): old groups are gone
+        _CONTROL_GROUPS[key] = dist.new_group(timeout=timeout, backend=host_capable_backend())
+    return _CONTROL_GROUPS[key]

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_hier.topology import control_group
+
 log = logging.getLogger(__name__)
 
 
@@ -48,7 +50,7 @@ class StageMetricsSync(Callback):
             if trainer.global_rank == 0
             else None
         ]
-        dist.broadcast_object_list(payload, src=0)
+        dist.broadcast_object_list(payload, src=0, group=control_group())
         if trainer.global_rank != 0:
             metrics.update(payload[0])
 

@@ -139,11 +139,13 @@ def decide_slice_plan(
     device: torch.device,
     processes_per_host: int,
     node_of_rank: Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> SlicePlan:
     """Turn the user's ``slice_weights`` into one plan that every rank agrees on.
 
     Explicit lists and ``"equal"`` need no communication. Measured modes gather every rank's
-    measurement (a collective on the default group), combine them on rank 0 and broadcast.
+    measurement (a collective over ``group``, all ranks, with a CPU backend: the values are host
+    objects), combine them on rank 0 and broadcast.
     """
     validate_slice_weights(slice_weights, devices_per_node)
     if not isinstance(slice_weights, str):
@@ -156,11 +158,11 @@ def decide_slice_plan(
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return SlicePlan((1.0,) * devices_per_node)
     gathered: list[float | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
+    dist.all_gather_object(gathered, value, group=group)
     payload: list[SlicePlan | None] = [None]
     if dist.get_rank() == 0:
         payload[0] = combine_measurements([float(v) for v in gathered], devices_per_node)
-    dist.broadcast_object_list(payload, src=0)
+    dist.broadcast_object_list(payload, src=0, group=group)
     assert payload[0] is not None
     return payload[0]
 

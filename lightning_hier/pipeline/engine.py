@@ -45,6 +45,7 @@ from lightning_hier.pipeline.rebalance import RebalanceDecision, decide_rebalanc
 from lightning_hier.pipeline.schedule import PipelineSchedule, StageLink
 from lightning_hier.pipeline.settings import PipelineSettings
 from lightning_hier.pipeline.stage import StageExecutor
+from lightning_hier.topology import control_group
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class PipelineEngine:
         stage: this process's stage; ``num_stages == partition.num_stages`` processes take part.
         device: where this stage computes.
         schedule: ``"1f1b"`` or ``"gpipe"``.
+        group: all stage processes, with a CPU backend beside the device one (the device rule of
+            :mod:`lightning_hier.topology`); default :func:`~lightning_hier.topology.control_group`.
     """
 
     def __init__(
@@ -99,8 +102,10 @@ class PipelineEngine:
         device: torch.device,
         schedule: str = "1f1b",
         settings: PipelineSettings | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.settings = settings or PipelineSettings(schedule=schedule)
+        self.group = group if group is not None else control_group()
         self.graph = graph
         self.root = graph.root
         self.partition = partition
@@ -109,7 +114,7 @@ class PipelineEngine:
         self.device = device
         self.optimizers: list[Optimizer] = []
         self.executor = StageExecutor(graph, partition, stage, device)
-        self.link = StageLink(stage, self.num_stages, self._rank_of_stage, device)
+        self.link = StageLink(stage, self.num_stages, self._rank_of_stage, device, group=self.group)
         self.schedule = PipelineSchedule(self.link, schedule, on_backward_done=self.executor.finish_backward)
         self.history: list[RebalanceEvent] = []
         self.checks: list[dict[str, Any]] = []  # every check: step, reason, changed, measured stage times
@@ -136,7 +141,7 @@ class PipelineEngine:
     def _gather_on_last(self, obj: Any) -> list[Any]:
         """Every stage's ``obj``, in stage-rank order, on the last stage; ``[]`` elsewhere (collective)."""
         gathered: list[Any] = [None] * self.num_stages if self.is_last else []
-        dist.gather_object(obj, gathered if self.is_last else None, dst=self._last_rank)
+        dist.gather_object(obj, gathered if self.is_last else None, dst=self._last_rank, group=self.group)
         return gathered
 
     @property
@@ -202,7 +207,7 @@ class PipelineEngine:
                 self.graph, self.partition, table["layers"], exit_bytes, threshold, tolerance, force, min_gain
             )
             payload = [(decision, table)]
-        dist.broadcast_object_list(payload, src=self._last_rank)
+        dist.broadcast_object_list(payload, src=self._last_rank, group=self.group)
         decision, self.layer_table = payload[0]
         self.last_decision = decision
         self.checks.append(
@@ -236,7 +241,9 @@ class PipelineEngine:
     def apply_partition(self, new: StagePartition) -> MigrationReport:
         """Move layers live so that ``new`` holds (collective over all stages)."""
         moves = plan_moves(self.graph, self.partition, new)
-        report = migrate(moves, self.stage, self._rank_of_stage, self.root, self.optimizers, self.device)
+        report = migrate(
+            moves, self.stage, self._rank_of_stage, self.root, self.optimizers, self.device, self.group
+        )
         self.partition = new
         self.executor.set_partition(new)
         self._apply_fixed_policy()
@@ -344,7 +351,7 @@ class PipelineEngine:
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads:
             local += g.detach().double().pow(2).sum()
-        dist.all_reduce(local)
+        dist.all_reduce(local, group=self.group)
         total = local.sqrt()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -461,7 +468,7 @@ class PipelineEngine:
             except MemoryLimitError as exc:
                 error = (f"stage {self.stage}: {exc}", exc.required_bytes)
         errors: list[Any] = [None] * self.num_stages
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=self.group)
         failed = [e for e in errors if e is not None]
         if failed:  # every stage raises, so none waits for the others in the next step
             raise MemoryLimitError(

@@ -166,19 +166,23 @@ def _send_layer(
     root: nn.Module,
     params: dict[str, nn.Parameter],
     optimizers: Sequence[Optimizer],
-    device: torch.device,
+    group: dist.ProcessGroup | None,
 ) -> int:
-    """Source side: announce, wait for ready, send state, release it; returns bytes sent."""
+    """Source side: announce, wait for ready, send state, release it; returns bytes sent.
+
+    The handshake and the pickled state are host data, so they travel over the group's CPU
+    backend (the device rule of :mod:`lightning_hier.topology`).
+    """
     state = named_state(root)
     meta = {n: (tuple(state[n].shape), state[n].dtype) for n in move.state_names}
-    dist.send_object_list([{"layer": move.layer, "meta": meta}], dst=peer)
-    ready = torch.zeros(1, dtype=torch.int64, device=device)  # NCCL needs device tensors
-    dist.recv(ready, src=peer)
+    dist.send_object_list([{"layer": move.layer, "meta": meta}], dst=peer, group=group)
+    ready = torch.zeros(1, dtype=torch.int64)
+    dist.recv(ready, src=peer, group=group)
     if int(ready.item()) != 1:
         raise RuntimeError(f"stage {move.dst} refused layer {move.layer}.")
     tensors = {n: state[n].detach().cpu() for n in move.state_names}
     optim = {n: _optimizer_state(params[n], optimizers) for n in move.state_names if n in params}
-    dist.send_object_list([{"tensors": tensors, "optim": optim}], dst=peer)
+    dist.send_object_list([{"tensors": tensors, "optim": optim}], dst=peer, group=group)
     release_state(root, move.state_names, optimizers)
     return _nbytes(tensors.values()) + _optimizer_nbytes(optim)
 
@@ -190,19 +194,20 @@ def _receive_layer(
     params: dict[str, nn.Parameter],
     optimizers: Sequence[Optimizer],
     device: torch.device,
+    group: dist.ProcessGroup | None,
 ) -> int:
     """Target side: build the empty layer, answer ready, fill it; returns bytes received."""
     announce: list[Any] = [None]
-    dist.recv_object_list(announce, src=peer)
+    dist.recv_object_list(announce, src=peer, group=group)
     if announce[0]["layer"] != move.layer:
         raise RuntimeError(f"expected layer {move.layer}, stage {move.src} announced {announce[0]['layer']}.")
     meta = announce[0]["meta"]
     materialize_state(
         root, {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in meta.items()}, device
     )
-    dist.send(torch.ones(1, dtype=torch.int64, device=device), dst=peer)
+    dist.send(torch.ones(1, dtype=torch.int64), dst=peer, group=group)
     payload: list[Any] = [None]
-    dist.recv_object_list(payload, src=peer)
+    dist.recv_object_list(payload, src=peer, group=group)
     state = named_state(root)
     with torch.no_grad():
         for name, value in payload[0]["tensors"].items():
@@ -219,6 +224,7 @@ def migrate(
     root: nn.Module,
     optimizers: Sequence[Optimizer],
     device: torch.device,
+    group: dist.ProcessGroup | None = None,
 ) -> MigrationReport:
     """Carry out ``moves`` on this rank (every rank calls this with the same list)."""
     report = MigrationReport()
@@ -230,12 +236,10 @@ def migrate(
         report.moves.append(move)
         try:
             if stage == move.src:
-                report.bytes_sent += _send_layer(
-                    move, rank_of_stage(move.dst), root, params, optimizers, device
-                )
+                report.bytes_sent += _send_layer(move, rank_of_stage(move.dst), root, params, optimizers, group)
             else:
                 report.bytes_received += _receive_layer(
-                    move, rank_of_stage(move.src), root, params, optimizers, device
+                    move, rank_of_stage(move.src), root, params, optimizers, device, group
                 )
         except (RuntimeError, ConnectionError) as exc:
             raise RuntimeError(

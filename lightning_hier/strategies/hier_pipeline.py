@@ -35,6 +35,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     remove_global_norm_clipping,
 )
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
+from lightning_hier.topology import control_group, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,10 @@ class HierPipelineStrategy(DDPStrategy):
         super().setup_distributed()
         destroy_process_group_at_exit()
 
+    def _get_process_group_backend(self) -> str:
+        # "cuda:nccl,cpu:gloo" on CUDA: host-side control data is legal on every group (topology.py)
+        return resolve_backend(self.root_device, self._process_group_backend)
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every stage reads the same batches: stage 0 needs the inputs, the last stage the targets
@@ -195,9 +200,9 @@ class HierPipelineStrategy(DDPStrategy):
         """
         sampler = getattr(dataloader, "sampler", None)
         if isinstance(sampler, RandomSampler) and sampler.generator is None:
-            seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)  # host control data: CPU backend
             if dist.is_initialized():
-                dist.broadcast(seed, src=0)
+                dist.broadcast(seed, src=0, group=control_group())
             sampler.generator = torch.Generator().manual_seed(int(seed.item()))
         return dataloader
 
@@ -274,12 +279,13 @@ class HierPipelineStrategy(DDPStrategy):
                 decided = [initial_partition(graph, self.settings, self.num_stages)]
             except ValueError as exc:  # every stage raises it, none waits for the others
                 decided = [str(exc)]
-        dist.broadcast_object_list(decided, src=0)
+        group = control_group(self._timeout)
+        dist.broadcast_object_list(decided, src=0, group=group)
         if isinstance(decided[0], str):
             raise ValueError(decided[0])
         partition: StagePartition = decided[0]
         self.engine = PipelineEngine(
-            graph, partition, self.stage, self.root_device, self.settings.schedule, self.settings
+            graph, partition, self.stage, self.root_device, self.settings.schedule, self.settings, group
         )
         log.info("hier_pipeline: %d clusters, partition %s", graph.num_clusters, partition)
 
@@ -354,10 +360,13 @@ class HierPipelineStrategy(DDPStrategy):
         with self.precision_plugin.train_step_context():
             forward = self._step_forward("training_step", micro, total, tuple(rest), scale)
             self.engine.train_step(len(micro), forward)
-        loss = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=self.root_device)
-        loss = loss.to(self.root_device)
-        dist.broadcast(loss, src=rank_of_stage(self.num_stages, self.num_stages - 1))
-        return loss
+        # float64 on every stage: only the last one knows the loss's dtype (float64 under "64-true"),
+        # and a broadcast whose ranks disagree on the dtype is a size mismatch
+        loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        if self._losses:
+            loss.copy_(torch.stack(self._losses).sum())
+        dist.broadcast(loss, src=rank_of_stage(self.num_stages, self.num_stages - 1), group=self.engine.group)
+        return loss.to(torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32)
 
     def _eval_step(self, step_name: str, context: Any, *args: Any) -> Any:
         assert self.engine is not None

@@ -55,7 +55,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     remove_global_norm_clipping,
 )
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
-from lightning_hier.topology import Topology, validate_layout
+from lightning_hier.topology import Topology, resolve_backend, validate_layout
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,10 @@ class HierSlicedStrategy(DDPStrategy):
             world_size, self.global_rank, self.devices_per_node, self.num_processes
         )
         log.info("hier_sliced topology: %s", self.topology.describe())
+
+    def _get_process_group_backend(self) -> str:
+        # "cuda:nccl,cpu:gloo" on CUDA: host-side control data is legal on every group (topology.py)
+        return resolve_backend(self.root_device, self._process_group_backend)
 
     def global_rank_hint(self) -> int:
         return self.node_rank * self.num_processes + self.local_rank
