@@ -7,6 +7,7 @@ Importing the package registers its strategy names with Lightning, so
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_hier.audit import install_from_env, register_emulated_nccl
 from lightning_hier.callbacks import GradientTimingProfiler, StageRebalancer
 from lightning_hier.comm.buckets import BucketPlan
 from lightning_hier.comm.slicing import SlicePlan
@@ -15,9 +16,13 @@ from lightning_hier.sharded_checkpoint import consolidate_sharded_checkpoint
 from lightning_hier.sparse import HybridEmbedding
 from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
 from lightning_hier.strategies.hier_sliced import HierSlicedStrategy
-from lightning_hier.topology import Topology
+from lightning_hier.topology import Topology, emulating_cuda
 
 __version__ = "0.1.0"
+
+if emulating_cuda():  # LIGHTNING_HIER_DEVICE_BACKEND: a CPU run whose groups are built as on CUDA
+    register_emulated_nccl()
+install_from_env()  # LIGHTNING_HIER_AUDIT_DIR: record every collective of this process
 
 for _strategy in (HierSlicedStrategy, HierPipelineStrategy):
     if _strategy.strategy_name not in StrategyRegistry:

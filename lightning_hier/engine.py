@@ -5,7 +5,8 @@
 1. lays the optimizer's trainable parameters into flat buckets (:mod:`lightning_hier.flat_buckets`);
 2. hooks every parameter so that, on a synchronising backward, each bucket is handed to the
    :class:`~lightning_hier.comm.hierarchical.HierarchicalReducer` the moment its last gradient
-   is ready (buckets in plan order), overlapping communication with the rest of backward;
+   is ready (buckets in plan order), overlapping communication with the rest of backward (on
+   CUDA issued from the hooks with stream waits, on gloo from a communication thread);
 3. :meth:`finish_backward` waits for the reductions and gives the optimizer's slices their
    averaged gradients;
 4. the optimizer (rewired by :class:`~lightning_hier.sharded_optim.OptimizerSharding`) steps
@@ -32,8 +33,9 @@ from torch import nn
 from torch.autograd import Variable
 
 from lightning_hier.comm.buckets import BucketPlan, ParamInfo, plan_size_buckets
-from lightning_hier.comm.hierarchical import HierarchicalReducer, ReduceJob, all_gather_slices
+from lightning_hier.comm.hierarchical import ReduceJob, all_gather_slices, make_reducer
 from lightning_hier.comm.slicing import SlicePlan
+from lightning_hier.comm.step_clock import EventFactory, StepClock
 from lightning_hier.comm.time_bucketing import (
     StepTimeline,
     TimeBucketing,
@@ -45,6 +47,8 @@ from lightning_hier.sharded_optim import OptimizerSharding, check_optimizer, is_
 from lightning_hier.topology import Topology
 
 log = logging.getLogger(__name__)
+
+_BACKWARD_END = "backward_end"
 
 
 class HierSlicedEngine:
@@ -67,8 +71,10 @@ class HierSlicedEngine:
         bucketing: str = "size",
         time_config: TimeBucketingConfig | None = None,
         comm_chunk_mb: float = 4.0,
+        reducer: str = "auto",
+        event_factory: EventFactory | None = None,
     ) -> None:
-        if topology.intra_group is None or topology.inter_group is None:
+        if topology.intra_group is None or topology.inter_group is None or topology.world_group is None:
             raise ValueError("HierSlicedEngine needs a topology with built groups (Topology.build_groups()).")
         validate_time_settings(bucketing, 1, 0, 0.5)
         check_optimizer(optimizer)
@@ -95,17 +101,23 @@ class HierSlicedEngine:
         self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.time_bucketing: TimeBucketing | None = None
         if bucketing == "time":
-            self.time_bucketing = TimeBucketing(self.param_infos, self.cap_bytes, time_config)
-        self._reducer = HierarchicalReducer(
-            topology.intra_group, topology.inter_group, chunk_bytes=max(1, int(comm_chunk_mb * 1024 * 1024))
+            self.time_bucketing = TimeBucketing(
+                self.param_infos, self.cap_bytes, time_config, topology.world_group
+            )
+        self.device = self.params[0].device
+        self._reducer = make_reducer(
+            topology.intra_group,
+            topology.inter_group,
+            max(1, int(comm_chunk_mb * 1024 * 1024)),
+            self.device,
+            reducer,
         )
+        self.clock = StepClock(self.device, event_factory)
+        # host control data (the device rule): which parameters produced a gradient on this rank
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
         self._globally_used: frozenset[int] = frozenset(range(len(self.params)))
         self._sync = True
         self._unused_snapshot: list[tuple[int, int, int, dict[str, torch.Tensor]]] = []
-        self._ready_at: list[float | None] = [None] * len(self.params)
-        self._backward_start: float | None = None
-        self._backward_end: float | None = None
         self._end_callback_queued = False
         self.last_timeline: StepTimeline | None = None
         self.sharding: OptimizerSharding | None = None
@@ -167,14 +179,14 @@ class HierSlicedEngine:
         if self.world_size == 1:
             return
         for bucket in self.buckets:
-            dist.broadcast(bucket.params, src=src)
+            dist.broadcast(bucket.params, src=src, group=self.topology.world_group)
         self.broadcast_buffers(src)
 
     def broadcast_buffers(self, src: int = 0) -> None:
         if self.world_size == 1:
             return
         for buffer in self.module.buffers():
-            dist.broadcast(buffer.data, src=src)
+            dist.broadcast(buffer.data, src=src, group=self.topology.world_group)
 
     # ------------------------------------------------------------------ backward
     @contextmanager
@@ -193,16 +205,14 @@ class HierSlicedEngine:
 
     def begin_backward(self) -> None:
         """Mark the start of backward (the clock the ready times are measured on)."""
-        self._backward_start = time.perf_counter()
+        self.clock.start()
 
     def _on_backward_end(self) -> None:
-        self._backward_end = time.perf_counter()
+        self.clock.mark(_BACKWARD_END)
 
     def _make_hook(self, index: int):  # noqa: ANN202 - autograd hook signature
         def hook(param: torch.Tensor) -> None:
-            now = time.perf_counter()
-            if self._backward_start is None:
-                self._backward_start = now
+            self.clock.mark(("ready", index))
             if not self._end_callback_queued:
                 self._end_callback_queued = True
                 Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -215,7 +225,6 @@ class HierSlicedEngine:
                     view.copy_(param.grad)
                 param.grad = view
             self._used[index] = 1
-            self._ready_at[index] = now - self._backward_start
             if not self._sync:
                 return
             ready = self._ready[bucket_index]
@@ -234,6 +243,7 @@ class HierSlicedEngine:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
+        self.clock.mark(("launch", b))
         self._jobs[b] = self._reducer.submit(ReduceJob(bucket.grads, bucket.bounds, self._slice_grads[b]))
         self._next_to_launch = b + 1
 
@@ -247,34 +257,46 @@ class HierSlicedEngine:
         if not self._sync:
             self._reset_timing()  # `_used` keeps accumulating over the accumulation window
             return
-        if self._backward_end is None:
-            self._on_backward_end()
+        self.clock.mark(_BACKWARD_END)  # where the autograd callback did not run (no gradient here)
         while self._next_to_launch < len(self.buckets):
             self._launch(self._next_to_launch)
         self._record_globally_unused()
         for b, job in enumerate(self._jobs):
             assert job is not None
             self._reducer.wait(job)
+            self.clock.mark(("done", b))
             grad = self._slice_grads[b]
             if self.world_size > 1:
                 grad.div_(self.world_size)
             self.sharding.shards[b].grad = grad
-        self.last_timeline = self._timeline()
-        if self.time_bucketing is not None:
-            self.time_bucketing.observe(self.last_timeline, self._globally_used)
+        host_done = None if self.clock.uses_events else [self._host_done(job) for job in self._jobs]
+        resolved = self.clock.finish()
+        if resolved is not None:
+            self.last_timeline = self._timeline(resolved, host_done)
+            if self.time_bucketing is not None:
+                self.time_bucketing.observe(self.last_timeline, self._globally_used)
         self._reset_backward_state()
 
-    def _timeline(self) -> StepTimeline:
-        start = self._backward_start if self._backward_start is not None else time.perf_counter()
-        end = self._backward_end if self._backward_end is not None else start
-        jobs = [job for job in self._jobs if job is not None]
+    def _host_done(self, job: ReduceJob | None) -> float:
+        """CPU: when the thread saw the all-reduce finish (earlier than this thread's wait)."""
+        assert job is not None
+        return job.done_at - time.perf_counter() + self.clock.host_seconds()
+
+    def _timeline(self, resolved: dict[Any, float], host_done: list[float] | None) -> StepTimeline:
+        """A step's timeline from its resolved clock marks (seconds after backward started)."""
+        launch = [resolved[("launch", b)] for b in range(len(self.buckets)) if ("launch", b) in resolved]
+        done = (
+            host_done
+            if host_done is not None
+            else [resolved.get(("done", b), 0.0) for b in range(len(launch))]
+        )
         return StepTimeline(
-            backward_start=start,
-            backward_end=end,
-            ready=list(self._ready_at),
-            bucket_bytes=[b.numel * b.params.element_size() for b in self.buckets],
-            bucket_launch=[job.submitted_at - start for job in jobs],
-            bucket_done=[job.done_at - start for job in jobs],
+            backward_start=0.0,
+            backward_end=resolved.get(_BACKWARD_END, 0.0),
+            ready=[resolved.get(("ready", i)) for i in range(len(self.params))],
+            bucket_bytes=[b.numel * b.params.element_size() for b in self.buckets][: len(launch)],
+            bucket_launch=launch,
+            bucket_done=done,
         )
 
     def _reset_backward_state(self) -> None:
@@ -286,9 +308,7 @@ class HierSlicedEngine:
         self._reset_timing()
 
     def _reset_timing(self) -> None:
-        self._ready_at = [None] * len(self.params)
-        self._backward_start = None
-        self._backward_end = None
+        self.clock.reset()
         self._end_callback_queued = False
 
     def _record_globally_unused(self) -> None:
@@ -299,7 +319,7 @@ class HierSlicedEngine:
         """
         used = self._used.clone()
         if self.world_size > 1:  # one tiny all-reduce per step; no flag to get wrong, unlike DDP
-            dist.all_reduce(used, op=dist.ReduceOp.MAX)
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.topology.world_group)
         self._globally_used = frozenset(torch.nonzero(used).flatten().tolist())
         self._unused_snapshot = []
         for index in torch.nonzero(used == 0).flatten().tolist():

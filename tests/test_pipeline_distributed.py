@@ -104,7 +104,9 @@ def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: P
     moved = sum(r["bytes_sent"] for r in first["migration"])
     received = sum(r["bytes_received"] for r in first["migration"])
     assert moved > 0 and moved == received
-    assert all(len(r["layers"]) >= 0 for r in first["migration"])
+    # every move is reported by both of its stages (the source and the target), and some layer moved
+    listed = [move for r in first["migration"] for move in r["layers"]]
+    assert listed and all(listed.count(move) == 2 for move in listed), listed
     # the StageRebalancer wrote its log and figure
     assert (tmp_path / "rebalancer" / "pipeline_rebalance.json").exists()
     assert (tmp_path / "rebalancer" / "pipeline_stage_times.png").exists()
@@ -158,7 +160,7 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
 
 def test_memory_limit_picks_swap_and_recompute_and_stays_under_it(tmp_path: Path) -> None:
     result = run_scenario("memory_cap", 2, tmp_path)
-    expected_losses, expected_state = reference("adam", max_steps=5)
+    expected_losses, expected_state = reference("adam", max_steps=5, precision="64-true")
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state)
     limit = result["memory_limit"]

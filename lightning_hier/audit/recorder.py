@@ -149,9 +149,9 @@ class CollectiveAudit:
         peer = None
         if name in POINT_TO_POINT:
             peer = self._peer(name, args, kwargs, group)
-        object_device = c10d._get_object_coll_device(group) if name in (*OBJECT_OPS, "barrier") or name.endswith(
-            "_object_list"
-        ) else None
+        object_device = None
+        if name in (*OBJECT_OPS, "barrier", "send_object_list", "recv_object_list"):
+            object_device = c10d._get_object_coll_device(group)  # where torch puts the pickled bytes
         self._append(name, group, tensors, peer, None, object_device)
 
     @staticmethod

@@ -5,14 +5,23 @@ The collectives here are plain ``torch.distributed`` calls on the two groups of 
 gloo has no uneven all-gather, so that one becomes one broadcast per slice.
 
 :class:`HierarchicalReducer` pipelines buckets. A bucket's inter-node all-reduce may only start
-once its intra-node reduce-scatter has finished. On NCCL that ordering could ride on streams, but
-on gloo ``wait()`` blocks the caller, so a dedicated communication thread runs the chain bucket
-by bucket: while it waits for bucket ``i+1``'s reduce-scatter, bucket ``i``'s all-reduce is
-already in flight on the inter group, and the training thread keeps running backward. Buckets
-larger than ``chunk_bytes`` are pipelined the same way chunk by chunk, so the slow link starts
-after one chunk's reduce-scatter rather than a whole bucket's. Buckets
-are issued strictly in plan order on every rank, so all ranks issue the same collectives in the
-same order on each group.
+once its intra-node reduce-scatter has finished. Two implementations keep that order, one per
+backend, behind the same ``submit`` / ``wait`` / ``close`` interface (:func:`make_reducer`):
+
+- :class:`InlineReducer` (CUDA, and CPU runs that emulate it): issues the chain from the thread
+  that submits (the backward hooks, as DDP's reducer does) with asynchronous work handles;
+  ``work.wait()`` on an NCCL handle makes the current stream wait, not the host, so the
+  all-reduce is queued behind the reduce-scatter on the device and backward keeps going. Every
+  rank issues the same collectives in the same order from one thread, which NCCL needs: kernels of
+  different communicators enqueued in different orders on different ranks can deadlock.
+- :class:`ThreadedReducer` (gloo): ``wait()`` blocks the caller there, so a communication thread
+  runs the chain bucket by bucket; while it waits for bucket ``i+1``'s reduce-scatter, bucket
+  ``i``'s all-reduce is already in flight on the inter group. Gloo has no stream ordering to
+  break, and this overlaps more on CPU than blocking the backward pass would.
+
+Buckets larger than ``chunk_bytes`` are pipelined chunk by chunk, so the slow link starts after
+one chunk's reduce-scatter rather than a whole bucket's. Buckets are issued strictly in plan
+order on every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from lightning_hier.topology import emulating_cuda
+
 Bounds = Sequence[tuple[int, int]]
 
 
@@ -35,16 +46,17 @@ def _is_equal(bounds: Bounds) -> bool:
 
 
 def reduce_scatter_into(
-    out: torch.Tensor, flat: torch.Tensor, bounds: Bounds, group: dist.ProcessGroup
-) -> None:
+    out: torch.Tensor, flat: torch.Tensor, bounds: Bounds, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | None:
     """Sum ``flat`` over ``group`` and leave slice ``group_rank`` of the sum in ``out``."""
     if dist.get_world_size(group) == 1:
         out.copy_(flat[bounds[0][0] : bounds[0][1]])
-        return
+        return None
     if _is_equal(bounds) and flat.numel() == bounds[-1][1]:
-        dist.reduce_scatter_single(out, flat, group=group)
-    else:
-        dist.reduce_scatter(out, [flat[start:end] for start, end in bounds], group=group)
+        return dist.reduce_scatter_single(out, flat, group=group, async_op=async_op)
+    return dist.reduce_scatter(
+        out, [flat[start:end] for start, end in bounds], group=group, async_op=async_op
+    )
 
 
 def all_gather_slices(flat: torch.Tensor, bounds: Bounds, group: dist.ProcessGroup) -> list[dist.Work]:
@@ -69,7 +81,7 @@ class ReduceJob:
     bounds: Bounds
     out: torch.Tensor
     scatter_done: threading.Event = field(default_factory=threading.Event)
-    inter_works: list[dist.Work] = field(default_factory=list)
+    works: list[dist.Work] = field(default_factory=list)  # what wait() still has to wait on
     error: BaseException | None = None
     submitted_at: float = 0.0  # time.perf_counter() clock
     scatter_done_at: float = 0.0
@@ -79,8 +91,11 @@ class ReduceJob:
         self.done_at = time.perf_counter()
 
 
+Piece = tuple[list[tuple[int, int]] | None, tuple[int, int]]
+
+
 class HierarchicalReducer:
-    """Runs :class:`ReduceJob` s in submission order on a background communication thread."""
+    """Reduces :class:`ReduceJob` s in submission order: intra reduce-scatter, then inter all-reduce."""
 
     def __init__(
         self, intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup, chunk_bytes: int = 4 << 20
@@ -91,35 +106,18 @@ class HierarchicalReducer:
         self._intra_size = dist.get_world_size(intra_group)
         self._intra_rank = dist.get_rank(intra_group)
         self._inter_size = dist.get_world_size(inter_group)
-        self._jobs: queue.Queue[ReduceJob | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
 
     def submit(self, job: ReduceJob) -> ReduceJob:
-        job.submitted_at = time.perf_counter()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="lightning_hier-comm", daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-        return job
+        raise NotImplementedError
 
     def wait(self, job: ReduceJob) -> torch.Tensor:
-        """Block until ``job`` is fully reduced; re-raises a communication error from the thread."""
-        job.scatter_done.wait()
-        if job.error is not None:
-            raise job.error
-        for work in job.inter_works:
-            work.wait()
-        job.inter_works = []
-        job.done_at = max(job.done_at, job.scatter_done_at)
-        return job.out
+        """Until ``job`` is fully reduced (on CUDA: until the current stream is ordered after it)."""
+        raise NotImplementedError
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=5)
-            self._thread = None
+        """Release what the reducer holds (nothing to do unless it runs a thread)."""
 
-    def _pieces(self, job: ReduceJob) -> list[tuple[list[tuple[int, int]] | None, tuple[int, int]]]:
+    def _pieces(self, job: ReduceJob) -> list[Piece]:
         """Cut a large bucket into chunks, each a piece of every slice, so chunk ``c``'s inter-node
         all-reduce overlaps chunk ``c+1``'s reduce-scatter inside one bucket too.
 
@@ -140,25 +138,116 @@ class HierarchicalReducer:
             pieces.append((ranges, (c * mine // count, (c + 1) * mine // count)))
         return pieces
 
+    def _scatter_piece(self, job: ReduceJob, piece: Piece, async_op: bool) -> dist.Work | None:
+        piece_bounds, (lo, hi) = piece
+        out = job.out[lo:hi]
+        if piece_bounds is None:
+            return reduce_scatter_into(out, job.flat, job.bounds, self.intra_group, async_op=async_op)
+        inputs = [job.flat[start:end] for start, end in piece_bounds]
+        return dist.reduce_scatter(out, inputs, group=self.intra_group, async_op=async_op)
+
+    def _all_reduce_piece(self, job: ReduceJob, piece: Piece) -> dist.Work | None:
+        if self._inter_size == 1:
+            return None
+        lo, hi = piece[1]
+        return dist.all_reduce(job.out[lo:hi], group=self.inter_group, async_op=True)
+
+
+class InlineReducer(HierarchicalReducer):
+    """Issues each job's collectives at ``submit``, from the calling thread (CUDA's reducer)."""
+
+    def submit(self, job: ReduceJob) -> ReduceJob:
+        job.submitted_at = time.perf_counter()
+        for piece in self._pieces(job):
+            scatter = self._scatter_piece(job, piece, async_op=True)
+            reduce = None
+            if self._inter_size > 1:
+                if scatter is not None:
+                    scatter.wait()  # NCCL: the stream waits, the host goes on; gloo: blocks here
+                reduce = self._all_reduce_piece(job, piece)
+            work = reduce if reduce is not None else scatter
+            if work is not None:
+                job.works.append(work)
+        job.scatter_done_at = time.perf_counter()
+        job.scatter_done.set()
+        return job
+
+    def wait(self, job: ReduceJob) -> torch.Tensor:
+        for work in job.works:
+            work.wait()
+        job.works = []
+        job.done_at = time.perf_counter()
+        return job.out
+
+
+class ThreadedReducer(HierarchicalReducer):
+    """Runs jobs in submission order on a background communication thread (gloo's reducer)."""
+
+    def __init__(
+        self, intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup, chunk_bytes: int = 4 << 20
+    ) -> None:
+        super().__init__(intra_group, inter_group, chunk_bytes)
+        self._jobs: queue.Queue[ReduceJob | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: ReduceJob) -> ReduceJob:
+        job.submitted_at = time.perf_counter()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lightning_hier-comm", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+        return job
+
+    def wait(self, job: ReduceJob) -> torch.Tensor:
+        """Block until ``job`` is fully reduced; re-raises a communication error from the thread."""
+        job.scatter_done.wait()
+        if job.error is not None:
+            raise job.error
+        for work in job.works:
+            work.wait()
+        job.works = []
+        job.done_at = max(job.done_at, job.scatter_done_at)
+        return job.out
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             try:
-                for piece_bounds, (lo, hi) in self._pieces(job):
-                    out = job.out[lo:hi]
-                    if piece_bounds is None:
-                        reduce_scatter_into(out, job.flat, job.bounds, self.intra_group)
-                    else:
-                        inputs = [job.flat[start:end] for start, end in piece_bounds]
-                        dist.reduce_scatter(out, inputs, group=self.intra_group)
+                for piece in self._pieces(job):
+                    self._scatter_piece(job, piece, async_op=False)
                     job.scatter_done_at = job.done_at = time.perf_counter()
-                    if self._inter_size > 1:
-                        work = dist.all_reduce(out, group=self.inter_group, async_op=True)
+                    work = self._all_reduce_piece(job, piece)
+                    if work is not None:
                         work.get_future().add_done_callback(lambda _, job=job: job.mark_done())
-                        job.inter_works.append(work)
+                        job.works.append(work)
             except BaseException as err:  # handed to the training thread in wait()
                 job.error = err
             finally:
                 job.scatter_done.set()
+
+
+REDUCERS = ("auto", "inline", "thread")
+
+
+def make_reducer(
+    intra_group: dist.ProcessGroup,
+    inter_group: dist.ProcessGroup,
+    chunk_bytes: int,
+    device: torch.device,
+    kind: str = "auto",
+) -> HierarchicalReducer:
+    """``"auto"``: :class:`InlineReducer` on CUDA (or a CPU run emulating it), else the threaded one."""
+    if kind not in REDUCERS:
+        raise ValueError(f"reducer={kind!r} is not one of {list(REDUCERS)}.")
+    if kind == "auto":
+        kind = "inline" if device.type == "cuda" or emulating_cuda() else "thread"
+    cls = InlineReducer if kind == "inline" else ThreadedReducer
+    return cls(intra_group, inter_group, chunk_bytes)

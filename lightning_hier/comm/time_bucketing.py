@@ -48,7 +48,7 @@ def validate_time_settings(
 
 @dataclass
 class StepTimeline:
-    """What one synchronising backward looked like (seconds, ``time.perf_counter`` clock)."""
+    """What one synchronising backward looked like (seconds; host clock on CPU, CUDA events on GPU)."""
 
     backward_start: float
     backward_end: float
@@ -102,9 +102,14 @@ class TimeBucketing:
     """The profiling / planning / drift-watching state machine for ``bucketing="time"``."""
 
     def __init__(
-        self, params: Sequence[ParamInfo], cap_bytes: int, config: TimeBucketingConfig | None = None
+        self,
+        params: Sequence[ParamInfo],
+        cap_bytes: int,
+        config: TimeBucketingConfig | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         config = config or TimeBucketingConfig()
+        self.group = group  # all ranks, with a CPU backend: the statistics and flags are host tensors
         self.config = config
         self.params = list(params)
         self.cap_bytes = cap_bytes
@@ -193,7 +198,7 @@ class TimeBucketing:
             [1.0 if (self.drift > self.reprofile_threshold or self._reprofile_requested) else 0.0]
         )
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self._reprofile_requested = False
         return bool(flag.item() > 0)
 
@@ -211,7 +216,7 @@ class TimeBucketing:
         )
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         if distributed:
-            dist.all_reduce(stats)
+            dist.all_reduce(stats, group=self.group)
         n = len(self.params)
         sums, counts = stats[:n], stats[n : 2 * n]
         backward = float(stats[2 * n] / max(stats[2 * n + 1].item(), 1.0))
@@ -222,6 +227,6 @@ class TimeBucketing:
                 self.params, ready, backward, self.cap_bytes, self.min_bucket_bytes, self.gap_fraction
             )
         if distributed:
-            dist.broadcast_object_list(payload, src=0)
+            dist.broadcast_object_list(payload, src=0, group=self.group)
         assert payload[0] is not None
         return payload[0]

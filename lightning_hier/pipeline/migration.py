@@ -236,7 +236,8 @@ def migrate(
         report.moves.append(move)
         try:
             if stage == move.src:
-                report.bytes_sent += _send_layer(move, rank_of_stage(move.dst), root, params, optimizers, group)
+                peer = rank_of_stage(move.dst)
+                report.bytes_sent += _send_layer(move, peer, root, params, optimizers, group)
             else:
                 report.bytes_received += _receive_layer(
                     move, rank_of_stage(move.src), root, params, optimizers, device, group

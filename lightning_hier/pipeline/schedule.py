@@ -3,8 +3,20 @@
 ``torch.distributed.pipelining`` builds its stages once from a split module and keeps them for
 the life of the schedule; the layers of a stage here change at run time (live migration), and a
 stage must report per-layer times. So the schedule is written directly on point-to-point
-``isend``/``recv``: sends are asynchronous and every rank blocks only on receives, whose order
-follows the schedule's dependency graph, so no ordering of ranks can deadlock.
+operations, following the rules torch's own schedules follow for NCCL:
+
+- in 1F1B's steady state each forward send is paired with the matching backward receive, and
+  each backward send with the next forward receive, in one ``batch_isend_irecv``; the two
+  neighbours post the mirror pair, so neither waits on a send queued behind its own receive
+  (unpaired, stage ``s`` sending an activation while stage ``s+1`` sends a gradient deadlocks
+  NCCL once messages are large);
+- a send buffer is released as soon as its send completes (at the batch's wait, or for lone
+  warm-up sends at the next exchange), not at the end of the step;
+- an activation's shape, dtype and whether a gradient comes back travel ahead of it as a small
+  header. The header is host data, so it goes over the group's CPU backend (the device rule of
+  :mod:`lightning_hier.topology`) and never enters the NCCL stream: the receiver reads it, then
+  posts the data receive inside the paired batch. Gradients need no header: they have the shape
+  of the activation they belong to.
 """
 
 from __future__ import annotations
@@ -34,12 +46,14 @@ _MAX_DIMS = 8
 _HEADER = 3 + _MAX_DIMS  # dtype, requires_grad, ndim, shape...
 
 
+_HEADER_TAG = 1  # headers and data are separate message streams on gloo
+
+
 class StageLink:
     """Activation and gradient messages between this stage and its neighbours.
 
-    Stage ``s`` runs on global rank ``rank_of_stage(s)``. An activation is sent as a small
-    header (dtype, whether a gradient is expected back, shape) followed by the data, so
-    receivers need no shape inference and batches of any size work.
+    Stage ``s`` runs on global rank ``rank_of_stage(s)``. Methods named ``*_op`` return the
+    ``P2POp`` s of one exchange; :meth:`exchange` posts them together and waits.
     """
 
     def __init__(
@@ -55,24 +69,15 @@ class StageLink:
         self.rank_of_stage = rank_of_stage
         self.device = device
         self.group = group
-        self._pending: list[tuple[dist.Work, Any]] = []
+        self._lone_sends: list[tuple[dist.Work, torch.Tensor]] = []  # work, buffer kept alive until done
         self.bytes_sent = 0
 
     def _peer(self, stage: int) -> int:
         return self.rank_of_stage(stage)
 
-    def _isend(self, tensor: torch.Tensor, stage: int) -> None:
-        tensor = tensor.contiguous()
-        work = dist.isend(tensor, self._peer(stage), group=self.group)
-        self._pending.append((work, tensor))  # keep the buffer alive until the send completes
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-
-    def _recv(self, tensor: torch.Tensor, stage: int) -> torch.Tensor:
-        dist.recv(tensor, self._peer(stage), group=self.group)
-        return tensor
-
-    def send_activation(self, value: Any) -> bool:
-        """Send to the next stage; returns whether a gradient will come back for it."""
+    # ------------------------------------------------------------------ headers (host, CPU backend)
+    def send_header(self, value: Any) -> bool:
+        """Announce an activation to the next stage; returns whether a gradient will come back."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"stage {self.stage} produced a {type(value).__name__} at its cut; a pipeline cut must "
@@ -86,30 +91,62 @@ class StageLink:
         header[1] = int(wants_grad)
         header[2] = value.dim()
         header[3 : 3 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
-        self._isend(header.to(self.device), self.stage + 1)
-        self._isend(value.detach(), self.stage + 1)
+        work = dist.isend(header, self._peer(self.stage + 1), group=self.group, tag=_HEADER_TAG)
+        self._lone_sends.append((work, header))
         return wants_grad
 
-    def recv_activation(self) -> torch.Tensor:
-        header = self._recv(torch.empty(_HEADER, dtype=torch.int64, device=self.device), self.stage - 1)
+    def recv_header(self) -> tuple[list[int], torch.dtype, bool]:
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        dist.recv(header, self._peer(self.stage - 1), group=self.group, tag=_HEADER_TAG)
         dtype_code, wants_grad, ndim = (int(v) for v in header[:3].tolist())
-        shape = [int(v) for v in header[3 : 3 + ndim].tolist()]
-        value = self._recv(torch.empty(shape, dtype=_DTYPES[dtype_code], device=self.device), self.stage - 1)
-        if wants_grad:
-            value.requires_grad_(True)
-        return value
+        return [int(v) for v in header[3 : 3 + ndim].tolist()], _DTYPES[dtype_code], bool(wants_grad)
 
-    def send_grad(self, grad: torch.Tensor) -> None:
-        self._isend(grad, self.stage - 1)
+    # ------------------------------------------------------------------ data (device)
+    def send_activation_op(self, value: torch.Tensor) -> dist.P2POp:
+        return self._send_op(value.detach(), self.stage + 1)
 
-    def recv_grad(self, like: torch.Tensor) -> torch.Tensor:
-        return self._recv(torch.empty_like(like, memory_format=torch.contiguous_format), self.stage + 1)
+    def recv_activation_op(
+        self, header: tuple[list[int], torch.dtype, bool]
+    ) -> tuple[dist.P2POp, torch.Tensor]:
+        shape, dtype, _ = header
+        value = torch.empty(shape, dtype=dtype, device=self.device)
+        return dist.P2POp(dist.irecv, value, self._peer(self.stage - 1), self.group), value
+
+    def send_grad_op(self, grad: torch.Tensor) -> dist.P2POp:
+        return self._send_op(grad, self.stage - 1)
+
+    def recv_grad_op(self, like: torch.Tensor) -> tuple[dist.P2POp, torch.Tensor]:
+        grad = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return dist.P2POp(dist.irecv, grad, self._peer(self.stage + 1), self.group), grad
+
+    def _send_op(self, tensor: torch.Tensor, stage: int) -> dist.P2POp:
+        tensor = tensor.contiguous()
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return dist.P2POp(dist.isend, tensor, self._peer(stage), self.group)
+
+    def exchange(self, ops: list[dist.P2POp]) -> None:
+        """Post ``ops`` as one batch and wait for them (on CUDA the stream waits, not the host)."""
+        self._release_finished_sends()
+        if not ops:
+            return
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def post_sends(self, ops: list[dist.P2POp]) -> None:
+        """Post sends that no receive of this stage is paired with; their buffers go when done."""
+        self._release_finished_sends()
+        if ops:
+            works = dist.batch_isend_irecv(ops)
+            self._lone_sends.extend((work, op.tensor) for work, op in zip(works, ops))
+
+    def _release_finished_sends(self) -> None:
+        self._lone_sends = [(w, t) for w, t in self._lone_sends if not w.is_completed()]
 
     def wait(self) -> None:
-        """Complete every outstanding send (their buffers may be freed afterwards)."""
-        for work, _ in self._pending:
+        """Complete every outstanding send (their buffers are freed afterwards)."""
+        for work, _ in self._lone_sends:
             work.wait()
-        self._pending.clear()
+        self._lone_sends.clear()
 
 
 @dataclass
@@ -154,60 +191,127 @@ class PipelineSchedule:
             return num_micro
         return min(num_micro, self.link.num_stages - self.link.stage)
 
-    # ------------------------------------------------------------------ train
-    def _forward(self, m: int, forward: ForwardFn, stash: dict[int, _InFlight]) -> None:
-        received = None if self.is_first else self.link.recv_activation()
+    # ------------------------------------------------------------------ pieces of a step
+    def _recv_activation_ops(self) -> tuple[list[dist.P2POp], torch.Tensor | None]:
+        """The receive of the next activation (its header is read first, over the host backend)."""
+        if self.is_first:
+            return [], None
+        header = self.link.recv_header()
+        op, value = self.link.recv_activation_op(header)
+        if header[2]:
+            value.requires_grad_(True)
+        return [op], value
+
+    def _compute_forward(
+        self, m: int, received: torch.Tensor | None, forward: ForwardFn, stash: dict[int, _InFlight]
+    ) -> list[dist.P2POp]:
+        """Forward of micro-batch ``m``; returns the send of its activation (empty on the last stage)."""
         output = forward(m, received)
+        sends: list[dist.P2POp] = []
         wants_grad = False
         if not self.is_last:
-            wants_grad = self.link.send_activation(output)
+            wants_grad = self.link.send_header(output)
+            sends.append(self.link.send_activation_op(output))
         stash[m] = _InFlight(received, output, wants_grad)
         self.peak_in_flight = max(self.peak_in_flight, len(stash))
+        return sends
 
-    def _backward(self, m: int, stash: dict[int, _InFlight]) -> None:
+    def _recv_grad_ops(
+        self, m: int, stash: dict[int, _InFlight]
+    ) -> tuple[list[dist.P2POp], torch.Tensor | None]:
+        item = stash[m]
+        if self.is_last or not item.wants_grad:
+            return [], None
+        op, grad = self.link.recv_grad_op(item.output)
+        return [op], grad
+
+    def _compute_backward(
+        self, m: int, grad: torch.Tensor | None, stash: dict[int, _InFlight]
+    ) -> list[dist.P2POp]:
+        """Backward of micro-batch ``m``; returns the send of its input gradient (if any)."""
         item = stash.pop(m)
         if self.is_last:
             if item.output.requires_grad:
                 torch.autograd.backward(item.output)
-        elif item.wants_grad:
-            grad = self.link.recv_grad(item.output)
+        elif grad is not None:
             torch.autograd.backward(item.output, grad)
         if self.on_backward_done is not None:
             self.on_backward_done()
         received = item.received
-        if received is not None and received.requires_grad:
-            grad_in = received.grad if received.grad is not None else torch.zeros_like(received)
-            self.link.send_grad(grad_in)
+        if received is None or not received.requires_grad:
+            return []
+        grad_in = received.grad if received.grad is not None else torch.zeros_like(received)
+        return [self.link.send_grad_op(grad_in)]
 
+    # ------------------------------------------------------------------ train
     def train_step(self, num_micro: int, forward: ForwardFn) -> None:
         """Forward and backward of ``num_micro`` micro-batches; gradients accumulate in ``.grad``."""
-        stash: dict[int, _InFlight] = {}
         if self.kind == "gpipe":
-            for m in range(num_micro):
-                self._forward(m, forward, stash)
-            for m in range(num_micro):
-                self._backward(m, stash)
+            self._gpipe(num_micro, forward)
         else:
-            warmup = min(self.link.num_stages - self.link.stage - 1, num_micro)
-            for m in range(warmup):
-                self._forward(m, forward, stash)
-            for m in range(warmup, num_micro):
-                self._forward(m, forward, stash)
-                self._backward(m - warmup, stash)
-            for m in range(num_micro - warmup, num_micro):
-                self._backward(m, stash)
+            self._one_f_one_b(num_micro, forward)
         self.link.wait()
+
+    def _gpipe(self, num_micro: int, forward: ForwardFn) -> None:
+        """All forwards, then all backwards: each link carries one direction at a time."""
+        stash: dict[int, _InFlight] = {}
+        for m in range(num_micro):
+            recv_ops, received = self._recv_activation_ops()
+            self.link.exchange(recv_ops)
+            self.link.post_sends(self._compute_forward(m, received, forward, stash))
+        for m in range(num_micro):
+            recv_ops, grad = self._recv_grad_ops(m, stash)
+            self.link.exchange(recv_ops)
+            self.link.post_sends(self._compute_backward(m, grad, stash))
+
+    def _one_f_one_b(self, num_micro: int, forward: ForwardFn) -> None:
+        """Warm-up forwards, then backward/forward pairs with paired exchanges, then backwards.
+
+        Stage ``s`` runs ``min(n, S - s)`` forwards before its first backward. In the steady
+        state it posts {send activation f, receive gradient b} and then {send gradient b,
+        receive activation f+1}; stage ``s+1`` posts the mirror images of these pairs.
+        """
+        stash: dict[int, _InFlight] = {}
+        warmup = min(num_micro, self.link.num_stages - self.link.stage)
+        fwd = bwd = 0
+        forward_sends: list[dist.P2POp] = []
+        for i in range(warmup):
+            recv_ops, received = self._recv_activation_ops()
+            self.link.exchange(recv_ops)
+            forward_sends = self._compute_forward(fwd, received, forward, stash)
+            fwd += 1
+            if i < warmup - 1:  # the last warm-up send is paired with the first gradient receive
+                self.link.post_sends(forward_sends)
+                forward_sends = []
+        backward_sends: list[dist.P2POp] = []
+        while bwd < num_micro:
+            recv_ops, grad = self._recv_grad_ops(bwd, stash)
+            self.link.exchange(forward_sends + backward_sends + recv_ops)
+            forward_sends = []
+            backward_sends = self._compute_backward(bwd, grad, stash)
+            bwd += 1
+            if fwd < num_micro:
+                recv_ops, received = self._recv_activation_ops()
+                self.link.exchange(backward_sends + recv_ops)
+                backward_sends = []
+                forward_sends = self._compute_forward(fwd, received, forward, stash)
+                fwd += 1
+        self.link.post_sends(forward_sends + backward_sends)
 
     # ------------------------------------------------------------------ eval
     def eval_step(self, num_micro: int, forward: ForwardFn) -> list[Any]:
         """Forward only; returns the last stage's outputs (empty list elsewhere)."""
         outputs = []
         for m in range(num_micro):
-            received = None if self.is_first else self.link.recv_activation()
+            recv_ops, received = self._recv_activation_ops()
+            self.link.exchange(recv_ops)
+            if received is not None:
+                received.requires_grad_(False)
             output = forward(m, received)
             if self.is_last:
                 outputs.append(output)
             else:
-                self.link.send_activation(output)
+                self.link.send_header(output)
+                self.link.post_sends([self.link.send_activation_op(output)])
         self.link.wait()
         return outputs

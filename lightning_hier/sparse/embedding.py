@@ -8,8 +8,11 @@ optimizer, so ``configure_optimizers`` covers the dense parameters only.
 Under ``strategy="hier_sliced"`` the strategy attaches every ``HybridEmbedding`` at setup (local
 rank 0 of each node creates the table in shared memory, the node's other processes map it) and,
 after every synchronising backward, syncs the per-id gradients (frequency-averaged, see
-:mod:`lightning_hier.sparse.sync`); local rank 0 applies the row-wise update and the node waits
-at a barrier, so every process reads the updated rows in the next step.
+:mod:`lightning_hier.sparse.sync`). When the optimizer steps, local rank 0 applies the row-wise
+update and the node waits at a barrier, so every process reads the updated rows in the next step.
+Under ``16-mixed`` the rows are unscaled by the loss scale first, a non-finite gradient makes the
+loss scaler skip the step for the dense parameters and the table alike, and a skipped step leaves
+the table as it was.
 
 Without the strategy (one process, e.g. inference or a quick test), the first forward gives the
 module a private table; :meth:`sync_and_update` then applies the process's own gradient.
@@ -111,6 +114,8 @@ class HybridEmbedding(nn.Module):
         self._intra_group: dist.ProcessGroup | None = None
         self._inter_group: dist.ProcessGroup | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._synced: tuple[torch.Tensor, torch.Tensor] | None = None  # averaged, still loss-scaled
+        self._synced_step = False
 
     # ------------------------------------------------------------------ storage
     @property
@@ -257,19 +262,43 @@ class HybridEmbedding(nn.Module):
         unique, summed, _ = coalesce(ids, rows)
         return unique, summed
 
-    def sync_and_update(self) -> None:
-        """Frequency-average the gradients of all trainers; local rank 0 updates; node barrier."""
+    def sync_gradients(self) -> None:
+        """Frequency-average the gradients of all trainers (a collective); kept until :meth:`apply_update`."""
         ids, rows = self.pending_gradient()
         self._pending = []
         averaged = hierarchical_frequency_average(
             ids, rows, self._intra_group, self._inter_group, self.is_updater
         )
-        if averaged is not None and self.is_updater:
+        self._synced = averaged if self.is_updater else None
+        self._synced_step = True
+
+    def synced_gradients_finite(self) -> bool:
+        """Whether the averaged gradient this process will apply is finite (``True`` off the updater)."""
+        return self._synced is None or bool(torch.isfinite(self._synced[1]).all())
+
+    @torch.no_grad()
+    def apply_update(self, inv_scale: float = 1.0, skip: bool = False) -> None:
+        """Local rank 0 applies the synced gradient times ``inv_scale`` unless ``skip``; node barrier.
+
+        ``inv_scale`` undoes a loss scale (``16-mixed``); ``skip`` is the loss scaler's decision to
+        skip this step (a non-finite gradient anywhere), which leaves the table untouched.
+        """
+        if not self._synced_step:
+            return
+        if self._synced is not None and not skip:
             assert self.row_optimizer is not None
-            ids, grads = averaged
+            ids, grads = self._synced
+            if inv_scale != 1.0:
+                grads = grads * inv_scale
             self.row_optimizer.step(self._rows_of(ids), grads)
+        self._synced, self._synced_step = None, False
         if self._intra_group is not None and dist.get_world_size(self._intra_group) > 1:
             dist.barrier(group=self._intra_group)  # nobody reads a row before it is updated
+
+    def sync_and_update(self) -> None:
+        """Frequency-average the gradients of all trainers; local rank 0 updates; node barrier."""
+        self.sync_gradients()
+        self.apply_update()
 
     def discard_pending(self) -> None:
         self._pending = []

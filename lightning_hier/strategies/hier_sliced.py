@@ -24,9 +24,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch.distributed.distributed_c10d import _get_default_group
 from torch.optim import Optimizer
 
+from lightning_hier.comm.hierarchical import REDUCERS
 from lightning_hier.comm.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
 from lightning_hier.comm.time_bucketing import TimeBucketingConfig, validate_time_settings
 from lightning_hier.comm.time_plan import TimePlan
@@ -40,6 +40,7 @@ from lightning_hier.sharded_checkpoint import (
     load_sharded_params,
     save_sharded,
 )
+from lightning_hier.sharded_grad_scaler import HierGradScaler
 from lightning_hier.sparse.checkpoint import (
     CHECKPOINT_KEY as TABLES_KEY,
 )
@@ -98,6 +99,10 @@ class HierSlicedStrategy(DDPStrategy):
             is stitched by an all-gather); resuming needs the same slice layout, and
             :func:`lightning_hier.consolidate_sharded_checkpoint` converts it to a single file.
         timeout: collective timeout; a dead peer ends the job with an error after at most this long.
+        reducer: who issues the reduce-scatter -> all-reduce chain: ``"inline"`` (the backward hooks,
+            with stream waits between the two: one issuing order per rank, what NCCL needs),
+            ``"thread"`` (a communication thread: overlaps more on gloo, where waits block the host)
+            or ``"auto"`` (inline on CUDA, thread on CPU). See ``docs/gpu.md``.
 
     The remaining arguments are Lightning's usual DDP plumbing.
     """
@@ -118,6 +123,7 @@ class HierSlicedStrategy(DDPStrategy):
         reprofile_threshold: float = 0.25,
         reprofile_check_every: int = 20,
         min_bucket_mb: float = 1.0,
+        reducer: Literal["auto", "inline", "thread"] = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -142,6 +148,8 @@ class HierSlicedStrategy(DDPStrategy):
             check_every=reprofile_check_every,
             min_bucket_mb=min_bucket_mb,
         )
+        if reducer not in REDUCERS:
+            raise ValueError(f"reducer={reducer!r} is not one of {list(REDUCERS)}.")
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(
                 f"checkpoint_format={checkpoint_format!r} is not one of {list(CHECKPOINT_FORMATS)}."
@@ -165,6 +173,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
         self.bucketing = bucketing
+        self.reducer = reducer
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None
@@ -245,7 +254,11 @@ class HierSlicedStrategy(DDPStrategy):
         self._groups()
         if self.slice_plan is None:
             self.slice_plan = decide_slice_plan(
-                self.slice_weights, self.topology.devices_per_node, self.root_device, self.num_processes
+                self.slice_weights,
+                self.topology.devices_per_node,
+                self.root_device,
+                self.num_processes,
+                group=self.topology.world_group,
             )
         if self.engine is not None:
             self.engine.close()
@@ -258,6 +271,7 @@ class HierSlicedStrategy(DDPStrategy):
             bucketing=self.bucketing,
             time_config=self.time_config,
             comm_chunk_mb=self.comm_chunk_mb,
+            reducer=self.reducer,
         )
         self.engine.sync_module_states()
         log.info(
@@ -267,17 +281,25 @@ class HierSlicedStrategy(DDPStrategy):
         )
 
     def _install_sharded_grad_scaler(self) -> None:
-        """16-bit AMP: skip-or-step must be decided from every slice, not just this rank's."""
+        """16-bit AMP: skip-or-step must be decided from every slice and every embedding table's
+        gradient, not just this rank's slices; the user's scaler settings and state are kept."""
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            if not isinstance(plugin.scaler, ShardedGradScaler):
-                plugin.scaler = ShardedGradScaler(
-                    device=plugin.device,
-                    init_scale=plugin.scaler.get_scale(),
-                    process_group=_get_default_group(),
+            assert self.topology is not None
+            checks = [module.synced_gradients_finite for _, module in self.hybrid_embeddings]
+            if isinstance(plugin.scaler, HierGradScaler):
+                plugin.scaler.extra_finite = checks
+            else:
+                plugin.scaler = HierGradScaler.replacing(
+                    plugin.scaler, plugin.device, self.topology.world_group, checks
                 )
+
+    def _table_update_factor(self) -> tuple[float, bool]:
+        """``(inverse loss scale, skipped)`` of the step that just ran (``(1.0, False)`` without AMP)."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if isinstance(scaler, HierGradScaler):
+            return scaler.last_inv_scale, scaler.last_step_skipped
+        return 1.0, False
 
     # ------------------------------------------------------------------ step
     @contextmanager
@@ -322,7 +344,7 @@ class HierSlicedStrategy(DDPStrategy):
             self.engine.finish_backward()
             if self.engine.syncing:
                 for _, module in self.hybrid_embeddings:
-                    module.sync_and_update()
+                    module.sync_gradients()  # applied in optimizer_step, once the scaler has decided
 
     def optimizer_step(
         self,
@@ -334,6 +356,9 @@ class HierSlicedStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engine is not None:
             self.engine.after_step()
+        inv_scale, skipped = self._table_update_factor()
+        for _, module in self.hybrid_embeddings:
+            module.apply_update(inv_scale, skipped)
         return output
 
     # ------------------------------------------------------------------ checkpoints

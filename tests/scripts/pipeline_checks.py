@@ -68,7 +68,7 @@ SCENARIOS: dict[str, dict] = {
     "memory_cap": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition="uniform", rebalance="never", micro_batches=4, profile_steps=2),
-        trainer=dict(max_steps=5),
+        trainer=dict(max_steps=5, precision="64-true"),  # float64: see rebalance_adam_1f1b
         memory_probe=True,
         rebalancer=True,
     ),
@@ -126,7 +126,7 @@ def _install_crash(stage_to_kill: int, strategy: HierPipelineStrategy) -> None:
     dist.send_object_list = send_object_list
 
 
-def _probe_memory_limit() -> int:
+def _probe_memory_limit(precision: str) -> int:
     """A limit between what every stage needs at least and what keeping everything takes."""
     pl.seed_everything(0, verbose=False)
     strategy = HierPipelineStrategy(
@@ -137,6 +137,7 @@ def _probe_memory_limit() -> int:
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
         max_steps=3,
+        precision=precision,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -163,7 +164,7 @@ def main() -> None:
     name, out, workdir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     spec = SCENARIOS[name]
     if spec.get("memory_probe"):
-        spec["strategy"]["memory_limit"] = _probe_memory_limit()
+        spec["strategy"]["memory_limit"] = _probe_memory_limit(spec["trainer"].get("precision", "32-true"))
     pl.seed_everything(0, verbose=False)
     model = SkewedNet(**spec["model"])
     recorder = LossRecorder()

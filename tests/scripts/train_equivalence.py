@@ -55,6 +55,15 @@ SCENARIOS: dict[str, dict] = {
     "time_bucketing_sgd_weighted_4x1": dict(
         model=dict(optimizer="sgd"), hier=dict(devices_per_node=1, bucketing="time", profile_steps=1)
     ),
+    # the reducer CUDA uses (hooks issue reduce-scatter, stream wait, all-reduce), here on gloo
+    "inline_reducer_chunked_adam": dict(
+        model=dict(optimizer="adam"), hier=dict(devices_per_node=2, reducer="inline", comm_chunk_mb=0.001)
+    ),
+    "inline_reducer_time_bucketing_unused": dict(
+        model=dict(optimizer="sgd", quirks=True),
+        hier=dict(devices_per_node=2, reducer="inline", bucketing="time", profile_steps=1),
+        ddp=dict(find_unused_parameters=True),
+    ),
     "no_bucketing_overlap": dict(
         model=dict(optimizer="sgd"), hier=dict(devices_per_node=2, bucketing="none")
     ),
