@@ -187,7 +187,7 @@ def host_capable_backend(group: dist.ProcessGroup | None = None) -> str | None:
     return ",".join(f"{device}:{backend}" for device, backend in pairs.items())
 
 
-_CONTROL_GROUPS: dict[int, dist.ProcessGroup] = {}
+_CONTROL_GROUP: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, control group)
 
 
 def control_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
@@ -199,8 +199,6 @@ def control_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
     assert default is not None, "torch.distributed is not initialised"
     if host_capable_backend() is None:
         return default
-    key = id(default)
-    if key not in _CONTROL_GROUPS:
-        _CONTROL_GROUPS.clear()  # a new default group (a new run in this process): old groups are gone
-        _CONTROL_GROUPS[key] = dist.new_group(timeout=timeout, backend=host_capable_backend())
-    return _CONTROL_GROUPS[key]
+    if not _CONTROL_GROUP or _CONTROL_GROUP[0][0] is not default:  # none yet, or a new default group
+        _CONTROL_GROUP[:] = [(default, dist.new_group(timeout=timeout, backend=host_capable_backend()))]
+    return _CONTROL_GROUP[0][1]
