@@ -19,7 +19,7 @@ import torch
 from helpers import SCRIPTS, run_torchrun
 
 sys.path.insert(0, str(SCRIPTS))
-from pipeline_models import SkewedNet, loader  # noqa: E402
+from pipeline_models import SkewedNet, TwiceNet, loader  # noqa: E402
 
 from lightning_hier.pipeline.partition import StagePartition  # noqa: E402
 
@@ -49,12 +49,16 @@ def _plain_trainer(losses: _Losses, **trainer_kwargs) -> pl.Trainer:  # noqa: AN
 
 
 def reference(
-    optimizer: str, resume_after: int | None = None, tmp: Path | None = None, **trainer_kwargs
+    optimizer: str,
+    resume_after: int | None = None,
+    tmp: Path | None = None,
+    model_class: type[pl.LightningModule] = SkewedNet,
+    **trainer_kwargs,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process Lightning; with ``resume_after`` it saves after that many steps and resumes,
     so Lightning's own resume bookkeeping (which epoch/batch comes next) is the same as compared."""
     pl.seed_everything(0, verbose=False)
-    model = SkewedNet(optimizer=optimizer)
+    model = model_class(optimizer=optimizer)
     losses = _Losses()
     ckpt_path = None
     if resume_after is not None:
@@ -64,7 +68,7 @@ def reference(
         ckpt_path = str(tmp / "reference_resume.ckpt")
         first.save_checkpoint(ckpt_path)
         pl.seed_everything(0, verbose=False)
-        model = SkewedNet(optimizer=optimizer)
+        model = model_class(optimizer=optimizer)
     _plain_trainer(losses, **trainer_kwargs).fit(model, loader(), ckpt_path=ckpt_path)
     return losses.values, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -81,10 +85,12 @@ def assert_losses_match(losses: list[float], expected: list[float]) -> None:
         assert abs(got - want) <= LOSS_RTOL * abs(want), (losses, expected)
 
 
-def assert_checkpoint_matches(path: str, expected: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
+def assert_checkpoint_matches(
+    path: str, expected: dict[str, torch.Tensor], atol: float = 1e-5, model_class: type = SkewedNet
+) -> None:
     """The consolidated checkpoint loads into the bare module (no strategy) and equals the reference."""
     state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-    model = SkewedNet()
+    model = model_class()
     model.load_state_dict(state)  # strict: every name of the LightningModule, full shapes
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=atol, msg=key)
@@ -113,6 +119,16 @@ def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: P
     # the checkpoint records the partition the run ended with
     meta = torch.load(result["checkpoint"], map_location="cpu", weights_only=False)["hier_pipeline"]
     assert StagePartition.from_dict(meta["partition"]).to_dict() == result["partition"]
+
+
+def test_shared_and_tied_modules_migrate_once_matching_one_process(tmp_path: Path) -> None:
+    result = run_scenario("shared_modules_migrate", 4, tmp_path)
+    expected_losses, expected_state = reference(
+        "adam", max_steps=6, precision="64-true", model_class=TwiceNet
+    )
+    assert result["history"], "the lopsided start must be rebalanced (layers with shared state move)"
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=TwiceNet)
 
 
 def test_gpipe_sgd_with_global_norm_clipping_and_accumulation(tmp_path: Path) -> None:

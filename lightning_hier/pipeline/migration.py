@@ -56,16 +56,42 @@ class MigrationReport:
 
 
 def plan_moves(graph: LayerGraph, old: StagePartition, new: StagePartition) -> list[LayerMove]:
-    """Every layer that owns state and sits on a different stage under ``new``."""
+    """Every layer that owns state and sits on a different stage under ``new``, each tensor once.
+
+    A module applied twice, or two layers sharing a parameter (tied weights), put the same tensor
+    in several layers (always of one cluster: such layers are never split). It moves with the
+    first of them; a second move would read the already-released tensor and overwrite what the
+    target has just received.
+    """
+    canonical = _canonical_names(graph.root)
+    moved: set[str] = set()
     moves = []
     for cluster in graph.clusters:
         src, dst = old.stage_of_cluster(cluster.index), new.stage_of_cluster(cluster.index)
         if src == dst:
             continue
         for layer in graph.cluster_layers(cluster):
-            if layer.state_names:
-                moves.append(LayerMove(layer.name, layer.state_names, src, dst))
+            names = []
+            for name in layer.state_names:
+                key = canonical.get(name, name)
+                if key not in moved:
+                    moved.add(key)
+                    names.append(name)
+            if names:
+                moves.append(LayerMove(layer.name, tuple(names), src, dst))
     return moves
+
+
+def _canonical_names(root: nn.Module) -> dict[str, str]:
+    """Each parameter/buffer name -> the first name of the same tensor (tied tensors share one)."""
+    first: dict[int, str] = {}
+    canonical = {}
+    for name, tensor in [
+        *root.named_parameters(remove_duplicate=False),
+        *root.named_buffers(remove_duplicate=False),
+    ]:
+        canonical[name] = first.setdefault(id(tensor), name)
+    return canonical
 
 
 # ---------------------------------------------------------------------- local state surgery

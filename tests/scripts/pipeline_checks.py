@@ -21,7 +21,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from pipeline_models import SkewedNet, loader  # noqa: E402
+from pipeline_models import MODELS, SkewedNet, loader  # noqa: E402
 
 from lightning_hier import HierPipelineStrategy, StageRebalancer  # noqa: E402
 
@@ -35,6 +35,12 @@ SCENARIOS: dict[str, dict] = {
         # any real error in migration still shows at full size
         trainer=dict(max_steps=8, precision="64-true"),
         rebalancer=True,
+    ),
+    "shared_modules_migrate": dict(
+        model=dict(optimizer="adam"),
+        model_class="twice",
+        strategy=dict(partition=[1, 1, 1, 14], rebalance=2, micro_batches=4),
+        trainer=dict(max_steps=6, precision="64-true"),
     ),
     "gpipe_sgd_clip_accumulate": dict(
         model=dict(optimizer="sgd"),
@@ -166,7 +172,7 @@ def main() -> None:
     if spec.get("memory_probe"):
         spec["strategy"]["memory_limit"] = _probe_memory_limit(spec["trainer"].get("precision", "32-true"))
     pl.seed_everything(0, verbose=False)
-    model = SkewedNet(**spec["model"])
+    model = MODELS[spec.get("model_class", "skewed")](**spec["model"])
     recorder = LossRecorder()
     callbacks: list[pl.Callback] = [recorder]
     if spec.get("rebalancer"):

@@ -72,6 +72,27 @@ class SkewedNet(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+class TwiceNet(SkewedNet):
+    """Shared state inside clusters: every block applies its one ``Linear`` twice, and two layers
+    share a weight (tied), so a migration carries the same tensors for several layers."""
+
+    def __init__(self, optimizer: str = "adam", lr: float = 0.01) -> None:
+        super().__init__(widths=(32,) * 6, optimizer=optimizer, lr=lr)
+        self.enc = nn.Linear(32, 32, bias=False)
+        self.dec = nn.Linear(32, 32, bias=False)
+        self.dec.weight = self.enc.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(block(x))
+        x = torch.tanh(self.dec(torch.tanh(self.enc(x))))
+        return self.head(self.res(x))
+
+
+MODELS = {"skewed": SkewedNet, "twice": TwiceNet}
+
+
 def dataset(n: int = 256, in_features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, in_features, generator=g)
