@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import SCRIPTS, run_torchrun
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(SCRIPTS))
 from pipeline_models import SkewedNet, TwiceNet, loader  # noqa: E402
@@ -35,7 +36,7 @@ class _Losses(pl.Callback):
 
 
 def _plain_trainer(losses: _Losses, **trainer_kwargs) -> pl.Trainer:  # noqa: ANN003
-    return pl.Trainer(
+    settings = dict(
         accelerator="cpu",
         devices=1,
         logger=False,
@@ -44,8 +45,8 @@ def _plain_trainer(losses: _Losses, **trainer_kwargs) -> pl.Trainer:  # noqa: AN
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[losses],
-        **trainer_kwargs,
     )
+    return pl.Trainer(**{**settings, **trainer_kwargs})
 
 
 def reference(
@@ -172,6 +173,24 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
         best, loader(batch_size=32, seed=1), ckpt_path=result["best_path"]
     )
     assert abs(result["fresh_validate_val_loss"] - metrics[0]["val_loss"]) < 1e-5
+
+
+def test_top_k_checkpoints_follow_an_improving_loss_like_lightning_alone(tmp_path: Path) -> None:
+    result = run_scenario("top_k_improving", 2, tmp_path)
+    pl.seed_everything(0, verbose=False)
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path / "ref", monitor="val_loss", save_top_k=2, filename="{epoch}"
+    )
+    trainer = _plain_trainer(
+        _Losses(), max_epochs=5, limit_train_batches=4, limit_val_batches=2, enable_checkpointing=True
+    )
+    trainer.callbacks.append(checkpoint)
+    trainer.fit(SkewedNet(optimizer="adam"), loader(), loader(batch_size=32, seed=1))
+    expected = sorted(p.name for p in (tmp_path / "ref").iterdir())
+    losses = result["val_losses"]
+    assert min(losses[2:]) < max(losses[:2]), losses  # a later epoch beats a kept one: the files must move on
+    assert result["top_k_files"] == expected
+    assert result["top_k_files"] != ["epoch=0.ckpt", "epoch=1.ckpt"]
 
 
 def test_memory_limit_picks_swap_and_recompute_and_stays_under_it(tmp_path: Path) -> None:

@@ -393,8 +393,21 @@ class HierPipelineStrategy(DDPStrategy):
         return closure_loss
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        # stages are not replicas: a value logged on the last stage is already the whole batch's
+        # stages are not replicas: a value logged on the last stage is already the whole batch's, and
+        # only the last stage logs in a step, so this must not be a collective
         return tensor
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """The last stage (rank 0), which computes the loss and the metrics, decides for every stage.
+
+        ``ModelCheckpoint`` (top-k) and ``EarlyStopping`` ask every rank; DDP sums the ranks'
+        votes, which stages that are not replicas cannot give. A broadcast makes them agree.
+        """
+        if not dist.is_initialized() or self.world_size == 1:
+            return decision
+        flag = torch.tensor([int(bool(decision))], dtype=torch.int64)  # host control data: CPU backend
+        dist.broadcast(flag, src=rank_of_stage(self.num_stages, self.num_stages - 1), group=control_group())
+        return bool(flag.item())
 
     def optimizer_step(
         self,

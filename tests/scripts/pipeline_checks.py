@@ -64,6 +64,12 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_epochs=2, limit_train_batches=4, limit_val_batches=2),
         monitor=True,
     ),
+    "top_k_improving": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(partition="uniform", micro_batches=2, rebalance="never"),
+        trainer=dict(max_epochs=5, limit_train_batches=4, limit_val_batches=2),
+        top_k=2,
+    ),
     "crash_during_migration": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance=3, micro_batches=2, timeout=timedelta(seconds=20)),
@@ -109,12 +115,17 @@ class LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.batches: list[list[int]] = []  # the labels of every batch this process read
+        self.val_losses: list[float] = []  # after each validation (every stage sees the last stage's)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
         self.batches.append(batch[1].tolist())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
         self.losses.append(float(outputs["loss"]))
+
+    def on_validation_end(self, trainer, pl_module):  # noqa: ANN001
+        if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
 
 def _install_crash(stage_to_kill: int, strategy: HierPipelineStrategy) -> None:
@@ -179,6 +190,12 @@ def main() -> None:
         callbacks.append(StageRebalancer(output_dir=str(workdir / "rebalancer")))
     if spec.get("monitor"):
         callbacks.append(ModelCheckpoint(dirpath=workdir / "monitor", monitor="val_loss", save_top_k=1))
+    if spec.get("top_k"):
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=workdir / "topk", monitor="val_loss", save_top_k=spec["top_k"], filename="{epoch}"
+            )
+        )
     if spec.get("every_step_checkpoint"):
         callbacks.append(ModelCheckpoint(dirpath=workdir / "every", every_n_train_steps=1, save_last=True))
     strategy = HierPipelineStrategy(**spec["strategy"])
@@ -187,7 +204,9 @@ def main() -> None:
         devices=int(os.environ.get("WORLD_SIZE", "1")),
         strategy=strategy,
         logger=False,
-        enable_checkpointing=bool(spec.get("monitor") or spec.get("every_step_checkpoint")),
+        enable_checkpointing=bool(
+            spec.get("monitor") or spec.get("every_step_checkpoint") or spec.get("top_k")
+        ),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -203,13 +222,16 @@ def main() -> None:
         ckpt_path = str(workdir / "every" / "last.ckpt")
     elif resume is not None:
         ckpt_path = str(workdir / f"{resume}.ckpt")
-    val_loader = loader(batch_size=32, seed=1) if spec.get("monitor") else None
+    val_loader = loader(batch_size=32, seed=1) if spec.get("monitor") or spec.get("top_k") else None
     trainer.fit(
         model, loader(shuffle=spec.get("shuffle", False)), val_dataloaders=val_loader, ckpt_path=ckpt_path
     )
     final = workdir / f"{name}.ckpt"
     trainer.save_checkpoint(final)
     result: dict = {"losses": recorder.losses, "checkpoint": str(final)}
+    if spec.get("top_k"):
+        result["top_k_files"] = sorted(p.name for p in (workdir / "topk").iterdir())
+        result["val_losses"] = recorder.val_losses
     if spec.get("monitor"):
         checkpoint_cb = next(cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint))
         result["best_score"] = float(checkpoint_cb.best_model_score)
