@@ -134,6 +134,9 @@ def test_shared_and_tied_modules_migrate_once_matching_one_process(tmp_path: Pat
 
 def test_gpipe_sgd_with_global_norm_clipping_and_accumulation(tmp_path: Path) -> None:
     result = run_scenario("gpipe_sgd_clip_accumulate", 2, tmp_path)
+    # Lightning's backward hooks ran on every stage once per batch (4 steps x 2 accumulated), and
+    # on_after_backward saw each stage's gradients
+    assert result["backward_hooks_by_rank"] == [[8, 8, 8], [8, 8, 8]]
     expected_losses, expected_state = reference(
         "sgd", max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=2
     )

@@ -389,8 +389,14 @@ class HierPipelineStrategy(DDPStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Any:
-        # the schedule already ran every micro-batch's backward inside training_step
-        return closure_loss
+        """The schedule already ran every micro-batch's backward inside ``training_step``; Lightning's
+        backward hooks run here, on every stage, once per step as under DDP: ``on_before_backward``
+        with the step's loss (after the micro-batches' backward passes, the first moment the whole
+        loss exists) and ``on_after_backward`` with this stage's accumulated gradients."""
+        module = self.lightning_module
+        assert module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        return self.precision_plugin.post_backward(closure_loss, module)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         # stages are not replicas: a value logged on the last stage is already the whole batch's, and

@@ -111,6 +111,21 @@ SCENARIOS: dict[str, dict] = {
 }
 
 
+class BackwardHooks(pl.Callback):
+    """Counts Lightning's backward hooks; notes whether on_after_backward saw this stage's gradients."""
+
+    def __init__(self) -> None:
+        self.before = self.after = self.after_with_grads = 0
+
+    def on_before_backward(self, trainer, pl_module, loss):  # noqa: ANN001
+        self.before += 1
+
+    def on_after_backward(self, trainer, pl_module):  # noqa: ANN001
+        self.after += 1
+        owned = [p for p in pl_module.parameters() if p.numel() > 0]
+        self.after_with_grads += int(bool(owned) and all(p.grad is not None for p in owned))
+
+
 class LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -185,7 +200,8 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     model = MODELS[spec.get("model_class", "skewed")](**spec["model"])
     recorder = LossRecorder()
-    callbacks: list[pl.Callback] = [recorder]
+    hooks = BackwardHooks()
+    callbacks: list[pl.Callback] = [recorder, hooks]
     if spec.get("rebalancer"):
         callbacks.append(StageRebalancer(output_dir=str(workdir / "rebalancer")))
     if spec.get("monitor"):
@@ -262,6 +278,7 @@ def main() -> None:
         "val_loss": result.get("val_loss_seen_by_rank"),
         "measured_peak": engine.measured_peak_bytes(),
         "batches": recorder.batches,
+        "backward_hooks": [hooks.before, hooks.after, hooks.after_with_grads],
         "memory_plan": engine.memory_plan.to_dict() if engine.memory_plan is not None else None,
     }
     gathered: list = [None] * trainer.world_size
@@ -269,6 +286,7 @@ def main() -> None:
     result["val_loss_by_rank"] = [g["val_loss"] for g in gathered]
     result["measured_peak_by_rank"] = [g["measured_peak"] for g in gathered]
     result["batches_by_rank"] = [g["batches"] for g in gathered]
+    result["backward_hooks_by_rank"] = [g["backward_hooks"] for g in gathered]
     result["memory_plan_by_rank"] = [g["memory_plan"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     if trainer.is_global_zero:
