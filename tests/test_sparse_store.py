@@ -36,7 +36,13 @@ def test_table_file_round_trip(tmp_path: Path) -> None:
     save_table(tmp_path / "t.tbl", table)
     assert read_header(tmp_path / "t.tbl") == (7, 3, torch.float32)
     torch.testing.assert_close(map_table(tmp_path / "t.tbl"), table)
-    module = HybridEmbedding(1, 1, path=str(tmp_path / "t.tbl"))
+    with pytest.raises(
+        ValueError, match=r"num_embeddings=1 but the file has 7; embedding_dim=1 but the file has 3"
+    ):
+        HybridEmbedding(1, 1, path=str(tmp_path / "t.tbl"))
+    with pytest.raises(ValueError, match="dtype=torch.float16 but the file has torch.float32"):
+        HybridEmbedding(7, 3, path=str(tmp_path / "t.tbl"), dtype=torch.float16)
+    module = HybridEmbedding(path=str(tmp_path / "t.tbl"))
     assert (module.num_embeddings, module.embedding_dim) == (7, 3)
     module.export(tmp_path / "copy.tbl")
     assert (tmp_path / "copy.tbl").read_bytes() == (tmp_path / "t.tbl").read_bytes()

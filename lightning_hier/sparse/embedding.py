@@ -43,12 +43,35 @@ INITS = ("normal", "uniform", "zeros")
 _INIT_ROWS_PER_CHUNK = 1 << 16
 
 
+def _match_file(
+    path: str, num_embeddings: int | None, embedding_dim: int | None, dtype: torch.dtype | None
+) -> tuple[int, int, torch.dtype]:
+    """The file's ``(rows, dim, dtype)``, after checking the ones the caller gave against it."""
+    rows, dim, file_dtype = read_header(path)
+    given = {
+        "num_embeddings": (num_embeddings, rows),
+        "embedding_dim": (embedding_dim, dim),
+        "dtype": (dtype, file_dtype),
+    }
+    wrong = [
+        f"{name}={mine} but the file has {theirs}"
+        for name, (mine, theirs) in given.items()
+        if mine not in (None, theirs)
+    ]
+    if wrong:
+        raise ValueError(
+            f"HybridEmbedding(path={str(path)!r}): {'; '.join(wrong)}. Leave them None to take the file's, "
+            "or point path= at a table of this shape."
+        )
+    return rows, dim, file_dtype
+
+
 class HybridEmbedding(nn.Module):
     """An embedding table held once per node in shared host memory, with a row-wise optimizer.
 
     Args:
-        num_embeddings, embedding_dim: table shape (ignored when ``path`` is given: the file's
-            header decides, and a mismatch is an error).
+        num_embeddings, embedding_dim: table shape. With ``path`` they may be left ``None`` (the
+            file's header decides); given, they must match the file's.
         mode: ``None`` (like ``nn.Embedding``), ``"sum"`` or ``"mean"`` (like ``nn.EmbeddingBag``).
         optimizer: ``"sgd"``, ``"adagrad"`` or ``"adam"`` (``SparseAdam`` semantics), with ``lr``.
         init: ``"normal"`` (std ``init_scale``, default ``1/sqrt(dim)``), ``"uniform"``
@@ -59,13 +82,14 @@ class HybridEmbedding(nn.Module):
             index (:mod:`lightning_hier.sparse.id_index`); new ids get the next free row, initialised
             from a hash of the id (uniform in ``±init_scale``, or zeros), up to ``num_embeddings``
             rows; a full table raises ``TableFullError`` (no eviction).
-        dtype: storage dtype of a fresh table.
+        dtype: storage dtype of a fresh table (default float32); with ``path``, ``None`` takes the
+            file's and a given dtype must match it.
     """
 
     def __init__(
         self,
-        num_embeddings: int,
-        embedding_dim: int,
+        num_embeddings: int | None = None,
+        embedding_dim: int | None = None,
         mode: str | None = None,
         optimizer: str = "sgd",
         lr: float = 0.01,
@@ -74,7 +98,7 @@ class HybridEmbedding(nn.Module):
         path: str | None = None,
         hashed_ids: bool = False,
         seed: int = 0,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         eps: float | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
     ) -> None:
@@ -88,7 +112,10 @@ class HybridEmbedding(nn.Module):
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr!r}.")
         if path is not None:
-            num_embeddings, embedding_dim, dtype = read_header(path)
+            num_embeddings, embedding_dim, dtype = _match_file(path, num_embeddings, embedding_dim, dtype)
+        if num_embeddings is None or embedding_dim is None:
+            raise ValueError("num_embeddings and embedding_dim are required unless path= names a table file.")
+        dtype = torch.float32 if dtype is None else dtype
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(
                 f"the table needs at least one row and one column, got {num_embeddings}x{embedding_dim}."
