@@ -26,6 +26,7 @@ order on every rank.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -36,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_hier.topology import emulating_cuda
+
+log = logging.getLogger(__name__)
 
 Bounds = Sequence[tuple[int, int]]
 
@@ -181,7 +184,12 @@ class InlineReducer(HierarchicalReducer):
 
 
 class ThreadedReducer(HierarchicalReducer):
-    """Runs jobs in submission order on a background communication thread (gloo's reducer)."""
+    """Runs jobs in submission order on a background communication thread (gloo's reducer).
+
+    One consumer, always: a thread that does not stop within ``close``'s timeout (a collective
+    still running) keeps its own queue, and the next ``submit`` waits for it to finish before a
+    new thread starts, so two threads never issue collectives at once.
+    """
 
     def __init__(
         self, intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup, chunk_bytes: int = 4 << 20
@@ -189,11 +197,18 @@ class ThreadedReducer(HierarchicalReducer):
         super().__init__(intra_group, inter_group, chunk_bytes)
         self._jobs: queue.Queue[ReduceJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._stopping: threading.Thread | None = None
 
     def submit(self, job: ReduceJob) -> ReduceJob:
         job.submitted_at = time.perf_counter()
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="lightning_hier-comm", daemon=True)
+            if self._stopping is not None:
+                self._stopping.join()  # the previous consumer first finishes what it is doing
+                self._stopping = None
+            self._jobs = queue.Queue()
+            self._thread = threading.Thread(
+                target=self._run, args=(self._jobs,), name="lightning_hier-comm", daemon=True
+            )
             self._thread.start()
         self._jobs.put(job)
         return job
@@ -209,15 +224,24 @@ class ThreadedReducer(HierarchicalReducer):
         job.done_at = max(job.done_at, job.scatter_done_at)
         return job.out
 
-    def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=5)
-            self._thread = None
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread; one still busy after ``timeout`` seconds finishes in the background."""
+        if self._thread is None:
+            return
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            log.warning(
+                "lightning_hier: the communication thread is still busy %.0f s after close(); a new one "
+                "starts only once it has finished",
+                timeout,
+            )
+            self._stopping = self._thread
+        self._thread = None
 
-    def _run(self) -> None:
+    def _run(self, jobs: queue.Queue[ReduceJob | None]) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             try:

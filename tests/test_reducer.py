@@ -1,0 +1,59 @@
+"""The gloo communication thread: one consumer, always, even after a close() that timed out."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import free_port
+
+from lightning_hier.comm.hierarchical import ReduceJob, ThreadedReducer
+
+
+@pytest.fixture
+def one_process_group() -> dist.ProcessGroup:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _job() -> ReduceJob:
+    flat = torch.arange(4.0)
+    return ReduceJob(flat, [(0, 4)], torch.zeros(4))
+
+
+def test_a_thread_still_busy_after_close_finishes_before_a_new_one_starts(one_process_group) -> None:  # noqa: ANN001
+    reducer = ThreadedReducer(one_process_group, one_process_group)
+    started, release = threading.Event(), threading.Event()
+    runs: list[tuple[threading.Thread, float, float, int]] = []
+    original = reducer._scatter_piece
+
+    def slow_scatter(job, piece, async_op):  # noqa: ANN001, ANN202
+        begin = time.perf_counter()
+        alive = sum(t.name == "lightning_hier-comm" and t.is_alive() for t in threading.enumerate())
+        if not runs:
+            started.set()
+            release.wait(timeout=10)
+        result = original(job, piece, async_op)
+        runs.append(
+            (threading.current_thread().name + str(threading.get_ident()), begin, time.perf_counter(), alive)
+        )
+        return result
+
+    reducer._scatter_piece = slow_scatter  # type: ignore[method-assign]
+    first = reducer.submit(_job())
+    assert started.wait(timeout=10)
+    reducer.close(timeout=0.05)  # the thread is stuck in a "collective": it cannot stop yet
+    threading.Timer(0.3, release.set).start()
+    second = reducer.submit(_job())  # must wait for the old consumer instead of starting a second one
+    for job in (first, second):
+        torch.testing.assert_close(reducer.wait(job), torch.arange(4.0))
+    reducer.close()
+    (thread_a, _, end_a, _), (thread_b, begin_b, _, alive_b) = runs
+    assert thread_a is not thread_b and begin_b >= end_a
+    assert alive_b == 1, "two communication threads were alive at once"
