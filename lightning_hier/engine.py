@@ -73,11 +73,12 @@ class HierSlicedEngine:
         comm_chunk_mb: float = 4.0,
         reducer: str = "auto",
         event_factory: EventFactory | None = None,
+        elementwise_optimizers: Sequence[str] = (),
     ) -> None:
         if topology.intra_group is None or topology.inter_group is None or topology.world_group is None:
             raise ValueError("HierSlicedEngine needs a topology with built groups (Topology.build_groups()).")
         validate_time_settings(bucketing, 1, 0, 0.5)
-        check_optimizer(optimizer)
+        check_optimizer(optimizer, elementwise_optimizers)
         self.module = module
         self.optimizer = optimizer
         self.topology = topology

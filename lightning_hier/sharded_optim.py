@@ -7,8 +7,10 @@ storage). The optimizer object itself stays the same, so Lightning's LR schedule
 slice, about ``1/L`` of the model with equal weights.
 
 This is exact for optimizers whose update is elementwise (``SGD``, ``Adam``, ``AdamW``,
-``Adagrad``, ``RMSprop``, ...). Optimizers that look at a parameter's shape or at all parameters at
-once (``LBFGS``, ``Adafactor``, ``Muon``, ``SparseAdam``) are refused.
+``Adagrad``, ``RMSprop``, ...). Optimizers that look at a parameter's shape, its norm or at all
+parameters at once (``LBFGS``, ``Adafactor``, ``Muon``, ``SparseAdam``, LAMB, LARS, Shampoo) would
+silently train differently and are refused, and so is any optimizer this module does not know,
+unless the user declares it elementwise (``HierSlicedStrategy(elementwise_optimizers=[...])``).
 
 Checkpoints hold the optimizer state *consolidated*: exactly the layout ``state_dict()`` of the
 unsharded optimizer would have (per original parameter, original numbering), so a checkpoint
@@ -18,7 +20,6 @@ resumes under any topology, or under plain ``ddp``.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,15 +30,19 @@ from torch import nn
 from lightning_hier.comm.hierarchical import all_gather_slices
 from lightning_hier.flat_buckets import FlatBucket
 
-NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "Lamb", "LAMB", "Lars", "LARS", "Shampoo")
 ELEMENTWISE = (
     "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD",
 )  # fmt: skip
 SCALAR_STATE_KEYS = ("step",)
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse optimizers whose update is not elementwise; warn about ones we cannot vouch for."""
+def check_optimizer(optimizer: torch.optim.Optimizer, declared_elementwise: Sequence[str] = ()) -> None:
+    """Refuse optimizers whose update is not elementwise, and unknown ones not declared elementwise.
+
+    ``declared_elementwise`` lists optimizer class names the user vouches for (an update that looks
+    only at each element's own gradient and state: no per-tensor norms, shapes or trust ratios).
+    """
     name = type(optimizer).__name__
     if name in NOT_ELEMENTWISE:
         raise ValueError(
@@ -45,11 +50,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             f"HierSlicedStrategy supports elementwise optimizers such as {', '.join(ELEMENTWISE)}; "
             "use strategy='ddp' for this optimizer."
         )
-    if name not in ELEMENTWISE:
-        warnings.warn(
-            f"HierSlicedStrategy shards {name} by flat parameter slices; results equal DDP's only if its "
-            "update is elementwise (no per-tensor norms or shapes).",
-            stacklevel=3,
+    if name not in ELEMENTWISE and name not in declared_elementwise:
+        raise ValueError(
+            f"HierSlicedStrategy shards the optimizer by flat parameter slices, which gives DDP's result only "
+            f"if its update is elementwise (no per-tensor norms, shapes or trust ratios). {name} is not one it "
+            f"knows ({', '.join(ELEMENTWISE)}). If {name}'s update is elementwise, declare it: "
+            f"HierSlicedStrategy(elementwise_optimizers=[{name!r}]); otherwise use strategy='ddp'."
         )
 
 

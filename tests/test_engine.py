@@ -210,3 +210,20 @@ def test_non_elementwise_optimizers_are_refused(optimizer_cls: type) -> None:
     params = [nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="not elementwise"):
         check_optimizer(optimizer_cls(params))
+
+
+class Lars(torch.optim.SGD):
+    """A layer-wise trust ratio: ``lr * ||w|| / ||g||`` per tensor, so slices would change the math."""
+
+
+class MySGD(torch.optim.SGD):
+    pass
+
+
+def test_unknown_optimizers_are_refused_unless_declared_elementwise() -> None:
+    params = [nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="not elementwise"):
+        check_optimizer(Lars(params, lr=0.1), declared_elementwise=["Lars"])  # known not to be
+    with pytest.raises(ValueError, match=r"elementwise_optimizers=\['MySGD'\]"):
+        check_optimizer(MySGD(params, lr=0.1))
+    check_optimizer(MySGD(params, lr=0.1), declared_elementwise=["MySGD"])  # the user vouches for it

@@ -103,6 +103,9 @@ class HierSlicedStrategy(DDPStrategy):
             with stream waits between the two: one issuing order per rank, what NCCL needs),
             ``"thread"`` (a communication thread: overlaps more on gloo, where waits block the host)
             or ``"auto"`` (inline on CUDA, thread on CPU). See ``docs/gpu.md``.
+        elementwise_optimizers: class names of optimizers, beyond torch's elementwise ones, whose
+            update you vouch is elementwise (sharding by flat slices is exact only then); any other
+            unknown optimizer is refused at setup.
 
     The remaining arguments are Lightning's usual DDP plumbing.
     """
@@ -124,6 +127,7 @@ class HierSlicedStrategy(DDPStrategy):
         reprofile_check_every: int = 20,
         min_bucket_mb: float = 1.0,
         reducer: Literal["auto", "inline", "thread"] = "auto",
+        elementwise_optimizers: Sequence[str] = (),
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -174,6 +178,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.checkpoint_format = checkpoint_format
         self.bucketing = bucketing
         self.reducer = reducer
+        self.elementwise_optimizers = tuple(elementwise_optimizers)
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None
@@ -272,6 +277,7 @@ class HierSlicedStrategy(DDPStrategy):
             time_config=self.time_config,
             comm_chunk_mb=self.comm_chunk_mb,
             reducer=self.reducer,
+            elementwise_optimizers=self.elementwise_optimizers,
         )
         self.engine.sync_module_states()
         log.info(
