@@ -52,9 +52,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, declared_elementwise: Sequ
         )
     if name not in ELEMENTWISE and name not in declared_elementwise:
         raise ValueError(
-            f"HierSlicedStrategy shards the optimizer by flat parameter slices, which gives DDP's result only "
-            f"if its update is elementwise (no per-tensor norms, shapes or trust ratios). {name} is not one it "
-            f"knows ({', '.join(ELEMENTWISE)}). If {name}'s update is elementwise, declare it: "
+            "HierSlicedStrategy shards the optimizer by flat parameter slices, which gives DDP's result "
+            "only if its update is elementwise (no per-tensor norms, shapes or trust ratios). "
+            f"{name} is not one it knows ({', '.join(ELEMENTWISE)}). "
+            f"If {name}'s update is elementwise, declare it: "
             f"HierSlicedStrategy(elementwise_optimizers=[{name!r}]); otherwise use strategy='ddp'."
         )
 
