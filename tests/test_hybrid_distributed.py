@@ -41,3 +41,9 @@ def test_tables_survive_checkpoint_and_resume_bit_for_bit(results: dict) -> None
     assert results["resume_bit_for_bit"]
     assert results["hashed_resume_bit_for_bit"]
     assert results["tables_dir"] == ["emb.exp_avg.tbl", "emb.exp_avg_sq.tbl", "emb.weight.tbl"]
+
+
+def test_training_under_ddp_is_refused_instead_of_a_table_that_never_trains(tmp_path: Path) -> None:
+    run_torchrun("hybrid_under_ddp.py", 2, str(tmp_path / "out.json"))
+    error = json.loads((tmp_path / "out.json").read_text())["error"]
+    assert error is not None and "strategy='hier_sliced'" in error

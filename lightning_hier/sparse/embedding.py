@@ -20,6 +20,7 @@ module a private table; :meth:`sync_and_update` then applies the process's own g
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ from lightning_hier.sparse.sync import coalesce, hierarchical_frequency_average
 from lightning_hier.sparse.table_file import map_table, read_header, save_table
 
 INITS = ("normal", "uniform", "zeros")
+_PENDING_WARNING = 64  # backward passes recorded without an update before the user is told
 _INIT_ROWS_PER_CHUNK = 1 << 16
 
 
@@ -269,12 +271,35 @@ class HybridEmbedding(nn.Module):
         unique = unique.cpu()  # the table lives in host memory; rows go to the input's device
         rows = self.weight[self._rows_of(unique)].to(device=input.device, dtype=torch.float32)
         if self.training and torch.is_grad_enabled():
+            self._check_synchronised()
             rows.requires_grad_(True)
             rows.register_hook(lambda grad, ids=unique: self._record(ids, grad))
         local = inverse.view(input.shape)
         if self.mode is None:
             return F.embedding(local, rows)
         return F.embedding_bag(local, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
+
+    def _check_synchronised(self) -> None:
+        """Training on several processes needs hier_sliced, which syncs and applies the row updates."""
+        if (
+            self._intra_group is None
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
+            raise RuntimeError(
+                "HybridEmbedding is training on several processes without strategy='hier_sliced': its table "
+                "would never be updated (another strategy neither synchronises its per-id gradients nor "
+                "applies its row-wise optimizer). Use Trainer(strategy='hier_sliced'), or "
+                "nn.Embedding(sparse=True) under this strategy."
+            )
+        if len(self._pending) == _PENDING_WARNING:
+            warnings.warn(
+                f"HybridEmbedding has {_PENDING_WARNING} backward passes of gradients that were never "
+                "applied: train it under strategy='hier_sliced', or call sync_and_update() after each "
+                "backward.",
+                stacklevel=3,
+            )
 
     def _record(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         self._pending.append((ids, grad.detach().float().cpu()))
