@@ -107,7 +107,15 @@ def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: P
     first = history[0]
     assert first["old"]["starts"] == [0, 1, 2, 3]
     assert first["imbalance_before"] > 1.0
-    assert first["imbalance_after"] < first["imbalance_before"]
+    assert first["imbalance_after"] < first["imbalance_before"]  # predicted ...
+    # ... and measured: the next check timed the new split, and it is far more even
+    before, after = result["checks"][0], result["checks"][1]
+    assert before["changed"] and before["step"] < after["step"]
+
+    def imbalance(times: list[float]) -> float:
+        return (max(times) - min(times)) / (sum(times) / len(times))
+
+    assert imbalance(after["stage_times"]) < 0.5 * imbalance(before["stage_times"]), (before, after)
     moved = sum(r["bytes_sent"] for r in first["migration"])
     received = sum(r["bytes_received"] for r in first["migration"])
     assert moved > 0 and moved == received
@@ -159,7 +167,9 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     result = run_scenario("validate_predict_monitor", 2, tmp_path)
     # every stage process sees the last stage's val_loss (ModelCheckpoint monitors it everywhere)
     assert len(set(result["val_loss_by_rank"])) == 1
-    assert result["best_score"] <= result["val_loss_by_rank"][0] + 1e-6
+    # save_top_k=1: the best score is the lowest val_loss of the epochs (seen on every stage)
+    assert abs(result["best_score"] - min(result["val_losses"])) < 1e-6, result["val_losses"]
+    assert len(result["val_losses"]) == 2
     assert Path(result["best_path"]).exists()
     # partition="time": a forced check from measured times after profile_steps, then one per epoch
     assert [check["step"] for check in result["checks"]] == [2, 4, 8]

@@ -47,9 +47,6 @@ def test_logs_hidden_fraction_and_bucket_timings(run: dict) -> None:
         checked += 1
     assert checked >= 10
     assert max(hidden) > 0.0
-    sends = [float(r["grad_sync/bucket0_send_ms"]) for r in rows if r.get("grad_sync/bucket0_send_ms")]
-    dones = [float(r["grad_sync/bucket0_done_ms"]) for r in rows if r.get("grad_sync/bucket0_done_ms")]
-    assert sends and all(done >= send for send, done in zip(sends, dones))
 
 
 def _hidden(spans: list[tuple[float, float]], backward_ms: float) -> float:
@@ -69,14 +66,20 @@ def test_writes_plan_and_timeline_figure(run: dict) -> None:
     plan = json.loads((Path(run["log_dir"]) / "time_plan.json").read_text())
     assert plan["buckets"] and len(plan["time_points"]) == len(plan["buckets"])
     covered = sorted(i for bucket in plan["buckets"] for i in bucket)
-    assert covered == list(range(len(covered))) and all(b > 0 for b in plan["bucket_bytes"])
+    assert covered == list(range(6))  # EquivModel: three Linear layers, weight and bias each
+    sizes = {0: 16 * 64, 1: 64, 2: 64 * 64, 3: 64, 4: 64 * 4, 5: 4}  # elements, registration order
+    for bucket, nbytes in zip(plan["buckets"], plan["bucket_bytes"]):
+        assert nbytes == 4 * sum(sizes[i] for i in bucket)
     figure = Path(run["log_dir"]) / "gradient_timeline.png"
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_reprofiles_every_epoch_on_request(run: dict) -> None:
-    # the first plan after profiling, and a second one after the end of epoch 1 asked for it
-    assert run["plans_made"] >= 2
+def test_reprofiles_every_epoch_on_request(run: dict, tmp_path: Path) -> None:
+    # the first plan after profiling, and a second one after the end of epoch 1 asked for it ...
+    assert run["plans_made"] == 2
+    # ... where the same run without the request plans once
+    run_torchrun("profiler_run.py", 2, str(tmp_path), "control")
+    assert json.loads((tmp_path / "summary.json").read_text())["plans_made"] == 1
 
 
 def test_bad_settings_are_refused() -> None:

@@ -245,9 +245,9 @@ def main() -> None:
     final = workdir / f"{name}.ckpt"
     trainer.save_checkpoint(final)
     result: dict = {"losses": recorder.losses, "checkpoint": str(final)}
+    result["val_losses"] = recorder.val_losses
     if spec.get("top_k"):
         result["top_k_files"] = sorted(p.name for p in (workdir / "topk").iterdir())
-        result["val_losses"] = recorder.val_losses
     if spec.get("monitor"):
         checkpoint_cb = next(cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint))
         result["best_score"] = float(checkpoint_cb.best_model_score)

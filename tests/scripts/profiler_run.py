@@ -1,6 +1,7 @@
 """Run under torchrun (2 processes): hier_sliced with bucketing="time" and GradientTimingProfiler.
 
 argv[1]: output directory (CSV logs, figure, plan); rank 0 writes summary.json there.
+argv[2] (optional) "control": the same run without ``reprofile_every_n_epochs``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from lightning_hier import GradientTimingProfiler, HierSlicedStrategy  # noqa: E
 def main() -> None:
     out = Path(sys.argv[1])
     pl.seed_everything(0, verbose=False)
+    control = len(sys.argv) > 2 and sys.argv[2] == "control"
+    # reprofile_threshold=1.0: drift never re-profiles, so only the callback's request can
     strategy = HierSlicedStrategy(
-        devices_per_node=1, bucketing="time", bucket_cap_mb=0.004, min_bucket_mb=0, profile_steps=2
-    )
-    profiler = GradientTimingProfiler(reprofile_every_n_epochs=1, log_every_n_steps=1)
+        devices_per_node=1, bucketing="time", bucket_cap_mb=0.004, min_bucket_mb=0, profile_steps=2,
+        reprofile_threshold=1.0,
+    )  # fmt: skip
+    profiler = GradientTimingProfiler(reprofile_every_n_epochs=None if control else 1, log_every_n_steps=1)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, callbacks=[profiler],
         log_every_n_steps=1,

@@ -52,8 +52,9 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(accumulate_grad_batches=2),
         ddp=dict(find_unused_parameters=True),
     ),
-    "time_bucketing_sgd_weighted_4x1": dict(
-        model=dict(optimizer="sgd"), hier=dict(devices_per_node=1, bucketing="time", profile_steps=1)
+    "time_bucketing_sgd_weighted_2x2": dict(
+        model=dict(optimizer="sgd"),
+        hier=dict(devices_per_node=2, slice_weights=[3.0, 1.0], bucketing="time", profile_steps=1),
     ),
     # the reducer CUDA uses (hooks issue reduce-scatter, stream wait, all-reduce), here on gloo
     "inline_reducer_chunked_adam": dict(
