@@ -78,6 +78,8 @@ def _decide_with_noisy_times(rank: int, world: int, store: str) -> dict:
     )
     generator = torch.Generator().manual_seed(rank)
     base = [1e-3, 1.01e-3, 5e-3, 5.01e-3, 9e-3, 9.01e-3]
+    if rank == 0:  # rank 0 alone sees parameter 1 late: on its own times it would get a bucket of its own
+        base[1] = 1.6e-3
     plan = None
     for _ in range(2):
         # every rank measures different times (up to 3% off, and a different backward duration)
@@ -91,7 +93,12 @@ def test_plan_is_identical_on_every_rank_despite_different_measurements(tmp_path
     results = _run(_decide_with_noisy_times, 4, tmp_path)
     plans = [r["plan"] for r in results]
     assert all(p == plans[0] for p in plans)
+    # the plan comes from the times averaged over all ranks, not from the deciding rank's own
     assert plans[0]["buckets"] == [[0, 1], [2, 3], [4, 5]]
+    rank0_alone = plan_time_buckets(
+        _infos(6), [1e-3, 1.6e-3, 5e-3, 5.01e-3, 9e-3, 9.01e-3], 10e-3, 1 << 30, 0, 0.02
+    )
+    assert [list(b) for b in rank0_alone.plan.buckets] == [[0], [1], [2, 3], [4, 5]]
 
 
 class SlowBackward(torch.autograd.Function):
