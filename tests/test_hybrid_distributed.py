@@ -28,6 +28,7 @@ def test_one_segment_per_node_and_updated_rows_seen_everywhere(results: dict) ->
     assert segments[0] == segments[1] and segments[2] == segments[3]
     assert set(segments[0]).isdisjoint(segments[2])
     assert results["tables_equal_everywhere"]
+    assert results["table_moved"] > 1e-4  # the rows every process reads were really updated
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])

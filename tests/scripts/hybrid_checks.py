@@ -133,6 +133,9 @@ def main() -> None:
     dist.all_gather_object(tables, model.emb.weight.clone())
     results["segments"] = segments
     results["tables_equal_everywhere"] = all(torch.equal(t, tables[0]) for t in tables)
+    initial = HybridEmbedding(VOCAB, DIM, mode="sum", seed=3)
+    initial.attach()
+    results["table_moved"] = (tables[0] - initial.weight).abs().max().item()  # equal, and trained
 
     # 3. equivalence with ddp + dense EmbeddingBag when every id is in every batch
     for optimizer in ("sgd", "adagrad"):
