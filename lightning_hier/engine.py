@@ -117,6 +117,12 @@ class HierSlicedEngine:
         # host control data (the device rule): which parameters produced a gradient on this rank
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
         self._globally_used: frozenset[int] = frozenset(range(len(self.params)))
+        self._used_steps = [0] * len(self.params)  # synchronised steps in which each parameter was used
+        self._isolated: set[int] = set()  # parameters given a bucket of their own (see _note_partly_used)
+        self._to_isolate: set[int] = set()
+        # SGD's update depends on nothing but each element's gradient and momentum; the others keep a
+        # per-tensor step count (bias correction, lr decay) that a shared slice cannot keep per parameter
+        self._step_counted = type(optimizer).__name__ != "SGD"
         self._sync = True
         self._unused_snapshot: list[tuple[int, int, int, dict[str, torch.Tensor]]] = []
         self._end_callback_queued = False
@@ -262,6 +268,8 @@ class HierSlicedEngine:
         while self._next_to_launch < len(self.buckets):
             self._launch(self._next_to_launch)
         self._record_globally_unused()
+        bucket_used = [any(s.index in self._globally_used for s in bucket.slots) for bucket in self.buckets]
+        self._note_partly_used(bucket_used)
         for b, job in enumerate(self._jobs):
             assert job is not None
             self._reducer.wait(job)
@@ -269,7 +277,8 @@ class HierSlicedEngine:
             grad = self._slice_grads[b]
             if self.world_size > 1:
                 grad.div_(self.world_size)
-            self.sharding.shards[b].grad = grad
+            # a bucket no rank used: no gradient, so the optimizer skips it (and its step count), as DDP
+            self.sharding.shards[b].grad = grad if bucket_used[b] else None
         host_done = None if self.clock.uses_events else [self._host_done(job) for job in self._jobs]
         resolved = self.clock.finish()
         if resolved is not None:
@@ -322,6 +331,8 @@ class HierSlicedEngine:
         if self.world_size > 1:  # one tiny all-reduce per step; no flag to get wrong, unlike DDP
             dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.topology.world_group)
         self._globally_used = frozenset(torch.nonzero(used).flatten().tolist())
+        for index in self._globally_used:
+            self._used_steps[index] += 1
         self._unused_snapshot = []
         for index in torch.nonzero(used == 0).flatten().tolist():
             bucket_index, slot = self._where[index]
@@ -336,6 +347,44 @@ class HierSlicedEngine:
                 if is_elementwise_state(key, value, shard.shape):
                     saved[key] = value[lo:hi].clone()
             self._unused_snapshot.append((bucket_index, lo, hi, saved))
+
+    def _note_partly_used(self, bucket_used: list[bool]) -> None:
+        """Parameters unused in a step while others of their bucket were used get buckets of their own.
+
+        Their elements are restored after the step, but the slice's step count (Adam's bias
+        correction, ...) advanced for all of it; from the next step on they keep their own count.
+        The sets are the same on every rank (from the all-reduced usage), so every rank rebuilds.
+        """
+        if not self._step_counted:
+            return
+        for bucket, used in zip(self.buckets, bucket_used):
+            if used and len(bucket.slots) > 1:
+                self._to_isolate.update(s.index for s in bucket.slots if s.index not in self._globally_used)
+
+    def _with_isolated(self, plan: BucketPlan) -> BucketPlan:
+        buckets: list[tuple[int, ...]] = []
+        for bucket in plan.buckets:
+            rest = tuple(i for i in bucket if i not in self._isolated)
+            if rest:
+                buckets.append(rest)
+            buckets.extend((i,) for i in bucket if i in self._isolated)
+        return BucketPlan(tuple(buckets), kind=plan.kind)
+
+    def _isolate_new(self, plan: BucketPlan) -> None:
+        """Rebuild with the newly partly-used parameters alone, each with its own step count."""
+        fresh, self._to_isolate = self._to_isolate, set()
+        self._isolated |= fresh
+        self.rebuild(self._with_isolated(plan))
+        log.info(
+            "hier_sliced: %d parameter(s) unused in some steps now have buckets of their own", len(fresh)
+        )
+        for index in fresh:
+            state = self.optimizer.state.get(self.sharding.shards[self._where[index][0]], {})
+            step = state.get("step")
+            if torch.is_tensor(step):
+                step.fill_(self._used_steps[index])
+            elif step is not None:
+                state["step"] = self._used_steps[index]
 
     # ------------------------------------------------------------------ step
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -358,11 +407,16 @@ class HierSlicedEngine:
         self._unused_snapshot = []
         self.gather_params()
         self.zero_grad()
+        plan = None
         if self.time_bucketing is not None:
             new_plan = self.time_bucketing.after_step(self._globally_used)
             if new_plan is not None:
                 log.info("time bucketing: %s", new_plan.describe())
-                self.rebuild(new_plan.plan)
+                plan = new_plan.plan
+        if self._to_isolate:
+            self._isolate_new(plan or self.bucket_plan)
+        elif plan is not None:
+            self.rebuild(self._with_isolated(plan))
 
     @torch.no_grad()
     def gather_params(self) -> None:

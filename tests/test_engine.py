@@ -60,9 +60,27 @@ def _wrapper(fn, rank: int, world: int, store: str, out_dir: str, *args) -> None
     torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
 
 
-def _model() -> nn.Module:
+class _SometimesUnused(nn.Sequential):
+    """The last layer's output goes through ``extra`` only on every other forward (on every rank)."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.extra = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in list(self)[:-1]:
+            x = layer(x)
+        self.calls += 1
+        return self.extra(x) if self.calls % 2 else x
+
+
+def _model(skip_every_other: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
+    layers = [nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3)]
+    if skip_every_other:
+        return _SometimesUnused(*layers, nn.Identity())
+    return nn.Sequential(*layers)
 
 
 def _batches(steps: int, world: int, per_rank: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -85,9 +103,11 @@ def _train_engine(
     steps: int,
     bucket_mb: float,
     chunk_mb: float,
+    clip: tuple[float, float] | None = None,
+    skip_every_other: bool = False,
 ) -> dict:
     _init(rank, world, store)
-    model = _model()
+    model = _model(skip_every_other)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     topology = Topology(world, rank, per_node).build_groups()
     engine = HierSlicedEngine(
@@ -100,6 +120,8 @@ def _train_engine(
         loss.backward()
         launched_before_backward_end.append(engine._next_to_launch)
         engine.finish_backward()
+        if clip is not None:
+            engine.clip_grad_norm_(*clip)
         optimizer.step()
         engine.after_step()
     engine.close()
@@ -112,12 +134,16 @@ def _train_engine(
     }
 
 
-def _reference(world: int, steps: int) -> tuple[list[torch.Tensor], int]:
-    model = _model()
+def _reference(
+    world: int, steps: int, clip: tuple[float, float] | None = None, skip_every_other: bool = False
+) -> tuple[list[torch.Tensor], int]:
+    model = _model(skip_every_other)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for x, y in _batches(steps, world):
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()  # mean over the global batch == DDP's average
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)
         optimizer.step()
     numel = sum(v.numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")
     return [p.detach().clone() for p in model.parameters()], numel
@@ -153,6 +179,26 @@ def test_engine_matches_single_process_reference_and_shards_state(
     # several buckets, and some were handed to the comm thread while backward was still running
     assert results[0]["num_buckets"] > 2
     assert all(n > 0 for n in results[0]["launched"])
+
+
+@pytest.mark.parametrize(
+    ("clip", "skip_every_other"),
+    [((0.05, 2.0), False), ((0.02, float("inf")), False), (None, True)],
+    ids=["clip-l2", "clip-inf", "adam-param-unused-every-other-step"],
+)
+def test_engine_matches_reference_with_clipping_and_a_sometimes_unused_parameter(
+    tmp_path: Path, clip: tuple[float, float] | None, skip_every_other: bool
+) -> None:
+    world, steps = 4, 5
+    results = _run(_train_engine, world, tmp_path, 2, (3.0, 1.0), steps, 0.001, 4.0, clip, skip_every_other)
+    reference, _ = _reference(world, steps, clip, skip_every_other)
+    unclipped, _ = _reference(world, steps, None, skip_every_other)
+    for result in results:
+        assert result is not None and "error" not in result, result
+        for got, want in zip(result["params"], reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if clip is not None:  # the clip was active: without it the parameters end elsewhere
+        assert any((a - b).abs().max() > 1e-4 for a, b in zip(reference, unclipped))
 
 
 def _collectives(rank: int, world: int, store: str) -> dict:
