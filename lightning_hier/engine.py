@@ -182,11 +182,20 @@ class HierSlicedEngine:
         return torch.zeros(end - start, dtype=bucket.dtype, device=bucket.device)
 
     def sync_module_states(self, src: int = 0) -> None:
-        """Copy parameters and buffers from global rank ``src`` to every rank (as DDP does at start)."""
+        """Copy parameters and buffers from global rank ``src`` to every rank (as DDP does at start).
+
+        Frozen parameters and parameters outside the optimizer are copied too: every rank must run
+        the same model, whatever each rank's initialisation drew.
+        """
         if self.world_size == 1:
             return
         for bucket in self.buckets:
             dist.broadcast(bucket.params, src=src, group=self.topology.world_group)
+        in_buckets = {id(p) for p in self.params}
+        with torch.no_grad():
+            for param in self.module.parameters():
+                if id(param) not in in_buckets:
+                    dist.broadcast(param.data, src=src, group=self.topology.world_group)
         self.broadcast_buffers(src)
 
     def broadcast_buffers(self, src: int = 0) -> None:

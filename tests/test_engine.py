@@ -201,6 +201,24 @@ def test_engine_matches_reference_with_clipping_and_a_sometimes_unused_parameter
         assert any((a - b).abs().max() > 1e-4 for a, b in zip(reference, unclipped))
 
 
+def _frozen_differs_per_rank(rank: int, world: int, store: str) -> dict:
+    _init(rank, world, store)
+    torch.manual_seed(rank)  # every rank draws its own initialisation, as an unseeded script would
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)  # frozen: not in the optimizer's buckets
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine = HierSlicedEngine(model, optimizer, Topology(world, rank, 2).build_groups())
+    engine.sync_module_states()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_frozen_parameters_are_broadcast_at_start_like_ddp(tmp_path: Path) -> None:
+    results = _run(_frozen_differs_per_rank, 2, tmp_path)
+    assert not any(r is None or "error" in r for r in results), results
+    for key in results[0]:
+        torch.testing.assert_close(results[1][key], results[0][key], rtol=0, atol=0, msg=key)
+
+
 def _collectives(rank: int, world: int, store: str) -> dict:
     _init(rank, world, store)
     group = dist.group.WORLD
