@@ -131,8 +131,8 @@ def load_sharded_optimizer(engine: HierSlicedEngine, path: str | os.PathLike, me
                     state[key] = torch.empty(item.size, dtype=item.properties.dtype, device=shard.device)
                 else:
                     state[key] = None  # a pickled object; DCP puts the loaded value here
-    if state:
-        dcp.load(state, checkpoint_id=str(path), process_group=engine.topology.world_group)
+    # every rank loads, even one with no optimizer state for its slices: DCP's load is a collective
+    dcp.load(state, checkpoint_id=str(path), process_group=engine.topology.world_group)
     engine.optimizer.state.clear()
     for b, shard in enumerate(engine.sharding.shards):
         prefix = f"optim/bucket{b}/slice{local}/"
