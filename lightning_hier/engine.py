@@ -42,6 +42,7 @@ from lightning_hier.comm.time_bucketing import (
     TimeBucketingConfig,
     validate_time_settings,
 )
+from lightning_hier.comm.time_plan import TimePlan, plan_misfit
 from lightning_hier.flat_buckets import FlatBucket, build_flat_buckets
 from lightning_hier.sharded_optim import OptimizerSharding, check_optimizer, is_elementwise_state
 from lightning_hier.topology import Topology
@@ -174,6 +175,18 @@ class HierSlicedEngine:
             param.data = param.data.clone()
             param.grad = None
         self._layout(plan, state)
+
+    def restore_time_plan(self, plan: TimePlan) -> bool:
+        """Resume with a saved time plan (no new profiling) if it fits this model; else profile again."""
+        if self.time_bucketing is None:
+            return False
+        reason = plan_misfit(plan, self.param_infos)
+        if reason is not None:
+            log.warning("the checkpoint's time plan does not fit this model (%s); profiling again", reason)
+            return False
+        self.time_bucketing.restore(plan)
+        self.rebuild(self._with_isolated(plan.plan))
+        return True
 
     def _slice_grad_buffer(self, bucket: FlatBucket) -> torch.Tensor:
         start, end = bucket.owned_range

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_hier import HierSlicedEngine, Topology
 from lightning_hier.comm.buckets import ParamInfo
 from lightning_hier.comm.time_bucketing import StepTimeline, TimeBucketing, TimeBucketingConfig
-from lightning_hier.comm.time_plan import cluster_ready_times, plan_time_buckets
+from lightning_hier.comm.time_plan import TimePlan, cluster_ready_times, plan_misfit, plan_time_buckets
 
 
 def _infos(n: int, numel: int = 256, keys: list | None = None) -> list[ParamInfo]:
@@ -220,3 +220,32 @@ def test_rank_dependent_graph_neither_deadlocks_nor_changes_the_math(tmp_path: P
         assert result is not None and "error" not in result, result
         for got, want in zip(result["params"], reference.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _saved_plan(infos: list[ParamInfo]) -> TimePlan:
+    ready = [1e-3, 1.01e-3, 5e-3, 5.01e-3, 9e-3, 9.01e-3][: len(infos)]
+    return plan_time_buckets(infos, ready, 10e-3, 1 << 30, 0, 0.02)
+
+
+def test_a_saved_plan_must_fit_sizes_dtypes_and_groups_not_only_indices() -> None:
+    infos = _infos(6)
+    plan = _saved_plan(infos)
+    assert plan_misfit(plan, infos) is None
+    assert "held" in plan_misfit(plan, _infos(6, numel=512))  # same count, other shapes
+    other_dtype = [ParamInfo(i, 256, 2 if i == 1 else 4, "g") for i in range(6)]
+    assert "bytes" in plan_misfit(plan, other_dtype)
+    other_groups = _infos(6, keys=["g", "h", "g", "g", "g", "g"])  # 0 and 1 share a bucket
+    assert "mix" in plan_misfit(plan, other_groups)
+    assert "covers" in plan_misfit(plan, _infos(5))
+
+
+def test_a_restored_plan_still_reprofiles_when_the_used_parameters_change() -> None:
+    infos = _infos(6)
+    controller = TimeBucketing(infos, 1 << 30, TimeBucketingConfig(check_every=2, min_bucket_mb=0))
+    controller.restore(_saved_plan(infos))
+    timeline = StepTimeline(0.0, 10e-3, [1e-3] * 6, bucket_launch=[1e-3, 5e-3, 9e-3])
+    everything, fewer = frozenset(range(6)), frozenset(range(5))
+    for used in (everything, everything, fewer, fewer):
+        controller.observe(timeline, used)
+        controller.after_step(used)
+    assert controller.profiling, "parameter 5 stopped producing gradients: the restored plan is stale"

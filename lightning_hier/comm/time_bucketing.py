@@ -141,9 +141,14 @@ class TimeBucketing:
         self._reprofile_requested = True
 
     def restore(self, plan: TimePlan) -> None:
-        """Adopt a plan saved in a checkpoint instead of profiling at start."""
+        """Adopt a plan saved in a checkpoint instead of profiling at start.
+
+        The set of parameters that produce gradients is taken from the first step after it, so a
+        later change still triggers a new profile, as it does after a plan made in this run.
+        """
         self.plan = plan
         self._profile_start = -(10**9)
+        self._used_at_plan = None
 
     def observe(self, timeline: StepTimeline, globally_used: frozenset[int]) -> None:
         """Record one synchronising step (called on every rank after the gradients are reduced)."""
@@ -155,7 +160,9 @@ class TimeBucketing:
             self._backward_sum += timeline.backward_seconds
             self._profiled += 1
         elif self.plan is not None:
-            if self._used_at_plan is not None and globally_used != self._used_at_plan:
+            if self._used_at_plan is None:
+                self._used_at_plan = globally_used
+            elif globally_used != self._used_at_plan:
                 self._reprofile_requested = True  # every rank sees the same global set
             self._update_drift(timeline)
 

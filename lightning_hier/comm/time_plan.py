@@ -55,6 +55,29 @@ class TimePlan:
         )
 
 
+def plan_misfit(plan: TimePlan, params: Sequence[ParamInfo]) -> str | None:
+    """Why ``plan`` (e.g. from a checkpoint) cannot drive these parameters, or ``None`` if it can.
+
+    Every parameter in exactly one bucket, each bucket's bytes equal to its parameters' bytes now,
+    and no bucket mixing group keys (param group, dtype, device): a plan for another model, or for
+    the same model with other shapes, dtypes or param groups, does not fit.
+    """
+    indices = sorted(i for bucket in plan.plan.buckets for i in bucket)
+    if indices != list(range(len(params))):
+        return f"it covers parameters {indices[:8]}... but the model has {len(params)}"
+    if len(plan.bucket_bytes) != plan.plan.num_buckets:
+        return "its bucket sizes do not match its buckets"
+    for b, (bucket, saved) in enumerate(zip(plan.plan.buckets, plan.bucket_bytes)):
+        now = sum(params[i].numel * params[i].element_size for i in bucket)
+        if now != saved:
+            return f"bucket {b} held {saved} bytes, its parameters now take {now}"
+        keys = {params[i].group_key for i in bucket}
+        if len(keys) > 1:
+            mixed = sorted(map(str, keys))
+            return f"bucket {b} would mix parameters of different groups, dtypes or devices: {mixed}"
+    return None
+
+
 def cluster_ready_times(
     times: Sequence[float], sizes: Sequence[int], gap_threshold: float, min_bytes: int, cap_bytes: int
 ) -> list[list[int]]:

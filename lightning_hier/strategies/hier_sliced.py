@@ -438,13 +438,7 @@ class HierSlicedStrategy(DDPStrategy):
         saved = (checkpoint.get(_PLAN_KEY) or {}).get("time_plan")
         if saved is None or self.engine is None or self.engine.time_bucketing is None:
             return
-        plan = TimePlan.from_dict(saved)
-        indices = sorted(i for bucket in plan.plan.buckets for i in bucket)
-        if indices != list(range(len(self.engine.params))):
-            log.warning("the checkpoint's time plan does not fit this model; profiling again")
-            return
-        self.engine.time_bucketing.restore(plan)
-        self.engine.rebuild(plan.plan)
+        self.engine.restore_time_plan(TimePlan.from_dict(saved))
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if self.engine is None:
