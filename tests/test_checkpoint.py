@@ -41,3 +41,10 @@ def test_sharded_checkpoint_resumes_and_converts(results: dict) -> None:
 def test_sharded_checkpoint_with_another_layout_is_refused_clearly(results: dict) -> None:
     assert "devices_per_node=2" in results["layout_error"]
     assert "consolidate_sharded_checkpoint" in results["layout_error"]
+
+
+def test_time_plan_is_saved_and_resumed_without_profiling_again(results: dict) -> None:
+    assert results["time_plan_saved"] and results["time_plan_restored"]
+    assert results["time_plans_made_after_resume"] == 0  # no new profile: the saved plan drives the buckets
+    assert results["time_buckets_after_resume"] == results["time_buckets_in_plan"]
+    assert results["time_resumed_vs_uninterrupted"] < 1e-6

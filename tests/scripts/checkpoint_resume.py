@@ -76,6 +76,20 @@ def main() -> None:
         )
     except ValueError as err:
         layout_error = str(err)
+
+    # time bucketing: the plan is saved with the checkpoint and resumed without profiling again
+    def timed() -> HierSlicedStrategy:
+        return HierSlicedStrategy(
+            devices_per_node=2, bucket_cap_mb=0.002, bucketing="time", profile_steps=2, min_bucket_mb=0.0
+        )
+
+    _, timed_whole = fit(timed(), epochs=2)
+    timed_half, _ = fit(timed(), epochs=1)
+    time_ckpt = str(scratch / "timed.ckpt")
+    timed_half.save_checkpoint(time_ckpt)
+    saved_plan = timed_half.strategy.engine.time_bucketing.plan.to_dict()
+    timed_resumed, timed_model = fit(timed(), epochs=2, ckpt_path=time_ckpt)
+    resumed_bucketing = timed_resumed.strategy.engine.time_bucketing
     if dist.get_rank() != 0:
         return
     converted = consolidate_sharded_checkpoint(sharded_ckpt)
@@ -110,6 +124,15 @@ def main() -> None:
         "sharded_converted_vs_half": max_rel_diff(half_params, params(plain_from_sharded)),
         "sharded_vs_consolidated_optimizer_state": optimizer_state_diff,
         "layout_error": layout_error,
+        "time_plan_saved": torch.load(time_ckpt, map_location="cpu", weights_only=False)["hier_sliced"][
+            "time_plan"
+        ]
+        == saved_plan,
+        "time_plan_restored": resumed_bucketing.plan.to_dict() == saved_plan,
+        "time_plans_made_after_resume": resumed_bucketing.plans_made,
+        "time_buckets_after_resume": len(timed_resumed.strategy.engine.buckets),
+        "time_buckets_in_plan": len(saved_plan["buckets"]),
+        "time_resumed_vs_uninterrupted": max_rel_diff(params(timed_whole), params(timed_model)),
     }
     out.write_text(json.dumps(results, indent=2))
 
