@@ -106,17 +106,42 @@ class OptimizerSharding:
         return self._state_index[id(self._param_of_index[param_index])]
 
     # ------------------------------------------------------------------ checkpoints
+    def _agreed_elementwise_keys(self) -> list[dict[str, torch.dtype]]:
+        """Per bucket, the elementwise state keys (and dtypes) of *any* rank of the node.
+
+        Each rank gathers per key, so every rank must walk the same keys even if its own slice has
+        no state yet for some (a collective under a rank-local condition would hang the others).
+        """
+        local = []
+        for shard in self.shards:
+            shard_state = self.optimizer.state.get(shard, {})
+            local.append(
+                {k: v.dtype for k, v in shard_state.items() if is_elementwise_state(k, v, shard.shape)}
+            )
+        if dist.get_world_size(self.intra_group) == 1:
+            return local
+        gathered: list[list[dict[str, torch.dtype]] | None] = [None] * dist.get_world_size(self.intra_group)
+        dist.all_gather_object(gathered, local, group=self.intra_group)  # host objects: CPU backend
+        merged: list[dict[str, torch.dtype]] = [{} for _ in self.shards]
+        for rank_keys in gathered:
+            assert rank_keys is not None
+            for bucket_keys, theirs in zip(merged, rank_keys):
+                bucket_keys.update(theirs)
+        return merged
+
     def consolidated_state_dict(self) -> dict[str, Any]:
         """The unsharded optimizer's ``state_dict()`` (a collective over the node's ranks)."""
         state: dict[int, dict[str, Any]] = {}
-        for bucket, shard in zip(self.buckets, self.shards):
+        agreed = self._agreed_elementwise_keys()
+        for bucket, shard, keys in zip(self.buckets, self.shards, agreed):
             shard_state = self.optimizer.state.get(shard, {})
-            for key in sorted(shard_state):
-                value = shard_state[key]
-                if is_elementwise_state(key, value, shard.shape):
-                    full = torch.zeros(bucket.padded_numel, dtype=value.dtype, device=value.device)
+            for key in sorted(set(shard_state) | set(keys)):
+                value = shard_state.get(key)
+                if key in keys:
+                    full = torch.zeros(bucket.padded_numel, dtype=keys[key], device=bucket.device)
                     start, end = bucket.owned_range
-                    full[start:end].copy_(value)
+                    if value is not None:
+                        full[start:end].copy_(value)
                     for work in all_gather_slices(full, bucket.bounds, self.intra_group):
                         work.wait()
                     for slot in bucket.slots:

@@ -219,6 +219,30 @@ def test_frozen_parameters_are_broadcast_at_start_like_ddp(tmp_path: Path) -> No
         torch.testing.assert_close(results[1][key], results[0][key], rtol=0, atol=0, msg=key)
 
 
+def _state_missing_on_one_rank(rank: int, world: int, store: str) -> dict:
+    _init(rank, world, store, timeout_s=20)
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine = HierSlicedEngine(model, optimizer, Topology(world, rank, 2).build_groups(), bucket_cap_mb=0.001)
+    x, y = _batches(1, world)[0]
+    nn.functional.mse_loss(model(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4]).backward()
+    engine.finish_backward()
+    optimizer.step()
+    engine.after_step()
+    if rank == 1:
+        optimizer.state.pop(engine.sharding.shards[0])  # this rank has no state for bucket 0's slice
+    state = engine.optimizer_state_dict()["state"]
+    engine.close()
+    return {"entries": len(state), "keys": sorted(state[0])}
+
+
+def test_consolidation_does_not_hang_when_one_rank_lacks_some_state(tmp_path: Path) -> None:
+    results = _run(_state_missing_on_one_rank, 2, tmp_path)
+    assert not any(r is None or "error" in r for r in results), results
+    assert results[0] == results[1]
+    assert "exp_avg" in results[0]["keys"] and results[0]["entries"] == len(list(_model().parameters()))
+
+
 def _collectives(rank: int, world: int, store: str) -> dict:
     _init(rank, world, store)
     group = dist.group.WORLD
