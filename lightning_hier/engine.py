@@ -314,6 +314,27 @@ class HierSlicedEngine:
         assert job is not None
         return job.done_at - time.perf_counter() + self.clock.host_seconds()
 
+    @torch.no_grad()
+    def expose_full_gradients(self) -> None:
+        """Make every parameter's ``.grad`` the averaged full gradient (an intra-node all-gather).
+
+        After :meth:`finish_backward` each rank holds only its slice of the averaged gradient;
+        hooks that read ``param.grad`` (gradient-norm logging) would see the local one. With one
+        device per node the bucket was reduced in place and there is nothing to do.
+        """
+        if self.topology.devices_per_node == 1:
+            return
+        works = []
+        for bucket, shard in zip(self.buckets, self.sharding.shards):
+            start, end = bucket.owned_range
+            if shard.grad is None:
+                bucket.grads[start:end].zero_()
+            else:
+                bucket.grads[start:end].copy_(shard.grad)
+            works.extend(all_gather_slices(bucket.grads, bucket.bounds, self.topology.intra_group))
+        for work in works:
+            work.wait()
+
     def _timeline(self, resolved: dict[Any, float], host_done: list[float] | None) -> StepTimeline:
         """A step's timeline from its resolved clock marks (seconds after backward started)."""
         launch = [resolved[("launch", b)] for b in range(len(self.buckets)) if ("launch", b) in resolved]

@@ -21,11 +21,20 @@ def _clip_grad_by_norm(self: Precision, optimizer: Optimizer, clip_val: int | fl
     strategy.engine.clip_grad_norm_(float(clip_val))
 
 
+def _after_closure(self: Precision, model: Any, optimizer: Optimizer) -> None:
+    hook = getattr(self._hier_strategy, "before_optimizer_step_hooks", None)  # type: ignore[attr-defined]
+    if hook is not None:
+        hook()
+    type(self)._hier_base._after_closure(self, model, optimizer)  # type: ignore[attr-defined]
+
+
 def install_global_norm_clipping(plugin: Precision, strategy: Any) -> None:
-    """Route ``clip_grad_by_norm`` of ``plugin`` to ``strategy.engine.clip_grad_norm_``."""
+    """Route ``clip_grad_by_norm`` of ``plugin`` to ``strategy.engine.clip_grad_norm_``, and give the
+    strategy a call right before ``on_before_optimizer_step`` (``before_optimizer_step_hooks``)."""
     base = type(plugin)
     if not getattr(base, "_hier_global_norm", False):
-        patched = type(f"GlobalNorm{base.__name__}", (base,), {"clip_grad_by_norm": _clip_grad_by_norm})
+        methods = {"clip_grad_by_norm": _clip_grad_by_norm, "_after_closure": _after_closure}
+        patched = type(f"GlobalNorm{base.__name__}", (base,), methods)
         patched._hier_global_norm = True  # type: ignore[attr-defined]
         patched._hier_base = base  # type: ignore[attr-defined]
         plugin.__class__ = patched

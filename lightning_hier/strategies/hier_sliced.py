@@ -106,6 +106,10 @@ class HierSlicedStrategy(DDPStrategy):
         elementwise_optimizers: class names of optimizers, beyond torch's elementwise ones, whose
             update you vouch is elementwise (sharding by flat slices is exact only then); any other
             unknown optimizer is refused at setup.
+        full_gradients_in_hooks: make every parameter's ``.grad`` the averaged (DDP) gradient in
+            ``on_after_backward`` and ``on_before_optimizer_step`` (e.g. for ``grad_norm`` logging),
+            at the cost of one intra-node all-gather of the gradients per step. Off, ``.grad`` there
+            is this rank's unreduced gradient; the optimizer always steps the averaged slices.
 
     The remaining arguments are Lightning's usual DDP plumbing.
     """
@@ -128,6 +132,7 @@ class HierSlicedStrategy(DDPStrategy):
         min_bucket_mb: float = 1.0,
         reducer: Literal["auto", "inline", "thread"] = "auto",
         elementwise_optimizers: Sequence[str] = (),
+        full_gradients_in_hooks: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -179,6 +184,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.bucketing = bucketing
         self.reducer = reducer
         self.elementwise_optimizers = tuple(elementwise_optimizers)
+        self.full_gradients_in_hooks = bool(full_gradients_in_hooks)
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None
@@ -341,16 +347,42 @@ class HierSlicedStrategy(DDPStrategy):
         self._sync_buffers(training=False)
         return super().predict_step(*args, **kwargs)
 
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """As Lightning's, but the gradients are reduced before ``on_after_backward`` runs (DDP
+        reduces them during backward, so hooks there see synchronised gradients)."""
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._finish_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is not None:
             self.engine.begin_backward()
 
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.engine is not None:
-            self.engine.finish_backward()
-            if self.engine.syncing:
-                for _, module in self.hybrid_embeddings:
-                    module.sync_gradients()  # applied in optimizer_step, once the scaler has decided
+    def _finish_backward(self) -> None:
+        if self.engine is None:
+            return
+        self.engine.finish_backward()
+        if self.engine.syncing:
+            if self.full_gradients_in_hooks:
+                self.engine.expose_full_gradients()
+            for _, module in self.hybrid_embeddings:
+                module.sync_gradients()  # applied in optimizer_step, once the scaler has decided
+
+    def before_optimizer_step_hooks(self) -> None:
+        """Called by the precision plugin right before ``on_before_optimizer_step``: under a loss
+        scaler the slices were just unscaled, so the exposed full gradients are refreshed."""
+        plugin = self.precision_plugin
+        scaled = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
+        if self.full_gradients_in_hooks and scaled and self.engine is not None:
+            self.engine.expose_full_gradients()
 
     def optimizer_step(
         self,
