@@ -96,6 +96,7 @@ class HierSlicedEngine:
         if not self.params:
             raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
         self.param_names = _names_of(module, self.params)
+        self._frozen_at_setup = {id(p) for p in module.parameters() if not p.requires_grad}
         self.param_infos = [
             ParamInfo(i, p.numel(), p.element_size(), (self._group_of[i], p.dtype, p.device))
             for i, p in enumerate(self.params)
@@ -286,6 +287,7 @@ class HierSlicedEngine:
         if not self._sync:
             self._reset_timing()  # `_used` keeps accumulating over the accumulation window
             return
+        self._check_unchanged()
         self.clock.mark(_BACKWARD_END)  # where the autograd callback did not run (no gradient here)
         while self._next_to_launch < len(self.buckets):
             self._launch(self._next_to_launch)
@@ -390,6 +392,34 @@ class HierSlicedEngine:
                 if is_elementwise_state(key, value, shard.shape):
                     saved[key] = value[lo:hi].clone()
             self._unused_snapshot.append((bucket_index, lo, hi, saved))
+
+    def _check_unchanged(self) -> None:
+        """Refuse parameter changes made after setup that the flat buckets cannot follow.
+
+        DDP raises on these too; silently, this strategy would train a stale copy or nothing.
+        """
+        for index, param in enumerate(self.params):
+            bucket_index, slot = self._where[index]
+            if param.data_ptr() != self.buckets[bucket_index].param_view(slot).data_ptr():
+                raise RuntimeError(
+                    f"parameter {self.param_names[index]!r}: its .data was replaced after setup. hier_sliced "
+                    "keeps each parameter as a view into a flat bucket; change values in place "
+                    "(param.data.copy_(new) or with torch.no_grad(): param.copy_(new))."
+                )
+        for name, param in self.module.named_parameters():
+            if id(param) in self._frozen_at_setup and param.requires_grad and param.grad is not None:
+                raise RuntimeError(
+                    f"parameter {name!r} was frozen at setup and is trainable now: hier_sliced sharded the "
+                    "optimizer over the parameters trainable at setup, so it would never be updated. "
+                    "Unfreeze before trainer.fit, or save a checkpoint and resume with the new set."
+                )
+        groups_now, groups_then = len(self.optimizer.param_groups), len(self._original_groups)
+        if groups_now != groups_then:
+            raise RuntimeError(
+                f"the optimizer has {groups_now} param groups, {groups_then} at setup: add_param_group after "
+                "setup is not supported by hier_sliced (the groups hold flat slices). Create every group in "
+                "configure_optimizers."
+            )
 
     def _note_partly_used(self, bucket_used: list[bool]) -> None:
         """Parameters unused in a step while others of their bucket were used get buckets of their own.

@@ -1,0 +1,63 @@
+"""DDP parity guards: parameter changes after setup that hier_sliced cannot follow raise, naming the
+parameter, instead of training a stale copy or nothing (one process)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import free_port
+from torch import nn
+
+from lightning_hier import HierSlicedEngine, Topology
+
+
+@pytest.fixture
+def engine_parts():  # noqa: ANN201
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine = HierSlicedEngine(model, optimizer, Topology(1, 0, 1).build_groups())
+    yield model, optimizer, engine
+    engine.close()
+    dist.destroy_process_group()
+
+
+def _step(model: nn.Module, engine: HierSlicedEngine) -> None:
+    model(torch.randn(2, 4)).sum().backward()
+    engine.finish_backward()
+
+
+def test_an_unchanged_model_steps(engine_parts) -> None:  # noqa: ANN001
+    model, optimizer, engine = engine_parts
+    before = model[1].weight.detach().clone()
+    _step(model, engine)
+    optimizer.step()
+    engine.after_step()
+    assert not torch.equal(before, model[1].weight)
+
+
+def test_replaced_data_is_refused(engine_parts) -> None:  # noqa: ANN001
+    model, _, engine = engine_parts
+    model[1].weight.data = torch.zeros(1, 4)
+    with pytest.raises(RuntimeError, match=r"'1.weight'.*\.data was replaced"):
+        _step(model, engine)
+
+
+def test_unfreezing_after_setup_is_refused(engine_parts) -> None:  # noqa: ANN001
+    model, _, engine = engine_parts
+    model[0].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"'0.weight' was frozen at setup"):
+        _step(model, engine)
+
+
+def test_add_param_group_after_setup_is_refused(engine_parts) -> None:  # noqa: ANN001
+    model, optimizer, engine = engine_parts
+    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        _step(model, engine)
