@@ -258,6 +258,14 @@ class HierSlicedEngine:
             if not self._sync:
                 return
             ready = self._ready[bucket_index]
+            if index in ready and bucket_index < self._next_to_launch:
+                raise RuntimeError(
+                    f"parameter {self.param_names[index]!r} received a gradient twice in one backward "
+                    "(reentrant activation checkpointing, or autograd.grad/backward on the same graph part "
+                    "again), after its bucket was already sent: the second part would be lost. Use "
+                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                    "HierSlicedStrategy(bucketing='none'), which sends after backward."
+                )
             ready.add(index)
             if self.bucketing != "none" and len(ready) == len(bucket.slots):
                 self._launch_ready_buckets()

@@ -61,3 +61,47 @@ def test_add_param_group_after_setup_is_refused(engine_parts) -> None:  # noqa: 
     optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
     with pytest.raises(RuntimeError, match="add_param_group"):
         _step(model, engine)
+
+
+class CheckpointedTwice(nn.Module):
+    """``shared`` runs inside a reentrant checkpoint and again outside it: two gradient arrivals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), x, use_reentrant=True)
+        return self.head(self.shared(inner))
+
+
+def _checkpointed_step(bucketing: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model, reference = CheckpointedTwice(), CheckpointedTwice()
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = HierSlicedEngine(
+        model, optimizer, Topology(1, 0, 1).build_groups(), bucket_cap_mb=1e-5, bucketing=bucketing
+    )
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).sum().backward()
+    engine.finish_backward()
+    optimizer.step()
+    engine.after_step()
+    engine.close()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(x).sum().backward()
+    reference_optimizer.step()
+    return list(model.parameters()), list(reference.parameters())
+
+
+def test_a_gradient_ready_twice_after_its_bucket_was_sent_raises(engine_parts) -> None:  # noqa: ANN001
+    with pytest.raises(RuntimeError, match=r"'shared.(weight|bias)' received a gradient twice"):
+        _checkpointed_step("size")
+
+
+def test_sending_after_backward_handles_a_gradient_ready_twice_exactly(engine_parts) -> None:  # noqa: ANN001
+    got, want = _checkpointed_step("none")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
