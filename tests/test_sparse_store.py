@@ -204,3 +204,18 @@ def test_hashed_table_full_is_a_clear_error() -> None:
     hybrid(torch.tensor([11, 22, 33]))
     with pytest.raises(TableFullError, match="all 3 rows"):
         hybrid(torch.tensor([44]))
+
+
+def test_a_table_that_does_not_fit_in_shared_memory_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_store, "segment_dir", lambda: tmp_path)
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")  # what a 64 MiB /dev/shm answers
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    module = HybridEmbedding(1000, 64)
+    with pytest.raises(shared_store.SharedMemoryFullError, match=r"cannot reserve 0\.2 MiB .* MiB free"):
+        module(torch.tensor([1]))
+    assert list(tmp_path.iterdir()) == []  # nothing half-made is left behind

@@ -33,6 +33,7 @@ from lightning_hier.sparse.id_index import SharedIdIndex, hashed_init
 from lightning_hier.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer, state_names
 from lightning_hier.sparse.shared_store import (
     REGISTRY,
+    SharedMemoryFullError,
     create_segment,
     new_segment_path,
     remove_stale_segments,
@@ -167,13 +168,19 @@ class HybridEmbedding(nn.Module):
             self._intra_group, self._inter_group = intra_group, inter_group
             return
         shared = intra_group is not None and dist.get_world_size(intra_group) > 1
-        payload: list[dict | None] = [None]
+        payload: list[dict | str | None] = [None]
         if local_rank == 0:
             remove_stale_segments()
-            payload[0] = self._create(label)
+            try:
+                payload[0] = self._create(label)
+            except OSError as err:  # e.g. /dev/shm too small: the node's other processes raise it too
+                payload[0] = f"{type(err).__name__}: {err}"
         if shared:
             dist.broadcast_object_list(payload, group=intra_group, group_src=0)
         segments = payload[0]
+        if isinstance(segments, str):
+            REGISTRY.remove_all()
+            raise SharedMemoryFullError(f"HybridEmbedding {label!r} on local rank 0: {segments}")
         assert segments is not None
         if local_rank != 0:
             self.weight = map_table(segments["table"])

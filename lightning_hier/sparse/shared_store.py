@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -64,12 +65,43 @@ def remove_stale_segments(directory: Path | None = None) -> list[Path]:
     return removed
 
 
+class SharedMemoryFullError(OSError):
+    """The node's shared-memory filesystem cannot hold a table (raised before anything maps it)."""
+
+
 def create_segment(path: Path, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Create a zero-filled segment readable and writable by this user only, and map it."""
+    """Create a zero-filled segment readable and writable by this user only, reserve its space, map it.
+
+    The space is reserved up front (``posix_fallocate``): a ``/dev/shm`` too small for the table
+    (Docker's default is 64 MiB) is a clear error here instead of a SIGBUS at the first touch of
+    a row that does not fit.
+    """
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     os.close(fd)
-    create_table_file(path, rows, dim, dtype)
+    try:
+        create_table_file(path, rows, dim, dtype)
+        size = path.stat().st_size
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        path.unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        raise SharedMemoryFullError(
+            err.errno,
+            f"cannot reserve {size_text(rows, dim, dtype)} in {path.parent} for an embedding table "
+            f"({rows} x {dim} {dtype}): {free / 2**20:.1f} MiB free ({err.strerror}). Give the node more "
+            "shared memory (e.g. docker run --shm-size=...), or use HybridEmbedding(path=...) on a disk "
+            "file.",
+        ) from err
     return map_table(path)
+
+
+def size_text(rows: int, dim: int, dtype: torch.dtype) -> str:
+    nbytes = rows * dim * torch.empty((), dtype=dtype).element_size()
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 class SegmentRegistry:
