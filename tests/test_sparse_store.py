@@ -170,8 +170,23 @@ def test_segment_left_by_a_killed_job_is_removed_at_next_start(tmp_path: Path) -
     assert proc.returncode == -signal.SIGKILL
     leftovers = list(tmp_path.glob("lightning_hier-*.tbl"))
     assert len(leftovers) == 1
+    assert shared_store.remove_stale_segments(tmp_path) == []  # too young: could be another container's
+    old = leftovers[0].stat().st_mtime - 2 * shared_store.STALE_AFTER_SECONDS
+    os.utime(leftovers[0], (old, old))
     removed = shared_store.remove_stale_segments(tmp_path)
     assert removed == leftovers and list(tmp_path.iterdir()) == []
+
+
+def test_the_sweep_keeps_live_segments_and_skips_what_it_cannot_remove(tmp_path: Path) -> None:
+    prefix = f"{shared_store.PREFIX}-{os.getuid()}-"
+    live = tmp_path / f"{prefix}{os.getpid()}-abcd-live.tbl"  # this very process: alive
+    live.write_bytes(b"x")
+    stuck = tmp_path / f"{prefix}999999999-abcd-stuck.tbl"  # a directory: unlink fails
+    stuck.mkdir()
+    for path in (live, stuck):
+        os.utime(path, (0, 0))
+    assert shared_store.remove_stale_segments(tmp_path) == []
+    assert live.exists() and stuck.exists()
 
 
 def test_hashed_ids_map_raw_ids_to_rows_and_train_like_a_dense_table() -> None:

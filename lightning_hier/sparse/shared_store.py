@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -51,17 +52,32 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_segments(directory: Path | None = None) -> list[Path]:
-    """Remove this user's segments whose creating process is dead; returns what was removed."""
+STALE_AFTER_SECONDS = 60.0
+"""A live job's segment exists only while its node attaches (its name is removed once every process
+has mapped it), so a segment this old is a crashed job's; younger ones may belong to a job in
+another PID namespace (another container on the node), where its creator's pid is invisible."""
+
+
+def remove_stale_segments(directory: Path | None = None, min_age: float | None = None) -> list[Path]:
+    """Remove this user's segments left by dead jobs; returns what was removed.
+
+    A segment goes only if this user owns it, its creating pid is not alive, and it is older than
+    ``min_age`` seconds (default :data:`STALE_AFTER_SECONDS`). Anything that cannot be read or
+    removed is skipped, never an error.
+    """
+    min_age = STALE_AFTER_SECONDS if min_age is None else min_age
     removed = []
+    now = time.time()
     for path in (directory or segment_dir()).glob(f"{_prefix()}*.tbl"):
         try:
             pid = int(path.name[len(_prefix()) :].split("-", 1)[0])
-        except ValueError:
+            info = path.stat()
+            if info.st_uid != os.getuid() or _pid_alive(pid) or now - info.st_mtime < min_age:
+                continue
+            path.unlink()
+        except (ValueError, OSError):
             continue
-        if not _pid_alive(pid):
-            path.unlink(missing_ok=True)
-            removed.append(path)
+        removed.append(path)
     return removed
 
 
