@@ -41,7 +41,12 @@ def test_matches_ddp_with_dense_embedding_when_every_id_is_everywhere(results: d
 def test_tables_survive_checkpoint_and_resume_bit_for_bit(results: dict) -> None:
     assert results["resume_bit_for_bit"]
     assert results["hashed_resume_bit_for_bit"]
-    assert results["tables_dir"] == ["emb.exp_avg.tbl", "emb.exp_avg_sq.tbl", "emb.weight.tbl"]
+    assert results["tables_dir"] == [
+        "emb.exp_avg.tbl",
+        "emb.exp_avg_sq.tbl",
+        "emb.weight.tbl",
+        "manifest.json",
+    ]
 
 
 def test_training_under_ddp_is_refused_instead_of_a_table_that_never_trains(tmp_path: Path) -> None:

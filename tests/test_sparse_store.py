@@ -234,3 +234,32 @@ def test_a_table_that_does_not_fit_in_shared_memory_is_a_clear_error(
     with pytest.raises(shared_store.SharedMemoryFullError, match=r"cannot reserve 0\.2 MiB .* MiB free"):
         module(torch.tensor([1]))
     assert list(tmp_path.iterdir()) == []  # nothing half-made is left behind
+
+
+def _trained_table(seed: int) -> HybridEmbedding:
+    module = HybridEmbedding(6, 2, seed=seed)
+    module(torch.tensor([0, 1])).sum().backward()
+    module.sync_and_update()
+    return module
+
+
+def test_table_checkpoints_are_atomic_and_tied_to_their_checkpoint(tmp_path: Path) -> None:
+    from lightning_hier.sparse.checkpoint import restore_tables, save_tables, tables_dir
+
+    ckpt = tmp_path / "last.ckpt"
+    first = _trained_table(seed=1)
+    record = save_tables([("emb", first)], ckpt, write=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt.tables"]  # no temporary left
+    target = HybridEmbedding(6, 2, seed=9)
+    target.attach()
+    restore_tables([("emb", target)], record, str(ckpt))
+    torch.testing.assert_close(target.weight, first.weight)
+    # a later save whose .ckpt never got written (a crash in between): the old record must not load it
+    save_tables([("emb", _trained_table(seed=2))], ckpt, write=True)
+    with pytest.raises(RuntimeError, match="do not belong to this checkpoint"):
+        restore_tables([("emb", target)], record, str(ckpt))
+    # a crash while writing leaves a temporary directory beside an intact one
+    (tables_dir(ckpt).with_name("last.ckpt.tables.tmp-dead")).mkdir()
+    newest = save_tables([("emb", first)], ckpt, write=True)
+    restore_tables([("emb", target)], newest, str(ckpt))
+    torch.testing.assert_close(target.weight, first.weight)

@@ -2,12 +2,21 @@
 
 Tables and their row-wise optimizer state are written by global rank 0 in the binary table
 format to a directory beside the checkpoint, ``<checkpoint>.tables/``; the checkpoint itself
-records the file names and each row optimizer's step count.
+records the file names, each row optimizer's step count and the save's token.
+
+Atomic and tied to its checkpoint: a save writes into a temporary directory, ends with a
+``manifest.json`` holding a fresh token, and only then replaces ``<checkpoint>.tables/``; the
+checkpoint records the same token. A crash while writing the tables leaves the previous directory
+intact; a crash between the tables and the ``.ckpt`` leaves a token the old checkpoint does not
+know, and resuming says so instead of mixing a new table with an old model. On several nodes the
+directory must be on storage every node reads (rank 0 writes it; each node's local rank 0 reads).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +28,7 @@ from lightning_hier.sparse.embedding import HybridEmbedding
 from lightning_hier.sparse.table_file import save_table
 
 CHECKPOINT_KEY = "hybrid_embeddings"
+MANIFEST = "manifest.json"
 
 
 def find_hybrid_embeddings(module: nn.Module) -> list[tuple[str, HybridEmbedding]]:
@@ -31,10 +41,12 @@ def tables_dir(checkpoint_path: str | Path) -> Path:
 
 def save_tables(modules: list[tuple[str, HybridEmbedding]], checkpoint_path: str | Path, write: bool) -> dict:
     """Write the tables (when ``write``) and return what the checkpoint should record."""
-    directory = tables_dir(checkpoint_path)
+    final = tables_dir(checkpoint_path)
+    token = uuid.uuid4().hex
+    directory = final.with_name(f"{final.name}.tmp-{token}")
     record: dict[str, Any] = {}
     if write:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True)
     for name, module in modules:
         files = {"weight": f"{name}.weight.tbl"}
         files.update({state: f"{name}.{state}.tbl" for state in module.optimizer_state})
@@ -48,8 +60,38 @@ def save_tables(modules: list[tuple[str, HybridEmbedding]], checkpoint_path: str
             if module.index is not None:
                 np.save(directory / files["index"], np.stack(module.index.items(), axis=1))
         step = module.row_optimizer.step_count if module.row_optimizer is not None else 0
-        record[name] = {"files": files, "step": step, "directory": str(directory.resolve())}
+        record[name] = {"files": files, "step": step, "directory": str(final.resolve()), "token": token}
+    if write:
+        (directory / MANIFEST).write_text(json.dumps({"token": token}))
+        _replace_directory(directory, final)
     return record
+
+
+def _replace_directory(new: Path, final: Path) -> None:
+    """Put ``new`` at ``final`` (renames only: the old directory stays complete until the swap)."""
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{new.name.rsplit('-', 1)[-1]}")
+        final.rename(old)
+        new.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        new.rename(final)
+
+
+def _check_token(directory: Path, entry: dict[str, Any], name: str) -> None:
+    expected = entry.get("token")
+    if expected is None:  # a checkpoint from before tokens
+        return
+    try:
+        found = json.loads((directory / MANIFEST).read_text())["token"]
+    except (OSError, ValueError, KeyError):
+        found = None
+    if found != expected:
+        raise RuntimeError(
+            f"the HybridEmbedding tables in {directory} do not belong to this checkpoint (table {name!r}: "
+            f"saved token {expected}, found {found}). A save was probably interrupted after the tables "
+            "and before the checkpoint file; resume from an earlier checkpoint whose tables are intact."
+        )
 
 
 def restore_tables(
@@ -65,6 +107,7 @@ def restore_tables(
         directory = tables_dir(checkpoint_path) if checkpoint_path else Path(entry["directory"])
         if not directory.is_dir():
             directory = Path(entry["directory"])
+        _check_token(directory, entry, name)
         files = {k: str(directory / v) for k, v in entry["files"].items()}
         index_file = files.pop("index", None)
         if index_file is not None and module.index is not None and module.is_updater:
