@@ -131,19 +131,36 @@ def test_all_keep_when_no_limit_or_when_it_fits():
     assert plan.count(SWAP) == 3
 
 
-def test_previous_plan_with_recompute_and_free_memory_goes_back_to_all_keep():
+def test_previous_plan_with_recompute_and_free_memory_reruns_the_greedy_rule():
     tight = decide_memory_plan(_stats(), in_flight=2, memory_limit=8000, swap_bandwidth=BANDWIDTH)
     assert tight.count(RECOMPUTE) == 2
     assert needs_new_plan(tight, current_peak=6800, memory_limit=None)
+    # seed claim 8: memory fits but layers recompute -> optimise again (claim 9 from scratch): the
+    # swaps within the time budget (d, b, c) stay, and with room to spare nothing recomputes
     relaxed = decide_memory_plan(
         _stats(), in_flight=2, memory_limit=50000, swap_bandwidth=BANDWIDTH, previous=tight
     )
-    assert _policies(relaxed) == "kkkkkk"
+    assert _policies(relaxed) == "kssskk"
+    assert relaxed.count(RECOMPUTE) == 0
     # Still tight: the same plan comes back.
     again = decide_memory_plan(
         _stats(), in_flight=2, memory_limit=8000, swap_bandwidth=BANDWIDTH, previous=tight
     )
     assert again == tight
+
+
+def test_a_plan_in_force_that_fits_without_recompute_is_kept():
+    swaps_only = decide_memory_plan(_stats(), in_flight=2, memory_limit=19999, swap_bandwidth=BANDWIDTH)
+    assert swaps_only.count(SWAP) == 3 and swaps_only.count(RECOMPUTE) == 0
+    # more room now: no optimisation is needed (claim 7), so the plan in force stays, swaps included
+    later = decide_memory_plan(
+        _stats(), in_flight=2, memory_limit=10**6, swap_bandwidth=BANDWIDTH, previous=swaps_only
+    )
+    assert later.policies == swaps_only.policies
+    assert later.swap_seconds == swaps_only.swap_seconds
+    # with no plan in force the same limit keeps everything
+    fresh = decide_memory_plan(_stats(), in_flight=2, memory_limit=10**6, swap_bandwidth=BANDWIDTH)
+    assert _policies(fresh) == "kkkkkk"
 
 
 def test_memory_limit_below_minimum_names_the_minimum():

@@ -278,10 +278,12 @@ def decide_memory_plan(
     are alive at once (e.g. the number of warm-up forwards of a 1F1B schedule). ``memory_limit``:
     device bytes the stage may use for activations (``None``: unlimited). ``swap_bandwidth``:
     host-link bytes per second. ``base_bytes``: device bytes already in use that count against the
-    limit. ``previous``: the plan in force; accepted so callers can pass it along. Whenever the
-    all-keep estimate fits, the answer is all keep, whether or not ``previous`` recomputes
-    (memory has freed up, so recomputation is dropped); otherwise the greedy swap-then-recompute
-    rule described in the module docstring decides, from scratch.
+    limit. ``previous``: the plan in force (layers it does not name, e.g. just migrated in, count
+    as kept). Following the seed (claims 7–9): storage is optimised when the stage's memory under
+    the plan in force does not fit the limit (claim 7), or fits but some layer recomputes (claim 8:
+    memory may have freed up, so recomputation may no longer be needed); optimising runs the
+    greedy swap-then-recompute rule of the module docstring from scratch (claim 9). Otherwise the
+    plan in force is kept as it is (with no plan yet: keep everything).
 
     Raises :class:`MemoryLimitError` (a ``ValueError``) when ``memory_limit`` is below
     :func:`minimum_peak_bytes`, or when the greedy rule ends with every layer swapped or recomputed
@@ -325,10 +327,18 @@ def decide_memory_plan(
             budget_seconds=budget,
         )
 
-    # Storage optimisation only when needed: if everything fits on the device, keep everything.
-    # (A previous plan that recomputed is thereby re-decided to all keep once memory frees up.)
-    if memory_limit is None or estimate_peak_bytes(stats, policies, in_flight, base_bytes) <= memory_limit:
+    if memory_limit is None:
         return plan(0.0)
+    # Storage optimisation only when needed (claims 7 and 8); otherwise the plan in force stays.
+    in_force = dict(previous.policies) if previous is not None else {}
+    policies.update({name: in_force[name] for name in names if name in in_force})
+    fits = estimate_peak_bytes(stats, policies, in_flight, base_bytes) <= memory_limit
+    if fits and RECOMPUTE not in policies.values():
+        kept_swaps = sum(
+            layer.swap_seconds(swap_bandwidth) for layer in stats if policies[layer.name] == SWAP
+        )
+        return plan(kept_swaps)
+    policies = {name: KEEP for name in names}  # claim 9 resets every layer's policy
 
     order = _swap_order(stats, swap_bandwidth)
     swap_seconds = 0.0
