@@ -20,7 +20,7 @@ from helpers import SCRIPTS, run_torchrun
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(SCRIPTS))
-from pipeline_models import SkewedNet, TwiceNet, loader  # noqa: E402
+from pipeline_models import DropNet, SkewedNet, TwiceNet, loader  # noqa: E402
 
 from lightning_hier.pipeline.partition import StagePartition  # noqa: E402
 
@@ -138,6 +138,15 @@ def test_shared_and_tied_modules_migrate_once_matching_one_process(tmp_path: Pat
     assert result["history"], "the lopsided start must be rebalanced (layers with shared state move)"
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=TwiceNet)
+
+
+def test_dropout_masks_do_not_depend_on_placement_or_migration(tmp_path: Path) -> None:
+    four = run_scenario("dropout_migrate", 4, tmp_path)
+    one = run_scenario("dropout_one_stage", 1, tmp_path)
+    assert four["history"], "layers (dropout among them) must migrate during the run"
+    assert_losses_match(four["losses"], one["losses"])
+    state = torch.load(one["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    assert_checkpoint_matches(four["checkpoint"], state, model_class=DropNet)
 
 
 def test_gpipe_sgd_with_global_norm_clipping_and_accumulation(tmp_path: Path) -> None:

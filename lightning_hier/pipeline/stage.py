@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from lightning_hier.pipeline.graph import LayerGraph
+from lightning_hier.pipeline.layer_rng import layer_seed, may_draw_random, seeded
 from lightning_hier.pipeline.partition import StagePartition
 
 KEEP = "keep"
@@ -95,6 +96,10 @@ class StageExecutor:
         self.layer_run: LayerRun | None = None
         self.timing = True
         self._events: list[tuple[Any, int]] = []
+        self.device = device
+        self.rng_base: int | None = None  # set by the engine: every stage the same (layer_rng.py)
+        self.rng_position = (0, 0)  # (step, micro-batch) of the forward about to run
+        self._random: dict[int, bool] = {}
         self.set_partition(partition)
 
     # ------------------------------------------------------------------ placement
@@ -207,6 +212,22 @@ class StageExecutor:
             self.times.input_bytes[i] = sum(
                 a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
             )
+        if self.rng_base is not None and self._draws_random(i, node):
+            step, micro = self.rng_position
+            with seeded(layer_seed(self.rng_base, step, micro, i), self.device):
+                return self._call(node, fn, args, kwargs)
+        return self._call(node, fn, args, kwargs)
+
+    def _draws_random(self, i: int, node: fx.Node) -> bool:
+        known = self._random.get(i)
+        if known is None:
+            module = self._module(i, str(node.target)) if node.op == "call_module" else None
+            known = self._random[i] = may_draw_random(node, module)
+        return known
+
+    def _call(
+        self, node: fx.Node, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         policy = self.policies.get(node.name, KEEP)
         if self.layer_run is None or (policy == KEEP and not self.layer_run_always):
             return fn(*args, **kwargs)

@@ -28,7 +28,6 @@ from torch.utils.data import RandomSampler
 from lightning_hier.pipeline.batching import split_batch
 from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
 from lightning_hier.pipeline.graph import LayerGraph
-from lightning_hier.pipeline.partition import StagePartition
 from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
 from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
@@ -276,17 +275,19 @@ class HierPipelineStrategy(DDPStrategy):
         decided: list[Any] = [None]
         if self.global_rank == 0:
             try:
-                decided = [initial_partition(graph, self.settings, self.num_stages)]
+                # the split, and the base seed of the layers' random streams (the same on every stage)
+                decided = [(initial_partition(graph, self.settings, self.num_stages), torch.initial_seed())]
             except ValueError as exc:  # every stage raises it, none waits for the others
                 decided = [str(exc)]
         group = control_group(self._timeout)
         dist.broadcast_object_list(decided, src=0, group=group)
         if isinstance(decided[0], str):
             raise ValueError(decided[0])
-        partition: StagePartition = decided[0]
+        partition, rng_base = decided[0]
         self.engine = PipelineEngine(
             graph, partition, self.stage, self.root_device, self.settings.schedule, self.settings, group
         )
+        self.engine.executor.rng_base = int(rng_base)
         log.info("hier_pipeline: %d clusters, partition %s", graph.num_clusters, partition)
 
     def _install_metric_sync(self, trainer: pl.Trainer) -> None:
@@ -298,7 +299,13 @@ class HierPipelineStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ steps
     def _step_forward(
-        self, step_name: str, micro: list[tuple[Any, int]], total: int, args: tuple[Any, ...], scale: float
+        self,
+        step_name: str,
+        micro: list[tuple[Any, int]],
+        total: int,
+        args: tuple[Any, ...],
+        scale: float,
+        rng_step: int = 0,
     ) -> Callable[[int, torch.Tensor | None], Any]:
         """Per micro-batch: what this stage computes, calling the module's own ``*_step`` at the ends."""
         engine = self.engine
@@ -314,6 +321,7 @@ class HierPipelineStrategy(DDPStrategy):
                 return step_fn(micro[m][0], *args)
 
         def forward(m: int, received: torch.Tensor | None) -> Any:
+            executor.rng_position = (rng_step, m)  # each layer's random stream (pipeline/layer_rng.py)
             if engine.is_first and not engine.is_last:
 
                 def first_stage(*f_args: Any, **f_kwargs: Any) -> Any:
@@ -358,7 +366,9 @@ class HierPipelineStrategy(DDPStrategy):
         self._zero_grad(int(rest[0]) if rest else trainer.fit_loop.epoch_loop.batch_idx)
         scale = 1.0 / max(int(trainer.accumulate_grad_batches), 1)
         with self.precision_plugin.train_step_context():
-            forward = self._step_forward("training_step", micro, total, tuple(rest), scale)
+            # the batch's number in the whole fit (restored on resume): the layers' random streams
+            rng_step = int(trainer.fit_loop.total_batch_idx)
+            forward = self._step_forward("training_step", micro, total, tuple(rest), scale, rng_step)
             self.engine.train_step(len(micro), forward)
         # float64 on every stage: only the last one knows the loss's dtype (float64 under "64-true"),
         # and a broadcast whose ranks disagree on the dtype is a size mismatch
@@ -373,7 +383,8 @@ class HierPipelineStrategy(DDPStrategy):
         batch, *rest = args
         micro = [(batch, 0)]
         with context():
-            forward = self._step_forward(step_name, micro, 1, tuple(rest), 1.0)
+            batch_idx = int(rest[0]) if rest and isinstance(rest[0], int) else 0
+            forward = self._step_forward(step_name, micro, 1, tuple(rest), 1.0, rng_step=-1 - batch_idx)
             self.engine.eval_step(1, forward)
         return self._outputs[0] if self._outputs else None
 

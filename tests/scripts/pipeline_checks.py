@@ -42,6 +42,19 @@ SCENARIOS: dict[str, dict] = {
         strategy=dict(partition=[1, 1, 1, 14], rebalance=2, micro_batches=4),
         trainer=dict(max_steps=6, precision="64-true"),
     ),
+    # dropout on every stage, layers migrating every 2 steps, against the same pipeline on one stage
+    "dropout_migrate": dict(
+        model=dict(optimizer="adam"),
+        model_class="drop",
+        strategy=dict(partition="uniform", rebalance=2, imbalance_threshold=0.01, min_rebalance_gain=0.0),
+        trainer=dict(max_steps=6, precision="64-true"),
+    ),
+    "dropout_one_stage": dict(
+        model=dict(optimizer="adam"),
+        model_class="drop",
+        strategy=dict(partition="uniform", rebalance="never"),
+        trainer=dict(max_steps=6, precision="64-true"),
+    ),
     "gpipe_sgd_clip_accumulate": dict(
         model=dict(optimizer="sgd"),
         strategy=dict(partition="uniform", schedule="gpipe", rebalance=3, micro_batches=3),

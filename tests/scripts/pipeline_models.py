@@ -90,7 +90,16 @@ class TwiceNet(SkewedNet):
         return self.head(self.res(x))
 
 
-MODELS = {"skewed": SkewedNet, "twice": TwiceNet}
+class DropNet(SkewedNet):
+    """Dropout after the stem and after every block: random layers on every stage, some of which migrate."""
+
+    def __init__(self, optimizer: str = "adam", lr: float = 0.01, p: float = 0.2) -> None:
+        super().__init__(optimizer=optimizer, lr=lr, dropout=p)
+        for block in self.blocks:
+            block.append(nn.Dropout(p))
+
+
+MODELS = {"skewed": SkewedNet, "twice": TwiceNet, "drop": DropNet}
 
 
 def dataset(n: int = 256, in_features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:

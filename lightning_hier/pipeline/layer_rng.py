@@ -1,0 +1,61 @@
+"""A reproducible random stream per layer, so where a layer runs never changes its randomness.
+
+Stages draw from their own process's global RNG, so dropout on stage 2 and dropout on stage 3
+would see correlated masks (every process seeded alike), and a dropout layer that migrates would
+continue from another stream. Here every layer that may draw random numbers runs under a seed
+made of the run's base seed, the step, the micro-batch and the layer's index in the traced graph:
+the same numbers on whichever stage the layer sits, and the same as a one-stage run of the same
+pipeline. The process's global RNG is restored afterwards (``torch.random.fork_rng``), so the rest
+of the program sees no difference. ``torch.utils.checkpoint`` keeps the seeded state for
+recomputation, so recomputed layers draw the same masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+_RANDOM_MODULES: tuple[type[nn.Module], ...] = (nn.modules.dropout._DropoutNd, nn.RReLU)
+_RANDOM_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
+    {
+        F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.rrelu,
+        F.gumbel_softmax, torch.dropout, torch.bernoulli, torch.rand, torch.randn, torch.randint,
+        torch.rand_like, torch.randn_like, torch.randint_like, torch.randperm, torch.normal,
+        torch.multinomial,
+    }
+)  # fmt: skip
+_MIX = 0x9E3779B97F4A7C15
+_MASK = (1 << 63) - 1
+
+
+def may_draw_random(node: fx.Node, module: nn.Module | None) -> bool:
+    """Whether running ``node`` may consume random numbers (known random ops, or user modules)."""
+    if node.op == "call_module" and module is not None:
+        if isinstance(module, _RANDOM_MODULES):
+            return True
+        return not type(module).__module__.startswith("torch.")  # a user's leaf module: assume it may
+    if node.op == "call_function":
+        return node.target in _RANDOM_FUNCTIONS
+    return False
+
+
+def layer_seed(base: int, step: int, micro_batch: int, layer: int) -> int:
+    """A 63-bit seed that depends on all four numbers (a simple multiplicative mix)."""
+    value = base & _MASK
+    for part in (step, micro_batch, layer):
+        value = ((value ^ (part + 1)) * _MIX) & _MASK
+    return value
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device | None) -> Iterator[None]:
+    """Run the block with the global RNG (and ``device``'s, on CUDA) seeded, then restore both."""
+    devices = [device] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
