@@ -408,12 +408,21 @@ class HierSlicedEngine:
         """
         for index, param in enumerate(self.params):
             bucket_index, slot = self._where[index]
-            if param.data_ptr() != self.buckets[bucket_index].param_view(slot).data_ptr():
-                raise RuntimeError(
-                    f"parameter {self.param_names[index]!r}: its .data was replaced after setup. hier_sliced "
-                    "keeps each parameter as a view into a flat bucket; change values in place "
-                    "(param.data.copy_(new) or with torch.no_grad(): param.copy_(new))."
-                )
+            view = self.buckets[bucket_index].param_view(slot)
+            if param.data_ptr() != view.data_ptr():
+                # e.g. ModelPruning's lottery-ticket reset assigns .data: take the new values back
+                # into the bucket, as long as they fit the slot
+                data = param.data
+                if data.shape != view.shape or data.dtype != view.dtype or data.device != view.device:
+                    raise RuntimeError(
+                        f"parameter {self.param_names[index]!r}: its .data was replaced after setup by a "
+                        f"{tuple(data.shape)} {data.dtype} tensor on {data.device}, but hier_sliced holds it "
+                        f"as a {tuple(view.shape)} {view.dtype} view on {view.device} in a flat bucket. "
+                        "Change values in place, or set the parameter up that way before trainer.fit."
+                    )
+                with torch.no_grad():
+                    view.copy_(data)
+                param.data = view
         for name, param in self.module.named_parameters():
             if id(param) in self._frozen_at_setup and param.requires_grad and param.grad is not None:
                 raise RuntimeError(

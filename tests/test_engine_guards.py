@@ -42,11 +42,20 @@ def test_an_unchanged_model_steps(engine_parts) -> None:  # noqa: ANN001
     assert not torch.equal(before, model[1].weight)
 
 
-def test_replaced_data_is_refused(engine_parts) -> None:  # noqa: ANN001
-    model, _, engine = engine_parts
-    model[1].weight.data = torch.zeros(1, 4)
+def test_replaced_data_is_taken_back_into_the_bucket_or_refused(engine_parts) -> None:  # noqa: ANN001
+    model, optimizer, engine = engine_parts
+    model[1].weight.data = torch.full((1, 4), 2.0)  # what ModelPruning's lottery-ticket reset does
+    _step(model, engine)
+    grad = model[1].weight.grad.clone()
+    optimizer.step()
+    engine.after_step()
+    # the step started from the new values, and the parameter is a bucket view again
+    torch.testing.assert_close(model[1].weight.detach(), torch.full((1, 4), 2.0) - 0.1 * grad)
+    bucket, slot = engine._where[0][0], engine._where[0][1]
+    assert model[1].weight.data_ptr() == engine.buckets[bucket].param_view(slot).data_ptr()
+    model[1].weight.data = torch.zeros(2, 4)  # another shape: cannot live in the slot
     with pytest.raises(RuntimeError, match=r"'1.weight'.*\.data was replaced"):
-        _step(model, engine)
+        engine.finish_backward()  # where every synchronising step checks
 
 
 def test_unfreezing_after_setup_is_refused(engine_parts) -> None:  # noqa: ANN001
