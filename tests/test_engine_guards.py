@@ -94,11 +94,13 @@ def _checkpointed_step(bucketing: str) -> tuple[list[torch.Tensor], list[torch.T
         model, optimizer, Topology(1, 0, 1).build_groups(), bucket_cap_mb=1e-5, bucketing=bucketing
     )
     x = torch.randn(3, 4, requires_grad=True)
-    model(x).sum().backward()
-    engine.finish_backward()
-    optimizer.step()
-    engine.after_step()
-    engine.close()
+    try:
+        model(x).sum().backward()
+        engine.finish_backward()
+        optimizer.step()
+        engine.after_step()
+    finally:
+        engine.close()
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     reference(x).sum().backward()
     reference_optimizer.step()

@@ -5,9 +5,11 @@ would see correlated masks (every process seeded alike), and a dropout layer tha
 continue from another stream. Here every layer that may draw random numbers runs under a seed
 made of the run's base seed, the step, the micro-batch and the layer's index in the traced graph:
 the same numbers on whichever stage the layer sits, and the same as a one-stage run of the same
-pipeline. The process's global RNG is restored afterwards (``torch.random.fork_rng``), so the rest
-of the program sees no difference. ``torch.utils.checkpoint`` keeps the seeded state for
-recomputation, so recomputed layers draw the same masks.
+pipeline. The process's global RNG is restored afterwards, so the rest of the program sees no
+difference (the default generators are saved and restored directly: ``torch.random.fork_rng``
+costs ~100 us a call, which on small layers distorted the stage times rebalancing measures).
+``torch.utils.checkpoint`` keeps the seeded state for recomputation, so recomputed layers draw
+the same masks.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ _MASK = (1 << 63) - 1
 def may_draw_random(node: fx.Node, module: nn.Module | None) -> bool:
     """Whether running ``node`` may consume random numbers (known random ops, or user modules)."""
     if node.op == "call_module" and module is not None:
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            return module.training and module.p > 0
         if isinstance(module, _RANDOM_MODULES):
-            return True
+            return module.training
         return not type(module).__module__.startswith("torch.")  # a user's leaf module: assume it may
     if node.op == "call_function":
         return node.target in _RANDOM_FUNCTIONS
@@ -54,8 +58,16 @@ def layer_seed(base: int, step: int, micro_batch: int, layer: int) -> int:
 
 @contextmanager
 def seeded(seed: int, device: torch.device | None) -> Iterator[None]:
-    """Run the block with the global RNG (and ``device``'s, on CUDA) seeded, then restore both."""
-    devices = [device] if device is not None and device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    """Run the block with the CPU generator (and ``device``'s, on CUDA) seeded, then restore both."""
+    generators = [torch.default_generator]
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generators.append(torch.cuda.default_generators[index])
+    states = [generator.get_state() for generator in generators]
+    for generator in generators:
+        generator.manual_seed(seed)
+    try:
         yield
+    finally:
+        for generator, state in zip(generators, states):
+            generator.set_state(state)

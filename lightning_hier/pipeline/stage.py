@@ -99,7 +99,6 @@ class StageExecutor:
         self.device = device
         self.rng_base: int | None = None  # set by the engine: every stage the same (layer_rng.py)
         self.rng_position = (0, 0)  # (step, micro-batch) of the forward about to run
-        self._random: dict[int, bool] = {}
         self.set_partition(partition)
 
     # ------------------------------------------------------------------ placement
@@ -219,11 +218,9 @@ class StageExecutor:
         return self._call(node, fn, args, kwargs)
 
     def _draws_random(self, i: int, node: fx.Node) -> bool:
-        known = self._random.get(i)
-        if known is None:
-            module = self._module(i, str(node.target)) if node.op == "call_module" else None
-            known = self._random[i] = may_draw_random(node, module)
-        return known
+        # asked at every call: a dropout draws nothing in eval mode or with p=0
+        module = self._module(i, str(node.target)) if node.op == "call_module" else None
+        return may_draw_random(node, module)
 
     def _call(
         self, node: fx.Node, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
