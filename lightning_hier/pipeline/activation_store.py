@@ -45,7 +45,7 @@ from lightning_hier.pipeline.memory_policy import (
     MemoryPlan,
 )
 
-__all__ = ["ActivationMeter", "LayerRunner", "is_parameter_like", "measure_layer_stats"]
+__all__ = ["ActivationMeter", "LayerRunner", "is_parameter_like", "measure_layer_stats", "storage_bytes"]
 
 
 def is_parameter_like(t: torch.Tensor) -> bool:
@@ -73,11 +73,15 @@ def _storage_key(t: torch.Tensor) -> tuple[tuple[Any, ...], int] | None:
     return (t.device.type, t.device.index, ptr), nbytes
 
 
-def _tensor_input_bytes(args: Sequence[Any]) -> int:
-    """Bytes of the storages behind the non-parameter tensors in ``args`` (each storage once)."""
+def storage_bytes(tensors: Sequence[Any], *, skip_parameters: bool = False) -> int:
+    """Bytes of the storages behind the tensors in ``tensors``, each storage once.
+
+    ``skip_parameters``: leave out parameter-like tensors (see :func:`is_parameter_like`), e.g. for
+    what a recomputed layer's checkpoint stashes of its inputs.
+    """
     seen: dict[tuple[Any, ...], int] = {}
-    for arg in args:
-        if isinstance(arg, torch.Tensor) and not is_parameter_like(arg):
+    for arg in tensors:
+        if isinstance(arg, torch.Tensor) and not (skip_parameters and is_parameter_like(arg)):
             found = _storage_key(arg)
             if found is not None:
                 seen[found[0]] = found[1]
@@ -178,6 +182,15 @@ class ActivationMeter:
         if self._recording:
             self._recording[-1][1][key] = nbytes
         weakref.finalize(owner, self._untrack, key)
+
+    def hold(self, owner: object, tensors: Sequence[Any]) -> int:
+        """Count the tensors in ``tensors`` as device-resident while ``owner`` lives (a pipeline
+        schedule's received input and output of a micro-batch in flight, which stay whatever the
+        layers' policies); returns their bytes, each storage once."""
+        held = [t for t in tensors if isinstance(t, torch.Tensor)]
+        for tensor in held:
+            self.track(owner, tensor)
+        return storage_bytes(held)
 
     def _untrack(self, key: tuple[Any, ...]) -> None:
         with self._lock:
@@ -400,7 +413,7 @@ class LayerRunner:
         """Start bringing ``entry`` back to its device (the caller holds ``_lock``).
 
         CUDA: an asynchronous host-to-device copy on the side stream, with an event to wait on.
-        CPU: the host copy is the tensor, nothing to copy. Other devices: a synchronous copy.
+        Other devices (the CPU included): a synchronous copy.
         """
         if entry.pending is not None:
             return
@@ -414,7 +427,9 @@ class LayerRunner:
                 event.record(stream)
             entry.pending = (device_tensor, event)
         elif entry.device.type == "cpu":
-            entry.pending = (entry.host, None)
+            # A real copy, as on a GPU: CPU runs then hold what a device would (the layer back
+            # beside its host copy), so the estimate can be checked against the CPU allocator.
+            entry.pending = (entry.host.clone(), None)
         else:
             entry.pending = (entry.host.to(entry.device), None)
 
@@ -537,7 +552,7 @@ def measure_layer_stats(
             inputs.append(x)
             x = runner.run(name, KEEP, fn, x)
     del x
-    input_bytes = [_tensor_input_bytes([v]) for v in inputs]
+    input_bytes = [storage_bytes([v], skip_parameters=True) for v in inputs]
     inputs = [v.detach() if isinstance(v, torch.Tensor) else v for v in inputs]
 
     stats: list[LayerMemoryStats] = []

@@ -371,6 +371,7 @@ class PipelineEngine:
             return
         self.meter = ActivationMeter()
         self.runner = LayerRunner(self.meter, self.device)
+        self.schedule.meter = self.meter
         self.executor.layer_run = self.runner
         self.executor.layer_run_always = True
         self._apply_fixed_policy()
@@ -445,7 +446,8 @@ class PipelineEngine:
         return stats
 
     def measured_peak_bytes(self) -> int:
-        """Base bytes plus the peak of stashed activations measured since the last plan."""
+        """Base bytes plus the peak of stashed activations (with the received inputs and outputs
+        the schedule holds) measured since the last plan."""
         return self.base_bytes() + (self.meter.peak_bytes if self.meter is not None else 0)
 
     def decide_memory_plan(self, force: bool = True) -> MemoryPlan | None:
@@ -463,6 +465,7 @@ class PipelineEngine:
                     memory_limit=limit,
                     swap_bandwidth=self.swap_bandwidth(),
                     base_bytes=self.base_bytes(),
+                    held_bytes=self.schedule.held_bytes,
                     previous=plan,
                 )
             except MemoryLimitError as exc:

@@ -17,8 +17,9 @@ The decision follows a greedy rule: layers are ranked by ``swap cost / recompute
 that order while the summed swap time is below the stage's forward+backward time (the layer
 that crosses it is still swapped); if the estimated peak still exceeds ``memory_limit`` the next
 layers in the same order are recomputed one by one until it fits; everything else is kept. The
-optimisation only runs when the all-keep estimate does not fit, so a stage with enough memory
-keeps everything.
+optimisation only runs when the plan in force does not fit, or fits while layers recompute (seed
+claims 7-9), so a stage with enough memory keeps everything. :func:`estimate_peak_bytes` says
+what the estimate counts and what it leaves out.
 
 This module is pure Python (no torch); :mod:`lightning_hier.pipeline.activation_store` applies a
 plan at run time and measures the inputs of the decision.
@@ -43,7 +44,9 @@ __all__ = [
     "MemoryLimitError",
     "MemoryPlan",
     "decide_memory_plan",
+    "estimate_host_bytes",
     "estimate_peak_bytes",
+    "estimate_resident_bytes",
     "format_bytes",
     "minimum_peak_bytes",
     "needs_new_plan",
@@ -132,13 +135,15 @@ class MemoryPlan:
     :func:`decide_memory_plan`. ``estimated_peak_bytes``: the peak estimated for this plan.
     ``swap_seconds``: summed host-link time of the swapped layers per micro-batch.
     ``budget_seconds``: the stage's forward+backward time per micro-batch, the threshold swapping
-    stops at. ``str(plan)`` gives a one-line summary for logs.
+    stops at. ``estimated_host_bytes``: host memory the swapped activations take.
+    ``str(plan)`` gives a one-line summary for logs.
     """
 
     policies: tuple[tuple[str, str], ...]
     estimated_peak_bytes: int
     swap_seconds: float
     budget_seconds: float
+    estimated_host_bytes: int = 0
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -179,6 +184,7 @@ class MemoryPlan:
             "estimated_peak_bytes": self.estimated_peak_bytes,
             "swap_seconds": self.swap_seconds,
             "budget_seconds": self.budget_seconds,
+            "estimated_host_bytes": self.estimated_host_bytes,
         }
 
     @classmethod
@@ -188,6 +194,7 @@ class MemoryPlan:
             estimated_peak_bytes=int(data["estimated_peak_bytes"]),
             swap_seconds=float(data["swap_seconds"]),
             budget_seconds=float(data["budget_seconds"]),
+            estimated_host_bytes=int(data.get("estimated_host_bytes", 0)),
         )
 
     def __str__(self) -> str:
@@ -195,6 +202,11 @@ class MemoryPlan:
             f"keep {self.count(KEEP)}, swap {self.count(SWAP)} "
             f"({self.swap_seconds:.3f} s of {self.budget_seconds:.3f} s), "
             f"recompute {self.count(RECOMPUTE)}, peak {format_bytes(self.estimated_peak_bytes)}"
+            + (
+                f" (+{format_bytes(self.estimated_host_bytes)} on the host)"
+                if self.estimated_host_bytes
+                else ""
+            )
         )
 
 
@@ -212,43 +224,103 @@ def _device_stash(layer: LayerMemoryStats, policy: str) -> int:
     return layer.input_bytes
 
 
+def _backward_peak(stats: Sequence[LayerMemoryStats], policies: Mapping[str, str], held_bytes: int) -> int:
+    """Most bytes one micro-batch has on the device at once while its backward runs.
+
+    Backward walks the layers in reverse, freeing each layer's stash after its backward, so at
+    layer ``i`` what is alive is the held bytes, the stash of the layers before ``i`` and what
+    layer ``i`` brings back: a kept layer its ``saved_bytes``; a recomputed one its inputs and its
+    re-materialised ``saved_bytes``; a swapped one its ``saved_bytes`` and, as the runner
+    prefetches, the previous swapped layer's (the previous one that swapped anything), which then
+    stays until its own backward while the layers in between run beside it.
+    """
+    policy = [_check_policy(layer.name, policies.get(layer.name, KEEP)) for layer in stats]
+    stash = [_device_stash(layer, p) for layer, p in zip(stats, policy)]
+    previous_swapped: list[int | None] = []
+    last: int | None = None
+    for i, layer in enumerate(stats):
+        previous_swapped.append(last)
+        if policy[i] == SWAP and layer.saved_bytes > 0:
+            last = i
+    before = held_bytes + sum(stash)  # alive when backward starts
+    peak = before
+    prefetched = 0  # a swapped layer already brought back, waiting for its backward
+    for i in reversed(range(len(stats))):
+        before -= stash[i]  # now: held bytes + the stash of layers 0 .. i-1
+        layer = stats[i]
+        if policy[i] == SWAP and layer.saved_bytes > 0:
+            earlier = previous_swapped[i]
+            prefetched = stats[earlier].saved_bytes if earlier is not None else 0
+            current = layer.saved_bytes + prefetched
+        elif policy[i] == RECOMPUTE:
+            current = stash[i] + layer.saved_bytes + prefetched
+        else:
+            current = stash[i] + prefetched
+        peak = max(peak, before + current)
+    return peak
+
+
 def estimate_peak_bytes(
     stats: Sequence[LayerMemoryStats],
     policies: Mapping[str, str],
     in_flight: int,
     base_bytes: int = 0,
+    held_bytes: int = 0,
 ) -> int:
     """Estimated peak device bytes of the stage's activations under ``policies``.
 
-    ``base_bytes + in_flight * (device-resident stash of every layer) + transient``, where a kept
-    layer stashes ``saved_bytes``, a swapped one nothing and a recomputed one ``input_bytes``
-    per micro-batch in flight; the transient is the largest ``saved_bytes`` among swapped
-    (prefetch buffer) and recomputed (re-materialised) layers, since backward brings back one layer
-    at a time. Layers missing from ``policies`` count as kept.
+    ``base_bytes + (in_flight - 1) * resident + backward peak``. ``resident`` is what one
+    micro-batch keeps on the device between its forward and its backward: ``held_bytes`` (what the
+    schedule holds whatever the policy: the input received from the previous stage and the output
+    sent on) plus each layer's stash (a kept layer its ``saved_bytes``, a swapped one nothing, a
+    recomputed one its ``input_bytes``). The backward peak is the most one micro-batch has at once
+    during its backward (see :func:`_backward_peak`: recomputed layers re-materialise, swapped
+    layers come back with the previous swapped layer prefetched). Layers missing from ``policies``
+    count as kept. Not included, and the margin to expect against an allocator's peak: the
+    gradients flowing through backward (about two activations of the widest layer) and parameter
+    gradient temporaries (one layer's parameters).
     """
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}.")
-    resident = 0
-    transient = 0
+    if held_bytes < 0:
+        raise ValueError(f"held_bytes must be >= 0, got {held_bytes}.")
+    resident = held_bytes
     for layer in stats:
-        policy = _check_policy(layer.name, policies.get(layer.name, KEEP))
-        resident += _device_stash(layer, policy)
-        if policy != KEEP:
-            transient = max(transient, layer.saved_bytes)
-    return base_bytes + in_flight * resident + transient
+        resident += _device_stash(layer, _check_policy(layer.name, policies.get(layer.name, KEEP)))
+    return base_bytes + (in_flight - 1) * resident + _backward_peak(stats, policies, held_bytes)
 
 
-def minimum_peak_bytes(stats: Sequence[LayerMemoryStats], in_flight: int, base_bytes: int = 0) -> int:
-    """The lowest peak any plan can reach: every layer swapped or recomputed, whichever stashes less.
+def estimate_resident_bytes(
+    stats: Sequence[LayerMemoryStats], policies: Mapping[str, str], in_flight: int, held_bytes: int = 0
+) -> int:
+    """Device bytes the activations take when every micro-batch in flight has run its forward."""
+    stash = sum(
+        _device_stash(layer, _check_policy(layer.name, policies.get(layer.name, KEEP))) for layer in stats
+    )
+    return in_flight * (held_bytes + stash)
 
-    Below this no ``memory_limit`` can be met; :func:`decide_memory_plan` raises
+
+def estimate_host_bytes(
+    stats: Sequence[LayerMemoryStats], policies: Mapping[str, str], in_flight: int
+) -> int:
+    """Host bytes the swapped layers take: their ``saved_bytes`` per micro-batch in flight."""
+    swapped = sum(layer.saved_bytes for layer in stats if policies.get(layer.name, KEEP) == SWAP)
+    return in_flight * swapped
+
+
+def minimum_peak_bytes(
+    stats: Sequence[LayerMemoryStats], in_flight: int, base_bytes: int = 0, held_bytes: int = 0
+) -> int:
+    """A floor under every plan's peak: held bytes per micro-batch plus the largest layer's stash.
+
+    Whatever its policy, the layer that stashes the most is on the device once (kept, brought back
+    or recomputed). Below this no ``memory_limit`` can be met; :func:`decide_memory_plan` raises
     :class:`MemoryLimitError` naming it.
     """
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}.")
-    resident = sum(min(_device_stash(layer, SWAP), _device_stash(layer, RECOMPUTE)) for layer in stats)
     transient = max((layer.saved_bytes for layer in stats), default=0)
-    return base_bytes + in_flight * resident + transient
+    return base_bytes + in_flight * held_bytes + transient
 
 
 def _swap_order(stats: Sequence[LayerMemoryStats], swap_bandwidth: float) -> list[int]:
@@ -270,6 +342,7 @@ def decide_memory_plan(
     memory_limit: int | None,
     swap_bandwidth: float,
     base_bytes: int = 0,
+    held_bytes: int = 0,
     previous: MemoryPlan | None = None,
 ) -> MemoryPlan:
     """Choose keep / swap / recompute per layer so the stage's activations fit ``memory_limit``.
@@ -278,12 +351,14 @@ def decide_memory_plan(
     are alive at once (e.g. the number of warm-up forwards of a 1F1B schedule). ``memory_limit``:
     device bytes the stage may use for activations (``None``: unlimited). ``swap_bandwidth``:
     host-link bytes per second. ``base_bytes``: device bytes already in use that count against the
-    limit. ``previous``: the plan in force (layers it does not name, e.g. just migrated in, count
-    as kept). Following the seed (claims 7–9): storage is optimised when the stage's memory under
-    the plan in force does not fit the limit (claim 7), or fits but some layer recomputes (claim 8:
-    memory may have freed up, so recomputation may no longer be needed); optimising runs the
-    greedy swap-then-recompute rule of the module docstring from scratch (claim 9). Otherwise the
-    plan in force is kept as it is (with no plan yet: keep everything).
+    limit. ``held_bytes``: bytes per micro-batch the schedule holds whatever the policy (received
+    input, output sent on; see :func:`estimate_peak_bytes`). ``previous``: the plan in force
+    (layers it does not name, e.g. just migrated in, count as kept). Following the seed (claims
+    7–9): storage is optimised when the stage's memory under the plan in force does not fit the
+    limit (claim 7), or fits but some layer recomputes (claim 8: memory may have freed up, so
+    recomputation may no longer be needed); optimising runs the greedy swap-then-recompute rule of
+    the module docstring from scratch (claim 9). Otherwise the plan in force is kept as it is (with
+    no plan yet: keep everything).
 
     Raises :class:`MemoryLimitError` (a ``ValueError``) when ``memory_limit`` is below
     :func:`minimum_peak_bytes`, or when the greedy rule ends with every layer swapped or recomputed
@@ -307,7 +382,7 @@ def decide_memory_plan(
         raise ValueError(f"layer names must be unique, repeated: {duplicates}.")
 
     if memory_limit is not None:
-        minimum = minimum_peak_bytes(stats, in_flight, base_bytes)
+        minimum = minimum_peak_bytes(stats, in_flight, base_bytes, held_bytes)
         if memory_limit < minimum:
             raise MemoryLimitError(
                 f"memory_limit={memory_limit} bytes is below the {minimum} bytes this stage needs even "
@@ -319,10 +394,14 @@ def decide_memory_plan(
     budget = sum(layer.forward_seconds + layer.backward_seconds for layer in stats)
     policies = {name: KEEP for name in names}
 
+    def peak() -> int:
+        return estimate_peak_bytes(stats, policies, in_flight, base_bytes, held_bytes)
+
     def plan(swap_seconds: float) -> MemoryPlan:
         return MemoryPlan(
             policies=tuple((name, policies[name]) for name in names),
-            estimated_peak_bytes=estimate_peak_bytes(stats, policies, in_flight, base_bytes),
+            estimated_peak_bytes=peak(),
+            estimated_host_bytes=estimate_host_bytes(stats, policies, in_flight),
             swap_seconds=swap_seconds,
             budget_seconds=budget,
         )
@@ -332,7 +411,7 @@ def decide_memory_plan(
     # Storage optimisation only when needed (claims 7 and 8); otherwise the plan in force stays.
     in_force = dict(previous.policies) if previous is not None else {}
     policies.update({name: in_force[name] for name in names if name in in_force})
-    fits = estimate_peak_bytes(stats, policies, in_flight, base_bytes) <= memory_limit
+    fits = peak() <= memory_limit
     if fits and RECOMPUTE not in policies.values():
         kept_swaps = sum(
             layer.swap_seconds(swap_bandwidth) for layer in stats if policies[layer.name] == SWAP
@@ -351,9 +430,7 @@ def decide_memory_plan(
         if swap_seconds >= budget:
             break
 
-    while (
-        position < len(order) and estimate_peak_bytes(stats, policies, in_flight, base_bytes) > memory_limit
-    ):
+    while position < len(order) and peak() > memory_limit:
         policies[stats[order[position]].name] = RECOMPUTE
         position += 1
 

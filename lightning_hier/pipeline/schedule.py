@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_hier.pipeline.activation_store import ActivationMeter
+
 SCHEDULES = ("1f1b", "gpipe")
 
 _DTYPES = [
@@ -176,6 +178,10 @@ class PipelineSchedule:
         self.kind = kind
         self.on_backward_done = on_backward_done
         self.peak_in_flight = 0
+        # With a memory policy: the received input and the output of every micro-batch in flight
+        # are held until its backward whatever the layers' policies, so the meter counts them.
+        self.meter: ActivationMeter | None = None
+        self.held_bytes = 0  # of the last micro-batch stashed, storages counted once
 
     @property
     def is_first(self) -> bool:
@@ -212,8 +218,10 @@ class PipelineSchedule:
         if not self.is_last:
             wants_grad = self.link.send_header(output)
             sends.append(self.link.send_activation_op(output))
-        stash[m] = _InFlight(received, output, wants_grad)
+        item = stash[m] = _InFlight(received, output, wants_grad)
         self.peak_in_flight = max(self.peak_in_flight, len(stash))
+        if self.meter is not None:
+            self.held_bytes = self.meter.hold(item, (received, output))
         return sends
 
     def _recv_grad_ops(

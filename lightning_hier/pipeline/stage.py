@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from lightning_hier.pipeline.activation_store import storage_bytes
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.layer_rng import layer_seed, may_draw_random, seeded
 from lightning_hier.pipeline.partition import StagePartition
@@ -208,9 +209,8 @@ class StageExecutor:
             fn = getattr(self_obj, str(node.target))
             args = tuple(rest)
         if self.timing and self.times.forward_count[i] == 0:  # once per timing window
-            self.times.input_bytes[i] = sum(
-                a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
-            )
+            # what a recompute checkpoint stashes: parameters and the received input stay anyway
+            self.times.input_bytes[i] = storage_bytes(args, skip_parameters=True)
         if self.rng_base is not None and self._draws_random(i, node):
             step, micro = self.rng_position
             with seeded(layer_seed(self.rng_base, step, micro, i), self.device):

@@ -195,8 +195,11 @@ def _probe_memory_limit(precision: str) -> int:
     assert engine is not None
     stats = engine.layer_memory_stats()
     in_flight = engine.schedule.in_flight_limit(4)
-    base = engine.base_bytes()
-    mine = (minimum_peak_bytes(stats, in_flight, base), estimate_peak_bytes(stats, {}, in_flight, base))
+    base, held = engine.base_bytes(), engine.schedule.held_bytes
+    mine = (
+        minimum_peak_bytes(stats, in_flight, base, held),
+        estimate_peak_bytes(stats, {}, in_flight, base, held),
+    )
     both: list = [None] * trainer.world_size
     dist.all_gather_object(both, mine)
     lowest = max(m for m, _ in both)
