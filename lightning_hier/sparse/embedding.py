@@ -14,20 +14,28 @@ Under ``16-mixed`` the rows are unscaled by the loss scale first, a non-finite g
 loss scaler skip the step for the dense parameters and the table alike, and a skipped step leaves
 the table as it was.
 
-Without the strategy (one process, e.g. inference or a quick test), the first forward gives the
-module a private table; :meth:`sync_and_update` then applies the process's own gradient.
+Without the strategy, on one process (Lightning's single-device strategy, a plain torch loop),
+the first forward gives the module a private table and the table steps when an optimizer steps:
+a ``torch.optim`` step hook applies the gradients gathered since the last step (summed over
+accumulated backward passes, as a dense parameter's ``.grad``). :meth:`sync_and_update` does the
+same by hand. Deliberate limits, each a clear error at the first training forward: several
+processes without ``hier_sliced`` (no other strategy syncs the per-id gradients), and float16
+autocast without ``hier_sliced`` (the loss scale is unknown to the table: use ``bf16-mixed``).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_hier.sparse.id_index import SharedIdIndex, hashed_init
 from lightning_hier.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer, state_names
@@ -44,6 +52,24 @@ from lightning_hier.sparse.table_file import map_table, read_header, save_table
 INITS = ("normal", "uniform", "zeros")
 _PENDING_WARNING = 64  # backward passes recorded without an update before the user is told
 _INIT_ROWS_PER_CHUNK = 1 << 16
+
+# Tables trained without a strategy, stepped by any optimizer's step (see the module docstring).
+_UNMANAGED: weakref.WeakSet[HybridEmbedding] = weakref.WeakSet()
+_step_hook: Any = None
+
+
+def _apply_unmanaged_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for module in list(_UNMANAGED):
+        if module._pending and module.steps_with_optimizers:  # a strategy may have taken it over
+            module.sync_and_update()
+
+
+def _follow_optimizer_steps(module: HybridEmbedding) -> None:
+    # a global hook: the module never sees the optimizer (its table is not among its parameters)
+    global _step_hook
+    _UNMANAGED.add(module)
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_apply_unmanaged_updates)
 
 
 def _match_file(
@@ -146,8 +172,15 @@ class HybridEmbedding(nn.Module):
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._synced: tuple[torch.Tensor, torch.Tensor] | None = None  # averaged, still loss-scaled
         self._synced_step = False
+        self._managed = False  # attached by hier_sliced, which syncs and applies the updates
 
     # ------------------------------------------------------------------ storage
+    @property
+    def steps_with_optimizers(self) -> bool:
+        """True for a private table (no strategy, no process groups): it steps when any optimizer
+        steps. False when the strategy, or whoever attached it to process groups, syncs and updates."""
+        return not self._managed and self._intra_group is None
+
     @property
     def attached(self) -> bool:
         return self.weight is not None
@@ -158,12 +191,15 @@ class HybridEmbedding(nn.Module):
         inter_group: dist.ProcessGroup | None = None,
         local_rank: int = 0,
         label: str = "table",
+        managed: bool = False,
     ) -> None:
         """Create (local rank 0) or map (the others) the node's table and optimizer state.
 
         A collective over ``intra_group``. Already attached tables are kept (e.g. ``trainer.test``
-        after ``fit`` in the same processes reads the trained table).
+        after ``fit`` in the same processes reads the trained table). ``managed``: the caller (the
+        ``hier_sliced`` strategy) syncs and applies the updates; otherwise optimizer steps do.
         """
+        self._managed = managed
         if self.attached:
             self._intra_group, self._inter_group = intra_group, inter_group
             return
@@ -278,7 +314,7 @@ class HybridEmbedding(nn.Module):
         unique = unique.cpu()  # the table lives in host memory; rows go to the input's device
         rows = self.weight[self._rows_of(unique)].to(device=input.device, dtype=torch.float32)
         if self.training and torch.is_grad_enabled():
-            self._check_synchronised()
+            self._check_synchronised(input.device.type)
             rows.requires_grad_(True)
             rows.register_hook(lambda grad, ids=unique: self._record(ids, grad))
         local = inverse.view(input.shape)
@@ -286,25 +322,30 @@ class HybridEmbedding(nn.Module):
             return F.embedding(local, rows)
         return F.embedding_bag(local, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
 
-    def _check_synchronised(self) -> None:
-        """Training on several processes needs hier_sliced, which syncs and applies the row updates."""
-        if (
-            self._intra_group is None
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size() > 1
-        ):
+    def _check_synchronised(self, device_type: str) -> None:
+        """Training on several processes, or under a float16 loss scale, needs hier_sliced; on one
+        process the table follows the optimizer steps."""
+        if not self.steps_with_optimizers:
+            return
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError(
                 "HybridEmbedding is training on several processes without strategy='hier_sliced': its table "
                 "would never be updated (another strategy neither synchronises its per-id gradients nor "
                 "applies its row-wise optimizer). Use Trainer(strategy='hier_sliced'), or "
                 "nn.Embedding(sparse=True) under this strategy."
             )
+        if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
+            raise RuntimeError(
+                "HybridEmbedding is training under float16 autocast without strategy='hier_sliced': its "
+                "gradients carry the loss scaler's scale, which only hier_sliced undoes before the table "
+                "steps. Use precision='bf16-mixed', or Trainer(strategy='hier_sliced')."
+            )
+        _follow_optimizer_steps(self)
         if len(self._pending) == _PENDING_WARNING:
             warnings.warn(
                 f"HybridEmbedding has {_PENDING_WARNING} backward passes of gradients that were never "
-                "applied: train it under strategy='hier_sliced', or call sync_and_update() after each "
-                "backward.",
+                "applied: no optimizer has stepped since. The table steps when any torch optimizer "
+                "steps (or call sync_and_update()).",
                 stacklevel=3,
             )
 

@@ -247,7 +247,9 @@ class HierSlicedStrategy(DDPStrategy):
             return
         topology = self._groups()
         for name, module in self.hybrid_embeddings:
-            module.attach(topology.intra_group, topology.inter_group, topology.local_rank, label=name)
+            module.attach(
+                topology.intra_group, topology.inter_group, topology.local_rank, label=name, managed=True
+            )
 
     def _check_automatic_optimization(self) -> None:
         assert self.lightning_module is not None
