@@ -514,11 +514,27 @@ class _InFlightMicroBatch:
         self.received, self.output = received, output
 
 
-@pytest.mark.parametrize(
-    "mix",
-    ["kkkkkk", "ssssss", "rrrrrr", "srkssr", "rsskrs"],
-)
-def test_estimate_and_meter_agree_with_the_cpu_allocator(mix):
+def _cuda_allocator(work) -> tuple[int, int]:
+    """Like :func:`_allocator_profile` for the current CUDA device, from the caching allocator."""
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    marks = []
+
+    def mark() -> None:
+        torch.cuda.synchronize()
+        marks.append(torch.cuda.memory_allocated() - base)
+
+    work(mark)
+    torch.cuda.synchronize()
+    return marks[0], torch.cuda.max_memory_allocated() - base
+
+
+MIXES = ["kkkkkk", "ssssss", "rrrrrr", "srkssr", "rsskrs"]
+
+
+def _check_stage_memory_against_the_allocator(mix: str, device: torch.device) -> None:
     # A middle stage: received input (a leaf that requires grad, as the schedule makes it), three
     # micro-batches in flight before the first backward, outputs held for the backward. Parameters
     # are frozen so that the allocator sees activations and the gradients flowing back only (with
@@ -526,7 +542,7 @@ def test_estimate_and_meter_agree_with_the_cpu_allocator(mix):
     torch.manual_seed(0)
     widths = [256, 512, 1024, 512, 768, 256, 128]
     blocks = [
-        (f"block{i}", nn.Sequential(nn.Linear(a, b), nn.Tanh(), nn.Linear(b, b), nn.GELU()))
+        (f"block{i}", nn.Sequential(nn.Linear(a, b), nn.Tanh(), nn.Linear(b, b), nn.GELU()).to(device))
         for i, (a, b) in enumerate(zip(widths, widths[1:]))
     ]
     for _, module in blocks:
@@ -536,27 +552,28 @@ def test_estimate_and_meter_agree_with_the_cpu_allocator(mix):
     letters = {"k": KEEP, "s": SWAP, "r": RECOMPUTE}
     policies = {name: letters[c] for name, c in zip(names, mix)}
 
-    # the stats as a stage measures them (one all-keep micro-batch)
+    # the stats as a stage measures them (one all-keep micro-batch; it also warms up the kernels)
     meter = ActivationMeter()
-    runner = LayerRunner(meter)
-    x = received = torch.randn(batch, widths[0]).requires_grad_()
+    runner = LayerRunner(meter, device)
+    x = received = torch.randn(batch, widths[0], device=device).requires_grad_()
     input_bytes = []
     for name, fn in blocks:
         input_bytes.append(storage_bytes([x], skip_parameters=True))
         x = runner.run(name, KEEP, fn, x)
     held = storage_bytes([received, x])
+    x.sum().backward()
     stats = [LayerMemoryStats(n, meter.layer_bytes[n], b, 1.0, 1.0) for n, b in zip(names, input_bytes)]
     del x, received
     widest = max(batch * w * 4 for w in widths)
 
     meter = ActivationMeter()
-    runner = LayerRunner(meter)
+    runner = LayerRunner(meter, device)
     after_forward = {}
 
     def step(mark):
         stash = []
         for _ in range(in_flight):
-            received = torch.randn(batch, widths[0]).requires_grad_()
+            received = torch.randn(batch, widths[0], device=device).requires_grad_()
             item = _InFlightMicroBatch(received, runner.run_sequential(blocks, received, policies))
             meter.hold(item, (item.received, item.output))
             stash.append(item)
@@ -568,19 +585,33 @@ def test_estimate_and_meter_agree_with_the_cpu_allocator(mix):
             item.output.backward(torch.ones_like(item.output))
             del item
 
-    at_mark, peak = _allocator_profile(step)
-    host = estimate_host_bytes(stats, policies, in_flight)
+    on_cuda = device.type == "cuda"
+    at_mark, peak = (_cuda_allocator if on_cuda else _allocator_profile)(step)
+    # swapped activations sit in host memory: on the CPU that is the same allocator, on a GPU not
+    host = 0 if on_cuda else estimate_host_bytes(stats, policies, in_flight)
     resident = estimate_resident_bytes(stats, policies, in_flight, held)
     estimate = estimate_peak_bytes(stats, policies, in_flight, held_bytes=held)
     # after the forwards: meter, estimate and allocator agree (a recompute checkpoint also keeps the
-    # CPU RNG state, 5 KiB per recomputed layer and micro-batch, which neither counts)
-    rng_state = torch.get_rng_state().numel() * mix.count("r") * in_flight
-    assert after_forward["current_bytes"] + after_forward["host_bytes"] == resident + host
+    # RNG states, on the CPU: 5 KiB per recomputed layer and micro-batch, which neither counts)
+    rng_state = 0 if on_cuda else torch.get_rng_state().numel() * mix.count("r") * in_flight
+    assert after_forward["current_bytes"] == resident
+    assert after_forward["host_bytes"] == estimate_host_bytes(stats, policies, in_flight)
     assert at_mark == resident + host + rng_state
-    # the peak in backward: the estimate (plus the host copies, CPU memory as well) leaves out only
-    # the gradients flowing back, at most two activations of the widest layer
+    # the peak in backward: the estimate leaves out only the gradients flowing back, at most two
+    # activations of the widest layer
     assert estimate + host <= peak <= estimate + host + rng_state + 2 * widest, (peak, estimate + host)
     assert meter.current_bytes == meter.host_bytes == 0
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_estimate_and_meter_agree_with_the_cpu_allocator(mix):
+    _check_stage_memory_against_the_allocator(mix, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mix", MIXES)
+def test_estimate_and_meter_agree_with_cuda_max_memory_allocated(mix):
+    _check_stage_memory_against_the_allocator(mix, torch.device("cuda"))
 
 
 def _model_blocks() -> list:
