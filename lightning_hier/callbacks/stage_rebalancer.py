@@ -24,42 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hier.topology import control_group
+from lightning_hier.pipeline.settings import PipelineSettings
+from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
 
 log = logging.getLogger(__name__)
-
-
-class StageMetricsSync(Callback):
-    """Copies the last stage's (rank 0's) logged metrics to every stage process.
-
-    Only the last stage computes the loss and the metrics, but ``ModelCheckpoint`` and
-    ``EarlyStopping`` read them on every rank; ``HierPipelineStrategy`` installs this callback
-    first in the list so they see the same values everywhere.
-    """
-
-    def _sync(self, trainer: pl.Trainer) -> None:
-        if trainer.world_size < 2 or not dist.is_initialized():
-            return
-        metrics = trainer.callback_metrics
-        payload: list[Any] = [
-            {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in metrics.items()}
-            if trainer.global_rank == 0
-            else None
-        ]
-        dist.broadcast_object_list(payload, src=0, group=control_group())
-        if trainer.global_rank != 0:
-            metrics.update(payload[0])
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._sync(trainer)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(trainer)
 
 
 class StageRebalancer(Callback):
@@ -95,8 +65,6 @@ class StageRebalancer(Callback):
             )
             if value is not None
         }
-        from lightning_hier.pipeline.settings import PipelineSettings
-
         dataclasses.replace(PipelineSettings(), **self.overrides)  # validates now, not at fit time
         self.save_figure = save_figure
         self.output_dir = output_dir
@@ -107,8 +75,6 @@ class StageRebalancer(Callback):
         self.events: list[dict[str, Any]] = []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
-
         strategy = trainer.strategy
         if not isinstance(strategy, HierPipelineStrategy):
             raise ValueError(

@@ -34,6 +34,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     remove_global_norm_clipping,
 )
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
+from lightning_hier.strategies.stage_metrics_sync import StageMetricsSync
 from lightning_hier.topology import control_group, resolve_backend
 
 log = logging.getLogger(__name__)
@@ -291,8 +292,6 @@ class HierPipelineStrategy(DDPStrategy):
         log.info("hier_pipeline: %d clusters, partition %s", graph.num_clusters, partition)
 
     def _install_metric_sync(self, trainer: pl.Trainer) -> None:
-        from lightning_hier.callbacks.stage_rebalancer import StageMetricsSync
-
         if not any(isinstance(cb, StageMetricsSync) for cb in trainer.callbacks):
             # before ModelCheckpoint / EarlyStopping, which read the metrics on every rank
             trainer.callbacks.insert(0, StageMetricsSync())
