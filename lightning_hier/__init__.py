@@ -8,11 +8,11 @@ Importing the package registers its strategy names with Lightning, so
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier.audit import install_from_env, register_emulated_nccl
+from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.callbacks import GradientTimingProfiler, StageRebalancer
-from lightning_hier.comm.buckets import BucketPlan
-from lightning_hier.comm.slicing import SlicePlan
-from lightning_hier.engine import HierSlicedEngine
-from lightning_hier.sharded_checkpoint import consolidate_sharded_checkpoint
+from lightning_hier.sliced.engine import HierSlicedEngine
+from lightning_hier.sliced.sharded_checkpoint import consolidate_sharded_checkpoint
+from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.sparse import HybridEmbedding
 from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
 from lightning_hier.strategies.hier_sliced import HierSlicedStrategy

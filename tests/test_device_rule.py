@@ -128,15 +128,16 @@ def test_analysis_finds_a_message_received_with_another_shape_and_a_thread() -> 
 CASES = {
     # case: (caller substrings that must appear among the package's records)
     "sliced_size": (
-        "engine.py", "comm/hierarchical.py", "comm/slicing.py", "sharded_optim.py", "sharded_checkpoint.py",
+        "sliced/engine.py", "sliced/reducer.py", "sliced/slicing.py", "sliced/sharded_optim.py",
+        "sliced/sharded_checkpoint.py",
     ),
-    "sliced_time": ("comm/time_bucketing.py", "comm/hierarchical.py", "sharded_optim.py"),
-    "sliced_none": ("engine.py", "comm/hierarchical.py", "sharded_optim.py"),
+    "sliced_time": ("bucketing/time_bucketing.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
+    "sliced_none": ("sliced/engine.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
     "hybrid": ("sparse/sync.py", "sparse/embedding.py", "sparse/checkpoint.py"),
     "pipeline_1f1b": (
         "pipeline/schedule.py", "pipeline/migration.py", "pipeline/engine.py", "strategies/hier_pipeline.py",
     ),
-    "pipeline_gpipe": ("pipeline/schedule.py", "pipeline/engine.py", "callbacks/stage_rebalancer.py"),
+    "pipeline_gpipe": ("pipeline/schedule.py", "pipeline/engine.py", "strategies/stage_metrics_sync.py"),
 }  # fmt: skip
 
 

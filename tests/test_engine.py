@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_hier import HierSlicedEngine, SlicePlan, Topology
-from lightning_hier.comm.hierarchical import all_gather_slices, reduce_scatter_into
-from lightning_hier.sharded_optim import check_optimizer
+from lightning_hier.sliced.reducer import all_gather_slices, reduce_scatter_into
+from lightning_hier.sliced.sharded_optim import check_optimizer
 
 
 def _init(rank: int, world: int, store: str, timeout_s: float = 60) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hier.comm.buckets import BucketPlan, ParamInfo, plan_size_buckets
-from lightning_hier.comm.slicing import SlicePlan, combine_measurements, validate_slice_weights
+from lightning_hier.bucketing.size_plan import BucketPlan, ParamInfo, plan_size_buckets
+from lightning_hier.sliced.slicing import SlicePlan, combine_measurements, validate_slice_weights
 from lightning_hier.topology import Topology
 
 

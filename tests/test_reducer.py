@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from helpers import free_port
 
-from lightning_hier.comm.hierarchical import ReduceJob, ThreadedReducer
+from lightning_hier.sliced.reducer import ReduceJob, ThreadedReducer
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_engine import _init, _run
 
-from lightning_hier.comm import slicing
+from lightning_hier.sliced import slicing
 
 
 def _decide(rank: int, world: int, store: str, mode: str) -> dict:

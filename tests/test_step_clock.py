@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from lightning_hier.comm.step_clock import StepClock
+from lightning_hier.bucketing.step_clock import StepClock
 
 
 class FakeEvent:

@@ -11,9 +11,9 @@ from test_engine import _init, _run
 from torch import nn
 
 from lightning_hier import HierSlicedEngine, Topology
-from lightning_hier.comm.buckets import ParamInfo
-from lightning_hier.comm.time_bucketing import StepTimeline, TimeBucketing, TimeBucketingConfig
-from lightning_hier.comm.time_plan import TimePlan, cluster_ready_times, plan_misfit, plan_time_buckets
+from lightning_hier.bucketing.size_plan import ParamInfo
+from lightning_hier.bucketing.time_bucketing import StepTimeline, TimeBucketing, TimeBucketingConfig
+from lightning_hier.bucketing.time_plan import TimePlan, cluster_ready_times, plan_misfit, plan_time_buckets
 
 
 def _infos(n: int, numel: int = 256, keys: list | None = None) -> list[ParamInfo]:

@@ -23,8 +23,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hier.comm.time_bucketing import StepTimeline
-from lightning_hier.comm.time_plan import TimePlan
+from lightning_hier.bucketing.time_bucketing import StepTimeline
+from lightning_hier.bucketing.time_plan import TimePlan
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``strategy="hier_sliced"``: hierarchical sliced gradient reduction for Lightning.
 
 A thin adapter: process launch and the default group come from Lightning's DDP machinery; the
-step itself is :class:`lightning_hier.engine.HierSlicedEngine`.
+step itself is :class:`lightning_hier.sliced.engine.HierSlicedEngine`.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 
-from lightning_hier.comm.hierarchical import REDUCERS
-from lightning_hier.comm.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
-from lightning_hier.comm.time_bucketing import TimeBucketingConfig, validate_time_settings
-from lightning_hier.comm.time_plan import TimePlan
-from lightning_hier.engine import HierSlicedEngine
-from lightning_hier.sharded_checkpoint import (
+from lightning_hier.bucketing.time_bucketing import TimeBucketingConfig, validate_time_settings
+from lightning_hier.bucketing.time_plan import TimePlan
+from lightning_hier.sliced.engine import HierSlicedEngine
+from lightning_hier.sliced.reducer import REDUCERS
+from lightning_hier.sliced.sharded_checkpoint import (
     check_layout,
     consolidate_sharded_checkpoint,
     is_sharded_checkpoint,
@@ -40,7 +39,8 @@ from lightning_hier.sharded_checkpoint import (
     load_sharded_params,
     save_sharded,
 )
-from lightning_hier.sharded_grad_scaler import HierGradScaler
+from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
+from lightning_hier.sliced.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
 from lightning_hier.sparse.checkpoint import (
     CHECKPOINT_KEY as TABLES_KEY,
 )

@@ -27,7 +27,7 @@ from hybrid_checks import loader as hybrid_loader  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 from lightning_hier import HierSlicedStrategy  # noqa: E402
-from lightning_hier.sharded_grad_scaler import HierGradScaler  # noqa: E402
+from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler  # noqa: E402
 
 
 class _InfinitGradient(torch.autograd.Function):

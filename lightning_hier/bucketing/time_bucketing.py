@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lightning_hier.comm.buckets import ParamInfo
-from lightning_hier.comm.time_plan import TimePlan, plan_time_buckets
+from lightning_hier.bucketing.size_plan import ParamInfo
+from lightning_hier.bucketing.time_plan import TimePlan, plan_time_buckets
 
 BUCKETING_MODES = ("size", "time", "none")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from lightning_hier.comm.buckets import BucketPlan, ParamInfo
+from lightning_hier.bucketing.size_plan import BucketPlan, ParamInfo
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_hier.comm.buckets import BucketPlan
-from lightning_hier.comm.slicing import SlicePlan
+from lightning_hier.bucketing.size_plan import BucketPlan
+from lightning_hier.sliced.slicing import SlicePlan
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,14 @@
 
 :class:`HierSlicedEngine` takes a module, its optimizer and a built :class:`Topology`, and then:
 
-1. lays the optimizer's trainable parameters into flat buckets (:mod:`lightning_hier.flat_buckets`);
+1. lays the optimizer's trainable parameters into flat buckets (:mod:`lightning_hier.sliced.flat_buckets`);
 2. hooks every parameter so that, on a synchronising backward, each bucket is handed to the
-   :class:`~lightning_hier.comm.hierarchical.HierarchicalReducer` the moment its last gradient
+   :class:`~lightning_hier.sliced.reducer.HierarchicalReducer` the moment its last gradient
    is ready (buckets in plan order), overlapping communication with the rest of backward (on
    CUDA issued from the hooks with stream waits, on gloo from a communication thread);
 3. :meth:`finish_backward` waits for the reductions and gives the optimizer's slices their
    averaged gradients;
-4. the optimizer (rewired by :class:`~lightning_hier.sharded_optim.OptimizerSharding`) steps
+4. the optimizer (rewired by :class:`~lightning_hier.sliced.sharded_optim.OptimizerSharding`) steps
    this rank's slices; :meth:`after_step` all-gathers the updated slices inside the node.
 
 Usage without Lightning::
@@ -32,19 +32,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from lightning_hier.comm.buckets import BucketPlan, ParamInfo, plan_size_buckets
-from lightning_hier.comm.hierarchical import ReduceJob, all_gather_slices, make_reducer
-from lightning_hier.comm.slicing import SlicePlan
-from lightning_hier.comm.step_clock import EventFactory, StepClock
-from lightning_hier.comm.time_bucketing import (
+from lightning_hier.bucketing.size_plan import BucketPlan, ParamInfo, plan_size_buckets
+from lightning_hier.bucketing.step_clock import EventFactory, StepClock
+from lightning_hier.bucketing.time_bucketing import (
     StepTimeline,
     TimeBucketing,
     TimeBucketingConfig,
     validate_time_settings,
 )
-from lightning_hier.comm.time_plan import TimePlan, plan_misfit
-from lightning_hier.flat_buckets import FlatBucket, build_flat_buckets
-from lightning_hier.sharded_optim import OptimizerSharding, check_optimizer, is_elementwise_state
+from lightning_hier.bucketing.time_plan import TimePlan, plan_misfit
+from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
+from lightning_hier.sliced.reducer import ReduceJob, all_gather_slices, make_reducer
+from lightning_hier.sliced.sharded_optim import OptimizerSharding, check_optimizer, is_elementwise_state
+from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class HierSlicedEngine:
 
     ``bucketing`` chooses what is sent together and when: ``"size"`` (size-capped buckets in
     reverse registration order, each sent when its last gradient is ready), ``"time"`` (profiled
-    gradient-ready times clustered into time points, see :mod:`lightning_hier.comm.time_bucketing`)
+    gradient-ready times clustered into time points, see :mod:`lightning_hier.bucketing.time_bucketing`)
     or ``"none"`` (all buckets sent after backward, no overlap).
     """
 

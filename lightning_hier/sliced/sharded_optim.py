@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hier.comm.hierarchical import all_gather_slices
-from lightning_hier.flat_buckets import FlatBucket
+from lightning_hier.sliced.flat_buckets import FlatBucket
+from lightning_hier.sliced.reducer import all_gather_slices
 
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "Lamb", "LAMB", "Lars", "LARS", "Shampoo")
 ELEMENTWISE = (

@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_hier.engine import HierSlicedEngine
+from lightning_hier.sliced.engine import HierSlicedEngine
 
 META_FILE = "meta.pt"
 FORMAT_KEY = "hier_sliced_sharded"

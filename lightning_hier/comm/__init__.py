@@ -1,1 +1,0 @@
-"""Collectives and plans (no Lightning here)."""
