@@ -1,52 +1,47 @@
 """One training process of ``bench_hybrid_embedding.py`` (launched 4x by ``torch.distributed.run``).
 
-Trains a click-through-style model with Lightning on CPU (gloo): one embedding table looked up
-as bags of Zipf-distributed ids (pooled by sum), concatenated with a few dense features and fed
-to a small MLP with a logistic loss.  The table is one of
-
-* ``hybrid``:     ``HybridEmbedding(mode="sum", optimizer="sgd")`` under
-  ``HierSlicedStrategy(devices_per_node=4)`` (one copy per node in ``/dev/shm``);
-* ``ddp_dense``:  ``nn.EmbeddingBag(mode="sum")`` under Lightning's ``ddp``;
-* ``ddp_sparse``: ``nn.EmbeddingBag(mode="sum", sparse=True)`` under Lightning's ``ddp``.
-
-Every variant trains with plain SGD at the same learning rate (the table's own row-wise SGD for
-``hybrid``).  After ``warmup`` steps come two windows: ``mem_steps`` steps in which the driver
-samples the workers' memory, then ``steps`` timed steps without sampling (reading
-``smaps_rollup`` of four processes that map gigabytes costs the driver ~0.1 CPU-second, which
-would slow the timed steps on a small host).  The edges are handshaken with the driver through
-marker files in ``--signal-dir``:
-
-* at start-up every rank writes ``pid.<rank>`` (the driver reads these processes' PSS);
-* at ``on_train_batch_start`` of steps ``warmup`` ("mem_start"), ``warmup + mem_steps``
-  ("start") and ``warmup + mem_steps + steps`` ("end") all ranks meet in a barrier, rank 0 writes
-  ``<phase>.ready`` and waits for the driver's ``<phase>.ack`` (the driver takes a memory sample
-  meanwhile), and all ranks meet in a second barrier.  Between "mem_start" and "start" the driver
-  keeps sampling while the ranks train.
-
-The trainer runs ``warmup + mem_steps + steps + 1`` steps; rank 0 times the ``steps`` timed steps
-start to start (the handshakes lie outside) and writes the timings as JSON to ``--out``.
+Trains a click-through-style model with Lightning on CPU (gloo): bags of Zipf-distributed ids looked up
+in one table and pooled by sum, concatenated with dense features, fed to a small MLP (logistic loss),
+plain SGD everywhere (``hybrid``: the table's own row-wise SGD). The table is ``HybridEmbedding`` under
+``HierSlicedStrategy`` (``hybrid``) or ``nn.EmbeddingBag`` under ``ddp`` (``ddp_dense``; ``ddp_sparse``
+with ``sparse=True``). Every rank writes ``pid.<rank>`` in ``--signal-dir``; after ``warmup`` steps
+come ``mem_steps`` steps in which the driver samples the workers' memory ("mem_start" to "start"), then
+``steps`` timed steps without sampling ("start" to "end"); at each edge rank 0 hands over to the
+driver. Rank 0 writes the timings as JSON to ``--out``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import statistics
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning import Callback, LightningModule, Trainer
+from harness import cli
+from harness.worker import MarkedWindow, quiet_trainer, setup
+from lightning import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-VARIANTS = ("hybrid", "ddp_dense", "ddp_sparse")
-ACK_TIMEOUT_S = 300.0
+OPTIONS = """
+--variant        {hybrid,ddp_dense,ddp_sparse}  required
+--rows           int    2_000_000
+--dim            int    128
+--batch-size     int    1024  samples per process and step
+--max-bag        int    8     ids per sample: uniform in 1..max-bag
+--dense-features int    13
+--hidden         int    256
+--zipf           float  1.05  power-law exponent of the id ranks
+--lr             float  0.05
+--warmup         int    3
+--mem-steps      int    5     steps of the memory-sampling window
+--steps          int    40
+--signal-dir     path   None
+--out            path   required  JSON timings (written by rank 0)
+"""
 ID_MULTIPLIER = 999_983  # a prime: spreads the hot (low-rank) ids over the whole table
 
 
@@ -152,69 +147,23 @@ class ClickModel(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def wait_for_ack(signal_dir: Path, phase: str, timeout_s: float = ACK_TIMEOUT_S) -> None:
-    """Announce ``phase`` to the driver and block until it acknowledges (it samples memory meanwhile)."""
-    ack = signal_dir / f"{phase}.ack"
-    ready = signal_dir / f"{phase}.ready"
-    ready.with_suffix(".tmp").write_text(str(time.time()))
-    ready.with_suffix(".tmp").rename(ready)
-    deadline = time.monotonic() + timeout_s
-    while not ack.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"driver did not acknowledge phase {phase!r} within {timeout_s} s")
-        time.sleep(0.002)
-
-
-class WindowTimer(Callback):
-    """Handshakes the windows' edges; times steps ``[first, first + steps)`` start to start."""
+class WindowTimer(MarkedWindow):
+    """The marked window, with the memory window's start ("mem_start") at step ``warmup``; keeps the
+    loss of every step (a sanity check that training runs)."""
 
     def __init__(self, warmup: int, mem_steps: int, steps: int, signal_dir: Path | None) -> None:
-        self.warmup = warmup
-        self.first = warmup + mem_steps
-        self.steps = steps
-        self.signal_dir = signal_dir
-        self.step_starts: list[float] = []
+        super().__init__(warmup + mem_steps, steps, signal_dir, extra={warmup: "mem_start"})
         self.losses: list[float] = []
-
-    def _boundary(self, trainer: Trainer, phase: str) -> None:
-        dist.barrier()
-        if trainer.global_rank == 0 and self.signal_dir is not None:
-            wait_for_ack(self.signal_dir, phase)
-        dist.barrier()
-
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        """Record step starts; handshake at the start and end of the window."""
-        if batch_idx == self.warmup:
-            self._boundary(trainer, "mem_start")
-        if batch_idx == self.first + self.steps:
-            self.step_starts.append(time.perf_counter())
-            self._boundary(trainer, "end")
-        elif batch_idx == self.first:
-            self._boundary(trainer, "start")
-            self.step_starts.append(time.perf_counter())
-        elif self.first < batch_idx < self.first + self.steps:
-            self.step_starts.append(time.perf_counter())
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Keep the loss of every step (a sanity check that training runs)."""
+        """Keep the step's loss."""
         self.losses.append(float(outputs["loss"]))
 
     def summary(self) -> dict[str, Any]:
-        intervals = [b - a for a, b in zip(self.step_starts, self.step_starts[1:])]
-        if len(intervals) != self.steps:
-            raise RuntimeError(f"expected {self.steps} measured steps, timed {len(intervals)}")
-        return {
-            "step_times_s": intervals,
-            "window_s": self.step_starts[-1] - self.step_starts[0],
-            "mean_step_s": statistics.fmean(intervals),
-            "median_step_s": statistics.median(intervals),
-            "first_loss": self.losses[0],
-            "last_loss": self.losses[-1],
-        }
+        """Timings of the timed window, and the first and last loss."""
+        return {**super().summary(), "first_loss": self.losses[0], "last_loss": self.losses[-1]}
 
 
 def make_strategy(variant: str, devices: int) -> Any:
@@ -225,30 +174,10 @@ def make_strategy(variant: str, devices: int) -> Any:
     return "ddp"
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--variant", required=True, choices=VARIANTS)
-    p.add_argument("--rows", type=int, default=2_000_000)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=1024, help="samples per process and step")
-    p.add_argument("--max-bag", type=int, default=8, help="ids per sample: uniform in 1..max-bag")
-    p.add_argument("--dense-features", type=int, default=13)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--zipf", type=float, default=1.05, help="power-law exponent of the id ranks")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--mem-steps", type=int, default=5, help="steps of the memory-sampling window")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--signal-dir", type=Path, default=None)
-    p.add_argument("--out", type=Path, required=True, help="JSON timings (written by rank 0)")
-    return p.parse_args()
-
-
 def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
+    """Train and, on rank 0, write the timings."""
+    args = cli.parser(__doc__, OPTIONS).parse_args()
+    setup()
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     devices = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -256,28 +185,18 @@ def main() -> None:
         (args.signal_dir / f"pid.{rank}").write_text(str(os.getpid()))
     total_steps = args.warmup + args.mem_steps + args.steps + 1
 
-    model = ClickModel(
-        make_table(args.variant, args.rows, args.dim, args.lr),
-        args.dim,
-        args.dense_features,
-        args.hidden,
-        args.lr,
-    )
+    table = make_table(args.variant, args.rows, args.dim, args.lr)
+    model = ClickModel(table, args.dim, args.dense_features, args.hidden, args.lr)
     data = ClickBatches(
         args.rows, args.batch_size, args.max_bag, args.dense_features, args.zipf, total_steps, seed=rank
     )
     timer = WindowTimer(args.warmup, args.mem_steps, args.steps, args.signal_dir)
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=devices,
         num_nodes=world_size // devices,
         strategy=make_strategy(args.variant, devices),
         max_steps=total_steps,
         use_distributed_sampler=False,  # every rank draws its own batches (seeded by rank)
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[timer],
     )
     t0 = time.perf_counter()

@@ -1,39 +1,17 @@
 """One stage process of ``bench_pipeline.py`` (launched P times by ``torch.distributed.run``).
 
-Every mode trains the same model on the same data: 16 residual MLP blocks
-``x + Linear(hidden, width)(tanh(Linear(width, hidden)(x)))`` (:class:`Block`, ``--width`` 256)
-whose first ``--heavy-blocks`` (8) have a wide hidden layer (``--heavy-hidden``, 1024) and the rest
-a narrow one (``--light-hidden``, 32 then 16), so the heavy blocks sit together; MSE loss against
-random targets, SGD (lr 0.01, momentum 0.9), ``--batch-size`` samples per step split into
-``--micro-batches`` micro-batches, cycling over 4 pre-generated batches. Weights and data are
-seeded, so every contender starts from the same weights, sees the same data and reports the
-same first-step loss. ``torch.set_num_threads(1)``, gloo; ``--pin`` restricts every thread of rank
-``r`` to core ``LOCAL_RANK mod cores``.
-
-Modes:
-
-* ``hier``: Lightning ``Trainer(accelerator="cpu", devices=P, strategy=HierPipelineStrategy(...))``
-  with ``partition="uniform"`` and ``rebalance`` = ``never`` (the uniform-count split) or a number of
-  steps (the rebalanced split). The skip connection makes every block one cluster (fx traces its
-  four layers; a cut can only fall between blocks), so the uniform split gives every stage the same
-  number of blocks; the worker checks that there are 16 clusters.
-* ``pipelining``: plain torch, ``torch.distributed.pipelining.PipelineStage`` built by hand from the
-  blocks ``[starts[r], starts[r + 1])`` on rank ``r`` and ``Schedule1F1B`` / ``ScheduleGPipe``
-  with the same micro-batches; a static split (``--split``).
-
-Timing (rank 0; all ranks meet in a barrier at both edges of the window, so the window covers
-exactly ``--steps`` steps, start to start):
-
-* ``hier`` uniform and ``pipelining``: the window starts after ``--warmup`` steps;
-* ``hier`` rebalanced: the window starts at the first step after a rebalance check that left the
-  split unchanged ("settled"), or after ``--max-settle-steps`` steps whatever happened (flagged). Its
-  length is rounded up to a multiple of the check interval, so the window's checks cover it exactly.
-
-Stage times (the engine's own measure: per micro-batch, the sum over the stage's layers of mean
-forward + mean backward seconds) in the window: for the rebalanced run the mean of the window's
-rebalance checks' ``stage_times``; for the uniform run (no checks) every stage sums its layer times
-from the window's start (``executor.reset_times()`` there) to its end. Rank 0 also reports the CPU
-time other processes used during the window (host busy time from ``/proc/stat`` minus the workers').
+Every mode trains the same seeded model on the same data: 16 residual MLP blocks :class:`Block`
+(width 256), the first 8 heavy (hidden 1024), the rest light (32, then 16); MSE, SGD (lr 0.01,
+momentum 0.9), ``--micro-batches`` micro-batches of ``--batch-size``, 4 batches cycled, one thread
+(``--pin``: on core ``LOCAL_RANK mod cores``), gloo. ``hier``: Lightning with
+``HierPipelineStrategy(partition="uniform", rebalance=never|N)`` (the skip connection makes every block
+one cluster; checked). ``pipelining``: ``torch.distributed.pipelining.PipelineStage`` built by hand
+from ``--split`` with ``Schedule1F1B`` / ``ScheduleGPipe``. Rank 0 times a window of ``--steps`` steps,
+start to start, barriers at both edges: after ``--warmup`` steps, or (rebalanced) from the first step
+after a check that left the split unchanged (or after ``--max-settle-steps``, flagged), its length
+rounded up to whole check intervals. Stage times (per micro-batch, the sum over the stage's layers of
+mean forward + backward seconds) come from the window's checks (rebalanced) or from every stage's layer
+times since the window's start (uniform); other processes' CPU use is host busy time minus the workers'.
 """
 
 from __future__ import annotations
@@ -45,15 +23,37 @@ import resource
 import statistics
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from harness import cli
+from harness.jobs import host_busy_seconds
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 NUM_DATA_BATCHES = 4  # distinct pre-generated batches, cycled
+OPTIONS = """
+--mode                {hier,pipelining}  required
+--rebalance           str    never      hier: 'never' or a check interval in steps
+--imbalance-threshold float  0.1
+--split               str    ""         first block of every stage, e.g. 0,8 (hier: default the uniform split)
+--schedule            {1f1b,gpipe}  1f1b
+--blocks              int    16
+--heavy-blocks        int    8
+--width               int    256        what every block takes and returns
+--heavy-hidden        int    1024
+--light-hidden        str    32,16
+--batch-size          int    512
+--micro-batches       int    8
+--lr                  float  0.01
+--warmup              int    8
+--steps               int    30
+--max-settle-steps    int    60
+--pin                 flag   -          pin the process (all its threads) to core LOCAL_RANK %% cores
+--out                 path   required   JSON result (written by rank 0)
+--pid-dir             path   None       write pid.<rank> here
+"""
 
 
 # ---------------------------------------------------------------------- model and data
@@ -139,12 +139,6 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def host_busy_seconds() -> float:
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    return (fields[0] + fields[1] + fields[2]) / os.sysconf("SC_CLK_TCK")
-
-
 class Window:
     """Barrier-aligned window edges on every rank; rank 0 keeps the wall clock and the host load."""
 
@@ -180,7 +174,8 @@ class Window:
 
 # ---------------------------------------------------------------------- hier_pipeline
 def run_hier(args: argparse.Namespace, hiddens: list[int]) -> dict[str, Any] | None:
-    from lightning.pytorch import Callback, Trainer
+    from harness.worker import quiet_trainer
+    from lightning.pytorch import Callback
 
     from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
 
@@ -257,15 +252,10 @@ def run_hier(args: argparse.Namespace, hiddens: list[int]) -> dict[str, Any] | N
     model = make_lightning_module(args, hiddens)
     data = Batches(args.batch_size, args.width, args.width, length=100_000)
     timer = Timer()
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world,
         strategy=strategy,
         max_steps=args.max_settle_steps + steps + args.warmup + 10,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[timer],
     )
@@ -409,36 +399,9 @@ def pin_to_core(core: int) -> None:
         os.sched_setaffinity(int(tid), {core})
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--mode", required=True, choices=("hier", "pipelining"))
-    p.add_argument("--rebalance", default="never", help="hier: 'never' or a check interval in steps")
-    p.add_argument("--imbalance-threshold", type=float, default=0.1)
-    p.add_argument(
-        "--split", default="", help="first block of every stage, e.g. 0,8 (hier: default the uniform split)"
-    )
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
-    p.add_argument("--blocks", type=int, default=16)
-    p.add_argument("--heavy-blocks", type=int, default=8)
-    p.add_argument("--width", type=int, default=256, help="what every block takes and returns")
-    p.add_argument("--heavy-hidden", type=int, default=1024)
-    p.add_argument("--light-hidden", default="32,16")
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--max-settle-steps", type=int, default=60)
-    p.add_argument(
-        "--pin", action="store_true", help="pin the process (all its threads) to core LOCAL_RANK % cores"
-    )
-    p.add_argument("--out", type=Path, required=True, help="JSON result (written by rank 0)")
-    p.add_argument("--pid-dir", type=Path, default=None, help="write pid.<rank> here")
-    return p.parse_args()
-
-
 def main() -> None:
-    args = parse_args()
+    """Pin, write the pid, train in the chosen mode; rank 0 writes the result."""
+    args = cli.parser(__doc__, OPTIONS).parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     rank = int(os.environ["RANK"])

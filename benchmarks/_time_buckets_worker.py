@@ -1,22 +1,12 @@
 """One training process of ``bench_time_buckets.py`` (launched once per node, torchrun-style env vars).
 
-Trains an MLP whose backward compute is of the order of its gradient communication, with
-``hier_sliced`` (``bucketing="time"|"size"|"none"``) or Lightning's ``ddp``, and records per
-measured step (rank 0):
-
-* the step time, start of step to start of the next step;
-* the backward time: from the start of backward (the engine's ``pre_backward`` for
-  ``hier_sliced``; ``Callback.on_before_backward`` for ``ddp``) to the end of the autograd graph
-  (an autograd callback queued by the first gradient hook; for ``ddp`` it runs before DDP's own
-  finalizer, which waits for the all-reduces, so it marks the end of backward *compute*);
-* every bucket's communication span (launch, completion), seconds after backward start: from
-  ``strategy.engine.last_timeline`` for ``hier_sliced``, from a timing DDP communication hook
-  wrapping the default all-reduce for ``ddp``;
-* the hidden fraction: of the union of the communication spans, the part before the end of
-  backward (``StepTimeline.hidden_fraction()`` for ``hier_sliced``; the same computation for
-  ``ddp``).
-
-Rank 0 writes everything as JSON to ``--out``.
+Trains an MLP whose backward takes about as long as its gradient communication, with ``hier_sliced``
+(``bucketing="time"|"size"|"none"``) or Lightning's ``ddp``, and records per measured step (rank 0):
+the step time (start to start); the backward time, from its start to the end of the autograd graph
+(for ``ddp`` an autograd callback queued by the first gradient hook, which runs before DDP waits for
+its all-reduces); every bucket's communication span (from ``engine.last_timeline``, or for ``ddp``
+from a timing communication hook around the default all-reduce); and the hidden fraction, the part of
+the spans' union before the end of backward. Rank 0 writes everything as JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -26,63 +16,31 @@ import json
 import os
 import statistics
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from harness import cli
+from harness.jobs import host_busy_seconds, process_cpu_seconds
+from harness.worker import MLP, quiet_trainer, setup
 from lightning import Callback, LightningModule, Trainer
-from torch import nn
 from torch.autograd import Variable
 
-STRATEGIES = ("time", "size", "none", "ddp")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def host_busy_seconds() -> float:
-    """CPU seconds all cores spent in user, nice and system mode since boot (``/proc/stat``)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:4]]
-    return sum(fields) / CLK_TCK
-
-
-def process_cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of ``pids`` (all their threads), from ``/proc/<pid>/stat``."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / CLK_TCK
-
-
-class MLP(LightningModule):
-    """``layers`` x Linear(hidden, hidden) with ReLU in between, MSE loss, plain SGD."""
-
-    def __init__(self, hidden: int, layers: int, lr: float = 1e-4) -> None:
-        super().__init__()
-        blocks: list[nn.Module] = []
-        for _ in range(layers):
-            blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
-        self.net = nn.Sequential(*blocks[:-1])
-        self.lr = lr
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP."""
-        return self.net(x)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Mean squared error against a random target."""
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """Plain SGD: no optimizer state, cheap step."""
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+OPTIONS = """
+--strategy             {time,size,none,ddp}  required
+--hidden               int    1024
+--layers               int    12
+--batch-size           int    512
+--warmup               int    3         warm-up steps (after profiling, for time)
+--steps                int    8
+--profile-steps        int    3
+--profile-warmup-steps int    1
+--min-bucket-mb        float  1.0
+--bucket-cap-mb        float  None      hier_sliced cap (default: its own)
+--out                  path   required  JSON timings (written by rank 0)
+--pid-dir              path   None      each worker writes rank<r>.pid here
+"""
 
 
 def union_and_hidden(spans: list[tuple[float, float]], backward_s: float) -> tuple[float, float]:
@@ -312,40 +270,17 @@ def make_strategy(args: argparse.Namespace) -> Any:
     kwargs: dict[str, Any] = {}
     if args.strategy == "time":
         kwargs.update(
-            profile_steps=args.profile_steps,
-            profile_warmup_steps=args.profile_warmup_steps,
-            min_bucket_mb=args.min_bucket_mb,
+            {k: getattr(args, k) for k in ("profile_steps", "profile_warmup_steps", "min_bucket_mb")}
         )
     if args.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = args.bucket_cap_mb
     return HierSlicedStrategy(devices_per_node=1, bucketing=args.strategy, **kwargs)
 
 
-def parse_args() -> argparse.Namespace:
-    """Command line of one worker."""
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--strategy", required=True, choices=STRATEGIES)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (after profiling, for time)")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--profile-steps", type=int, default=3)
-    p.add_argument("--profile-warmup-steps", type=int, default=1)
-    p.add_argument("--min-bucket-mb", type=float, default=1.0)
-    p.add_argument("--bucket-cap-mb", type=float, default=None, help="hier_sliced cap (default: its own)")
-    p.add_argument("--out", type=Path, required=True, help="JSON timings (written by rank 0)")
-    p.add_argument("--pid-dir", type=Path, default=None, help="each worker writes rank<r>.pid here")
-    return p.parse_args()
-
-
 def main() -> None:
     """Train and, on rank 0, write the timings."""
-    args = parse_args()
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-    warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
+    args = cli.parser(__doc__, OPTIONS).parse_args()
+    setup(interop_threads=True)
     world_size = int(os.environ["WORLD_SIZE"])
     if args.pid_dir is not None:
         (args.pid_dir / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
@@ -354,26 +289,18 @@ def main() -> None:
         warmup += args.profile_warmup_steps + args.profile_steps
     total_steps = warmup + args.steps + 1
 
-    model = MLP(args.hidden, args.layers)
+    model = MLP(args.hidden, args.layers, lr=1e-4)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gen = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
-    batch = (
-        torch.randn(args.batch_size, args.hidden, generator=gen),
-        torch.randn(args.batch_size, args.hidden, generator=gen),
-    )
+    batch = tuple(torch.randn(args.batch_size, args.hidden, generator=gen) for _ in range(2))
     # the same batch every step (data loading is not what is measured); no distributed sampler
     loader = torch.utils.data.DataLoader([batch] * total_steps, batch_size=None)
     recorder = StepRecorder(args.strategy, warmup, args.steps, args.pid_dir)
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=1,
         num_nodes=world_size,
         strategy=make_strategy(args),
         max_steps=total_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[recorder],
     )
@@ -384,9 +311,7 @@ def main() -> None:
             "strategy": args.strategy,
             "strategy_class": type(trainer.strategy).__name__,
             "world_size": world_size,
-            "hidden": args.hidden,
-            "layers": args.layers,
-            "batch_size": args.batch_size,
+            **{k: getattr(args, k) for k in ("hidden", "layers", "batch_size")},
             "warmup": warmup,
             "steps": args.steps,
             "grad_bytes": grad_bytes,

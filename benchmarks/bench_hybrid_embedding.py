@@ -1,30 +1,14 @@
 """Memory and throughput of a >= 1 GB embedding table: ``HybridEmbedding`` vs ``nn.EmbeddingBag`` + ddp.
 
-Four trainer processes on one host (one node) train a click-through-style model: one embedding
-table of ``--rows`` x ``--dim`` float32 (default 2,000,000 x 128 = 1.02 GB) looked up as bags of
-1..8 Zipf-distributed ids per sample, pooled by sum, with a small MLP on top.  Variants:
-
-* ``hybrid``:     ``HybridEmbedding(mode="sum", optimizer="sgd")`` with
-  ``HierSlicedStrategy(devices_per_node=4)``: one copy of the table per node in ``/dev/shm``;
-* ``ddp_dense``:  ``nn.EmbeddingBag(mode="sum")`` with Lightning's ``ddp``;
-* ``ddp_sparse``: ``nn.EmbeddingBag(mode="sum", sparse=True)`` with Lightning's ``ddp``;
-* TorchRec's ``EmbeddingBagCollection`` is not run (see ``TORCHREC_NOTE``).
-
-Every variant is launched with ``python -m torch.distributed.run --standalone --nproc_per_node 4``
-twice: with the big table and with a tiny one (``--tiny-rows``).  While the ranks train through
-a memory window of ``--mem-steps`` steps after the warm-up (see ``_hybrid_embedding_worker.py``)
-this driver samples the PSS of the four worker processes from ``/proc/<pid>/smaps_rollup``
-every ``--sample-interval`` seconds (and once at each window edge) and sums them; the job's
-memory is the largest sum.  Then ``--steps`` steps are timed without sampling (a sample of four
-processes mapping gigabytes costs ~0.1 CPU-second, which would slow a 2-core host).  PSS divides
-a shared page among the processes that map it, so the ``/dev/shm`` table of ``hybrid`` counts
-once per node, not once per process.
-``table memory`` = PSS(job, big table) - PSS(same job, tiny table), so the processes' own
-overhead (interpreter, torch, gloo, Lightning) does not hide the effect.
-
-Reported: memory, throughput (samples/s over the timed steps, all ranks), and the ratios
-``hybrid / ddp_sparse`` (table memory, target <= 0.30; throughput, target >= 1.0) and
-``hybrid / ddp_dense``.  Needs no root; Linux only (``/proc``)::
+Four trainer processes on one host train a click-through-style model (``_hybrid_embedding_worker.py``)
+whose table is ``--rows`` x ``--dim`` float32 (2,000,000 x 128 = 1.02 GB): ``hybrid`` (the contender,
+``HybridEmbedding`` under ``HierSlicedStrategy``, one copy per node in ``/dev/shm``) against the
+references ``ddp_sparse`` and ``ddp_dense`` (``nn.EmbeddingBag`` under ``ddp``); TorchRec is not run
+(``TORCHREC_NOTE``). Each variant runs as one ``torch.distributed.run`` job with the big table and one
+with a tiny table: the driver sums the workers' PSS (``/proc/<pid>/smaps_rollup``) in a memory window,
+table memory = PSS(big) - PSS(tiny), then times ``--steps`` steps without sampling. Printed: memory,
+samples/s and the ratios hybrid / ddp_sparse (table memory, target <= 0.30; throughput, target >= 1.0)
+and hybrid / ddp_dense. Details: benchmarks/README.md. No root; Linux only::
 
     python benchmarks/bench_hybrid_embedding.py
 """
@@ -32,31 +16,27 @@ Reported: memory, throughput (samples/s over the timed steps, all ranks), and th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
-WORKER = HERE / "_hybrid_embedding_worker.py"
+from harness import cli, jobs, report
+from harness.jobs import BUSY_HOST_CORES, WITH_IRQ_AND_STEAL
+
+WORKER = jobs.BENCH_DIR / "_hybrid_embedding_worker.py"
 NPROC = 4
 VARIANTS = ("hybrid", "ddp_dense", "ddp_sparse")
 TARGET_MEMORY_RATIO = 0.30
 TARGET_THROUGHPUT_RATIO = 1.0
 PSS_FIELDS = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File", "Rss")
 PHASES = ("mem_start", "start", "end")
-BUSY_HOST_CORES = 0.2  # CPU use of other processes (cores) above which a host counts as busy
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 TORCHREC_NOTE = (
     "TorchRec: not available for torch 2.13 CPU (`pip install torchrec` resolves torchrec 1.9.2 with "
     "fbgemm-gpu 1.9.0, a CUDA build for torch 2.14 that needs libtorch_cuda.so, and downgrades torchmetrics "
@@ -66,6 +46,26 @@ TORCHREC_NOTE = (
 # rough peak bytes per process for the big table, as multiples of the table size (for the memory check)
 TABLE_COPIES_PER_PROCESS = {"hybrid": 0.25, "ddp_dense": 3.2, "ddp_sparse": 1.2}
 PROCESS_OVERHEAD_BYTES = 700 * 2**20
+OPTIONS = """
+--rows            int    2_000_000  rows of the big table
+--tiny-rows       int    1000       rows of the tiny (baseline) table
+--dim             int    128        embedding dimension (float32)
+--batch-size      int    1024       samples per process and step
+--max-bag         int    8          ids per sample: uniform in 1..max-bag
+--zipf            float  1.05       power-law exponent of the id ranks
+--warmup          int    3          warm-up steps before the memory window
+--mem-steps       int    5          steps of the memory-sampling window
+--steps           int    40         timed steps (after the memory window)
+--dense-warmup    int    1          warm-up steps of ddp_dense (~5 s a step)
+--dense-mem-steps int    1          memory-window steps of ddp_dense
+--dense-steps     int    4          timed steps of ddp_dense
+--repeats int 2 big-table jobs per variant (interleaved; throughput = their mean); ddp_dense runs once
+--variants        str    hybrid,ddp_dense,ddp_sparse  comma-separated: hybrid, ddp_dense, ddp_sparse
+--sample-interval float  0.2        seconds between PSS samples
+"""
+LAST_OPTIONS = """
+--skip-memory-check flag - run even if MemAvailable looks short
+"""
 
 
 @dataclass
@@ -129,45 +129,11 @@ class VariantResult:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=2_000_000, help="rows of the big table")
-    p.add_argument("--tiny-rows", type=int, default=1000, help="rows of the tiny (baseline) table")
-    p.add_argument("--dim", type=int, default=128, help="embedding dimension (float32)")
-    p.add_argument("--batch-size", type=int, default=1024, help="samples per process and step")
-    p.add_argument("--max-bag", type=int, default=8, help="ids per sample: uniform in 1..max-bag")
-    p.add_argument("--zipf", type=float, default=1.05, help="power-law exponent of the id ranks")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up steps before the memory window")
-    p.add_argument("--mem-steps", type=int, default=5, help="steps of the memory-sampling window")
-    p.add_argument("--steps", type=int, default=40, help="timed steps (after the memory window)")
-    p.add_argument("--dense-warmup", type=int, default=1, help="warm-up steps of ddp_dense (~5 s a step)")
-    p.add_argument("--dense-mem-steps", type=int, default=1, help="memory-window steps of ddp_dense")
-    p.add_argument("--dense-steps", type=int, default=4, help="timed steps of ddp_dense")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=2,
-        help="big-table jobs per variant (interleaved; throughput = their mean); ddp_dense runs once",
-    )
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
-    p.add_argument("--sample-interval", type=float, default=0.2, help="seconds between PSS samples")
-    p.add_argument("--json-out", type=Path, default=None, help="write all results as JSON here")
-    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per job")
-    p.add_argument("--keep-logs", action="store_true", help="keep the per-job temp dirs with worker logs")
-    p.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0,
-        help="before each job, wait up to this many seconds for other processes to leave the CPU",
-    )
-    p.add_argument(
-        "--retry-busy",
-        type=int,
-        default=0,
-        help="rerun a job (after --wait-idle) up to this many times when other processes used the CPU",
-    )
-    p.add_argument("--skip-memory-check", action="store_true", help="run even if MemAvailable looks short")
+    """Command line of the driver."""
+    run_options = cli.RUN_OPTIONS.format(timeout=600, per="job", logs="the per-job temp dirs")
+    p = cli.parser(__doc__, OPTIONS, run_options, cli.IDLE_OPTIONS.format(job="job"), LAST_OPTIONS)
     args = p.parse_args(argv)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.variants = cli.comma_list(args.variants)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants: {sorted(unknown)} (choose from {', '.join(VARIANTS)})")
@@ -196,50 +162,11 @@ def meminfo() -> dict[str, int]:
     return values
 
 
-def cpu_snapshot(pids: list[int]) -> tuple[float, float, float]:
-    """``(time, busy CPU seconds of the host, CPU seconds of pids and of this driver)``."""
-    with open("/proc/stat") as handle:
-        fields = [int(x) for x in handle.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal (guest time is already in user)
-    busy = sum(fields[:3]) + sum(fields[5:8])
-    own = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as handle:
-                rest = handle.read().rpartition(")")[2].split()
-            own += int(rest[11]) + int(rest[12])  # utime, stime (all threads)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    driver = os.times()
-    return time.monotonic(), busy / CLOCK_TICKS, own / CLOCK_TICKS + driver.user + driver.system
-
-
-def other_cpu_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
-    """Mean CPU use (cores) between two snapshots of processes other than the snapshots' pids."""
-    elapsed = after[0] - before[0]
-    if elapsed <= 0:
-        return 0.0
-    return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / elapsed)
-
-
-def wait_idle(timeout_s: float, sample_s: float = 2.0) -> float:
-    """Wait (up to ``timeout_s``) until other processes use less than ``BUSY_HOST_CORES``; returns
-    the last sampled use in cores."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        before = cpu_snapshot([])
-        time.sleep(sample_s)
-        other = other_cpu_cores(before, cpu_snapshot([]))
-        if other <= BUSY_HOST_CORES or time.monotonic() >= deadline:
-            return other
-        print(f"    host busy ({other:.2f} cores used by other processes), waiting ...", flush=True)
-
-
 class PssSampler:
     """Sums the worker processes' smaps_rollup fields; keeps the sample with the largest total Pss."""
 
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
+    def __init__(self) -> None:
+        self.pids: list[int] = []  # set when the memory window starts
         self.samples = 0
         self.peak: dict[str, int] = {}
         self.per_process: list[int] = []
@@ -255,92 +182,28 @@ class PssSampler:
             self.peak = total
             self.per_process = [r["Pss"] for r in rollups]
 
+    def found(self) -> dict[str, Any]:
+        """What the samples found, as :class:`JobResult` fields."""
+        return {"peak": self.peak, "per_process_pss": self.per_process, "samples": self.samples}
+
 
 # ---------------------------------------------------------------------- jobs
 def worker_argv(args: argparse.Namespace, variant: str, rows: int, workdir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(NPROC),
-        str(WORKER),
-        "--variant",
-        variant,
-        "--rows",
-        str(rows),
-        "--dim",
-        str(args.dim),
-        "--batch-size",
-        str(args.batch_size),
-        "--max-bag",
-        str(args.max_bag),
-        "--zipf",
-        str(args.zipf),
-        "--warmup",
-        str(args.dense_warmup if variant == "ddp_dense" else args.warmup),
-        "--mem-steps",
-        str(args.dense_mem_steps if variant == "ddp_dense" else args.mem_steps),
-        "--steps",
-        str(args.dense_steps if variant == "ddp_dense" else args.steps),
-        "--signal-dir",
-        str(workdir),
-        "--out",
-        str(workdir / "rank0.json"),
-    ]
-
-
-def worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-            "PYTHONUNBUFFERED": "1",
-        }
+    """The worker's command line (``ddp_dense`` has its own step counts)."""
+    prefix = "dense_" if variant == "ddp_dense" else ""
+    steps = {k: getattr(args, prefix + k) for k in ("warmup", "mem_steps", "steps")}
+    shape = jobs.pick(args, "dim", "batch_size", "max_bag", "zipf")
+    return jobs.flags(
+        variant=variant, rows=rows, **shape, **steps, signal_dir=workdir, out=workdir / "rank0.json"
     )
-    return env
 
 
 def worker_pids(workdir: Path) -> list[int]:
+    """The pids the workers wrote at start-up."""
     files = [workdir / f"pid.{rank}" for rank in range(NPROC)]
     if not all(f.exists() for f in files):
         raise RuntimeError("the window started before every worker wrote its pid")
     return [int(f.read_text()) for f in files]
-
-
-def live_workers(workdir: Path) -> list[int]:
-    """Pids of this job's workers that still run (checked by command line: pids can be reused)."""
-    pids = []
-    for rank in range(NPROC):
-        with contextlib.suppress(OSError, ValueError):
-            pid = int((workdir / f"pid.{rank}").read_text())
-            if str(workdir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                pids.append(pid)
-    return pids
-
-
-def stop_job(proc: subprocess.Popen[bytes], workdir: Path, grace_s: float = 5.0) -> None:
-    """Stop what this job started, by id: the launcher's process group and the workers (which
-    ``torch.distributed.run`` starts in sessions of their own). SIGTERM first, SIGKILL after ``grace_s``."""
-
-    def signal_workers(sig: int) -> None:
-        for pid in live_workers(workdir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-
-    if proc.poll() is None:  # not reaped yet, so its process group id is still ours
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        signal_workers(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    signal_workers(signal.SIGKILL)  # normally none left: the launcher stops its workers
 
 
 def serve(
@@ -351,102 +214,63 @@ def serve(
 
     Returns the sampler and the mean CPU use (cores) of other processes during the timed window.
     """
-    sampler: PssSampler | None = None
-    cpu: dict[str, tuple[float, float, float]] = {}
-    acked: set[str] = set()
+    markers, sampler = jobs.Markers(workdir, PHASES), PssSampler()
+    cpu: dict[str, jobs.Snapshot] = {}
+
+    def at_edge(phase: str) -> None:
+        sampler.pids = sampler.pids or worker_pids(workdir)
+        sampler.sample()
+        cpu[phase] = jobs.cpu_snapshot([proc.pid, *sampler.pids], WITH_IRQ_AND_STEAL)
+
     deadline = time.monotonic() + timeout_s
     next_sample = 0.0
     while True:
-        for phase in PHASES:
-            if phase not in acked and (workdir / f"{phase}.ready").exists():
-                if sampler is None:
-                    sampler = PssSampler(worker_pids(workdir))
-                sampler.sample()
-                cpu[phase] = cpu_snapshot([proc.pid, *sampler.pids])
-                (workdir / f"{phase}.ack").touch()
-                acked.add(phase)
+        markers.answer(at_edge)
         now = time.monotonic()
-        if sampler is not None and "start" not in acked and now >= next_sample:
+        if sampler.pids and "start" not in markers.acked and now >= next_sample:
             sampler.sample()
             next_sample = now + interval
         code = proc.poll()
         if code is not None:
-            if code != 0:
-                raise RuntimeError(f"torch.distributed.run exited with code {code}")
-            if sampler is None or acked != set(PHASES):
-                raise RuntimeError(f"the job finished without signalling {sorted(set(PHASES) - acked)}")
-            return sampler, other_cpu_cores(cpu["start"], cpu["end"])
+            jobs.check_exit(code)
+            if markers.missing:
+                raise RuntimeError(f"the job finished without signalling {sorted(markers.missing)}")
+            return sampler, jobs.other_cores(cpu["start"], cpu["end"])
         if now > deadline:
             raise TimeoutError(f"job exceeded {timeout_s} s")
         time.sleep(0.005)
 
 
-def log_tail(workdir: Path, lines: int = 30) -> str:
-    log = workdir / "job.log"
-    if not log.exists():
-        return ""
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-
-
 def run_job(args: argparse.Namespace, variant: str, rows: int) -> JobResult:
-    workdir = Path(tempfile.mkdtemp(prefix=f"lhbench-emb-{variant}-{rows}-"))
-    print(f"[{variant}, {rows:,} rows] {NPROC} workers (logs: {workdir}) ...", flush=True)
-    t0 = time.monotonic()
-    with open(workdir / "job.log", "wb") as log:
-        proc = subprocess.Popen(
-            worker_argv(args, variant, rows, workdir),
-            env=worker_env(),
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        sampler, other_cores = serve(proc, workdir, args.sample_interval, args.timeout)
-        worker = json.loads((workdir / "rank0.json").read_text())
-        result = JobResult(
-            variant,
-            rows,
-            ok=True,
-            worker=worker,
-            peak=sampler.peak,
-            per_process_pss=sampler.per_process,
-            samples=sampler.samples,
-            other_cores=other_cores,
-        )
-        print(
-            f"    PSS {result.pss / 2**30:.3f} GiB ({sampler.samples} samples), "
-            f"{result.worker['samples_per_s']:,.0f} samples/s, other processes {other_cores:.2f} cores, "
-            f"job {time.monotonic() - t0:.0f} s",
-            flush=True,
-        )
-        return result
-    except Exception as exc:  # report and go on with the next job
-        return JobResult(variant, rows, ok=False, error=f"{exc}\n{log_tail(workdir)}")
-    finally:
-        stop_job(proc, workdir)
-        if not args.keep_logs:
-            shutil.rmtree(workdir, ignore_errors=True)
+    """One torchrun job: ``variant`` with a table of ``rows`` rows."""
+    with jobs.job_dir(f"lhbench-emb-{variant}-{rows}-", args.keep_logs) as workdir:
+        print(f"[{variant}, {rows:,} rows] {NPROC} workers (logs: {workdir}) ...", flush=True)
+        t0 = time.monotonic()
+        with jobs.torchrun(NPROC, WORKER, worker_argv(args, variant, rows, workdir), workdir) as proc:
+            try:
+                sampler, other_cores = serve(proc, workdir, args.sample_interval, args.timeout)
+                worker = json.loads((workdir / "rank0.json").read_text())
+                result = JobResult(
+                    variant, rows, ok=True, worker=worker, other_cores=other_cores, **sampler.found()
+                )
+                print(
+                    f"    PSS {result.pss / 2**30:.3f} GiB ({sampler.samples} samples), "
+                    f"{result.worker['samples_per_s']:,.0f} samples/s, "
+                    f"other processes {other_cores:.2f} cores, job {time.monotonic() - t0:.0f} s",
+                    flush=True,
+                )
+                return result
+            except Exception as exc:  # report and go on with the next job
+                return JobResult(variant, rows, ok=False, error=f"{exc}\n{jobs.tail(workdir / 'job.log')}")
 
 
 def run_job_when_idle(args: argparse.Namespace, variant: str, rows: int) -> JobResult:
     """``run_job``, after ``--wait-idle``; rerun up to ``--retry-busy`` times while others used the CPU."""
-    best: JobResult | None = None
-    for attempt in range(1, args.retry_busy + 2):
-        if args.wait_idle > 0:
-            wait_idle(args.wait_idle)
-        result = run_job(args, variant, rows)
-        result.attempts = attempt
-        if not result.ok:
-            return result
-        if best is None or result.other_cores < best.other_cores:
-            best = result
-        if result.other_cores <= BUSY_HOST_CORES:
-            break
-        if attempt <= args.retry_busy:
-            print(f"    other processes used {result.other_cores:.2f} cores: running it again", flush=True)
-    assert best is not None
-    return best
+    attempt = lambda n: replace(run_job(args, variant, rows), attempts=n)
+    note = "    other processes used {:.2f} cores: running it again"
+    return jobs.run_until_quiet(
+        attempt, args.retry_busy, args.wait_idle, note, indent="    ", fields=WITH_IRQ_AND_STEAL
+    )
 
 
 def memory_check(args: argparse.Namespace, variant: str) -> str | None:
@@ -469,16 +293,18 @@ def memory_check(args: argparse.Namespace, variant: str) -> str | None:
 
 # ---------------------------------------------------------------------- report
 def gib(n: float) -> str:
+    """Bytes in GiB, three decimals."""
     return f"{n / 2**30:.3f}"
 
 
 def format_table(results: list[VariantResult]) -> str:
+    """Memory and throughput of every variant."""
     header = (
         f"{'variant':<11} {'PSS big [GiB]':>13} {'PSS tiny [GiB]':>14} {'table mem [GiB]':>15} "
         f"{'x table':>7} {'Shmem [GiB]':>11} {'Anon [GiB]':>10} {'samples/s':>10} {'range':>15} "
         f"{'step [ms]':>9} {'steps':>8} {'other cores':>11}"
     )
-    rows = [header, "-" * len(header)]
+    rows = []
     for r in results:
         if not r.ok:
             rows.append(f"{r.variant:<11} FAILED or skipped (see below)")
@@ -492,10 +318,11 @@ def format_table(results: list[VariantResult]) -> str:
             f"{gib(r.big.peak.get('Pss_Anon', 0)):>10} {r.samples_per_s:>10,.0f} {spread:>15} "
             f"{1000 * r.mean_step_s:>9.1f} {steps:>8} {r.other_cores:>11.2f}"
         )
-    return "\n".join(rows)
+    return report.text_table(header, rows)
 
 
 def format_ratios(results: list[VariantResult]) -> str:
+    """hybrid / ddp_sparse (with the targets) and hybrid / ddp_dense."""
     by_name = {r.variant: r for r in results if r.ok}
     hybrid = by_name.get("hybrid")
     lines = []
@@ -523,7 +350,8 @@ def format_ratios(results: list[VariantResult]) -> str:
     return "\n".join(lines)
 
 
-def report(args: argparse.Namespace, results: list[VariantResult], skipped: dict[str, str]) -> None:
+def print_report(args: argparse.Namespace, results: list[VariantResult], skipped: dict[str, str]) -> None:
+    """Print the settings, the table, the ratios and what failed or was skipped; optionally write JSON."""
     table = args.rows * args.dim * 4
     print()
     print(
@@ -544,37 +372,28 @@ def report(args: argparse.Namespace, results: list[VariantResult], skipped: dict
     print(format_ratios(results))
     print()
     print(TORCHREC_NOTE)
-    for r in results:
-        for job in (*r.bigs, r.tiny):
-            if job is not None and not job.ok:
-                print(f"\n[{job.variant}, {job.rows:,} rows] FAILED:\n{job.error}")
+    failed = [job for r in results for job in (*r.bigs, r.tiny) if job is not None and not job.ok]
+    report.print_failures([(f"[{job.variant}, {job.rows:,} rows]", job.error) for job in failed])
     for variant, why in skipped.items():
         print(f"\n[{variant}] skipped: {why}")
-    if args.json_out:
-        payload = {
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "results": [
-                {
-                    "variant": r.variant,
-                    "big": [asdict(b) for b in r.bigs],
-                    "tiny": asdict(r.tiny) if r.tiny else None,
-                }
-                for r in results
-            ],
-            "skipped": skipped,
-            "torchrec": TORCHREC_NOTE,
-        }
-        args.json_out.write_text(json.dumps(payload, indent=2))
-        print(f"\nwrote {args.json_out}")
+    report.save_json(args.json_out, lambda: payload(args, results, skipped))
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+def payload(
+    args: argparse.Namespace, results: list[VariantResult], skipped: dict[str, str]
+) -> dict[str, Any]:
+    """Everything as JSON: options, every job, what was skipped."""
+    jobs_ = [
+        {"variant": r.variant, "big": [asdict(b) for b in r.bigs], "tiny": asdict(r.tiny) if r.tiny else None}
+        for r in results
+    ]
+    return {"config": report.config(args), "results": jobs_, "skipped": skipped, "torchrec": TORCHREC_NOTE}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the big-table jobs (repeats interleaved), then the tiny ones; report; return an exit code."""
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    jobs.exit_on_sigterm()
     load1 = os.getloadavg()[0]
     if load1 > 1.0:
         print(f"note: load average {load1:.1f} before starting; other work skews the throughput", flush=True)
@@ -595,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             if all(b.ok for b in r.bigs):
                 r.tiny = run_job_when_idle(args, r.variant, args.tiny_rows)
-        report(args, results, skipped)
+        print_report(args, results, skipped)
     except KeyboardInterrupt:
         print("\ninterrupted; the running job was stopped", file=sys.stderr)
         return 130

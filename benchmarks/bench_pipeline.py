@@ -1,30 +1,17 @@
 """Throughput of ``hier_pipeline`` rebalanced vs its uniform split and ``torch.distributed.pipelining``.
 
-A skewed model, 16 residual MLP blocks of width 256 whose hidden layers have very different
-widths: 1024 for the first 8 (heavy, together), 32 and 16 for the last 8 (see
-``_pipeline_worker.py``), is trained on P CPU stage processes. P = 2 on a 2-core host is one
-process per core (each pinned to its core); P = 4 puts two stage processes on each core (not
-pinned), so measured stage times include waiting for a core. For every P, in one run, one
-``torch.distributed.run --standalone`` job per contender, same data, weights, micro-batches
-(``--micro-batches`` 16 of a 1024-sample batch), 1F1B and SGD:
-
-* ``uniform``: ``HierPipelineStrategy(partition="uniform", rebalance="never")``, the uniform-count
-  split (8 | 8 blocks for P = 2: all heavy blocks on stage 0);
-* ``rebalanced``: ``HierPipelineStrategy(partition="uniform", rebalance=N)``: starts from the same
-  split, measures per-layer times, repartitions and migrates layers live at every N-step check; it
-  is measured from the first check that leaves the split unchanged;
-* ``pipelining``: plain torch, ``torch.distributed.pipelining.PipelineStage`` + ``Schedule1F1B``
-  over the same uniform-count split (a static split: ``torch.distributed.pipelining`` has no
-  automatic balancing);
-* ``pipelining_hier_split``: the same, with the split the ``rebalanced`` job ended with, given by
-  hand (what that split is worth without ``hier_pipeline``'s engine and Lightning).
-
-Reported per P: samples/s over the measured window (rank 0, barrier to barrier), the ratios
-rebalanced / uniform (target >= 1.5 for P = 2) and rebalanced / pipelining, stage-time max/mean
-before rebalancing (the stage times the first rebalance measured) and after (those measured by
-the checks inside the window; target <= 1.15 for P = 2), and the migration pause. Repeats run
-interleaved; throughput is the mean over them. Writes JSON and a PNG figure to
-``benchmarks/results/``. Needs no root::
+A skewed model, 16 residual MLP blocks of width 256 whose first 8 are heavy (hidden 1024) and last 8
+light (32, 16), trains on P CPU stage processes (``_pipeline_worker.py``): P = 2 is one process per
+core (pinned), P = 4 puts two on each core, so its stage times include waiting for a core. For every
+P one ``torch.distributed.run --standalone`` job per contender, same data, weights, micro-batches,
+1F1B and SGD: ``rebalanced`` (the contender: ``HierPipelineStrategy(rebalance=N)``, measured from the
+first check that leaves the split unchanged) against ``uniform`` (its uniform split, never
+rebalanced), ``pipelining`` (``PipelineStage`` + ``Schedule1F1B`` on the same split) and
+``pipelining_hier_split`` (the same on the split ``rebalanced`` ended with). Printed per P: samples/s,
+rebalanced / uniform (target >= 1.5 for P = 2) and / pipelining, stage-time max/mean before and after
+rebalancing (target <= 1.15 for P = 2) and the migration pause; repeats run interleaved, throughput
+is their mean. Writes JSON and a PNG figure to ``benchmarks/results/``. Details:
+benchmarks/README.md. Needs no root::
 
     python benchmarks/bench_pipeline.py
 """
@@ -32,26 +19,21 @@ interleaved; throughput is the mean over them. Writes JSON and a PNG figure to
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import resource
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
-WORKER = HERE / "_pipeline_worker.py"
-RESULTS_DIR = HERE / "results"
+from harness import cli, jobs, report
+from harness.jobs import BUSY_HOST_CORES
+from harness.report import fmt
+
+WORKER = jobs.BENCH_DIR / "_pipeline_worker.py"
 CONTENDERS = ("uniform", "rebalanced", "pipelining", "pipelining_hier_split")
 LABELS = {
     "uniform": "hier_pipeline, uniform split",
@@ -61,34 +43,34 @@ LABELS = {
 }
 TARGET_SPEEDUP = 1.5
 TARGET_MAX_MEAN = 1.15
-BUSY_HOST_CORES = 0.2  # CPU use of other processes (cores) above which a job counts as disturbed
-
-
-# ---------------------------------------------------------------------- host load
-def cpu_snapshot() -> tuple[float, float, float]:
-    """``(wall, host busy CPU seconds, CPU seconds of this driver and its reaped children)``."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    busy = (fields[0] + fields[1] + fields[2]) / os.sysconf("SC_CLK_TCK")
-    ours = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        ours += usage.ru_utime + usage.ru_stime
-    return time.monotonic(), busy, ours
-
-
-def wait_idle(timeout_s: float, sample_s: float = 2.0) -> float:
-    """Wait (up to ``timeout_s``) until other processes use less than ``BUSY_HOST_CORES``; returns
-    the last sampled use in cores."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        before = cpu_snapshot()
-        time.sleep(sample_s)
-        after = cpu_snapshot()
-        other = max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / max(after[0] - before[0], 1e-9)
-        if other <= BUSY_HOST_CORES or time.monotonic() >= deadline:
-            return other
-        print(f"  host busy ({other:.2f} cores used by other processes), waiting ...", flush=True)
+OPTIONS = """
+--stages              str            2,4   comma-separated numbers of stage processes
+--steps               int            12    measured steps per job
+--warmup              int            4     steps before the window (uniform, pipelining)
+--rebalance-every     int            4     rebalanced: check every N steps
+--max-settle-steps    int            40    rebalanced: start measuring by then
+--imbalance-threshold float          0.1   HierPipelineStrategy setting
+--micro-batches       int            16
+--batch-size          int            1024  samples per step
+--schedule            {1f1b,gpipe}   1f1b
+--width               int            256   what every block takes and returns
+--heavy-hidden        int            1024  hidden width of the 8 heavy blocks
+--light-hidden        str            32,16 hidden widths of the 8 light blocks (last repeats)
+--pin {auto,on,off} auto pin rank r (all its threads) to core r mod cores; auto: only when P <= cores
+--contenders          str  uniform,rebalanced,pipelining,pipelining_hier_split  comma-separated subset
+--repeats             int            2     jobs per contender (interleaved); mean reported
+--quick               flag           -     smoke run: P=2 only, one repeat, 8 steps
+--wait-idle           float          0     before each job wait up to S s for an idle host
+--retry-busy          int            0     rerun a disturbed job up to N times
+"""
+LAST_OPTIONS = """
+--timeout   float  300  seconds allowed per job
+--keep-logs flag   -    keep each job's temp dir (/tmp/lhbench-pipe-*)
+"""
+WORKER_OPTIONS = (
+    "schedule", "width", "heavy_hidden", "light_hidden", "batch_size", "micro_batches", "warmup", "steps",
+    "max_settle_steps", "imbalance_threshold",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- results
@@ -209,149 +191,42 @@ class Setup:
 def worker_argv(
     args: argparse.Namespace, stages: int, contender: str, split: list[int] | None, workdir: Path
 ) -> list[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(stages),
-        str(WORKER),
-        "--schedule",
-        args.schedule,
-        "--width",
-        str(args.width),
-        "--heavy-hidden",
-        str(args.heavy_hidden),
-        "--light-hidden",
-        args.light_hidden,
-        "--batch-size",
-        str(args.batch_size),
-        "--micro-batches",
-        str(args.micro_batches),
-        "--warmup",
-        str(args.warmup),
-        "--steps",
-        str(args.steps),
-        "--max-settle-steps",
-        str(args.max_settle_steps),
-        "--imbalance-threshold",
-        str(args.imbalance_threshold),
-        "--out",
-        str(workdir / "rank0.json"),
-        "--pid-dir",
-        str(workdir),
-    ]
+    """The worker's command line: the shared settings, pinning, and what the contender runs."""
+    argv = jobs.flags(**jobs.pick(args, *WORKER_OPTIONS), out=workdir / "rank0.json", pid_dir=workdir)
     if args.pin == "on" or (args.pin == "auto" and stages <= (os.cpu_count() or 1)):
         argv.append("--pin")
     if contender == "uniform":
-        argv += ["--mode", "hier", "--rebalance", "never"]
-    elif contender == "rebalanced":
-        argv += ["--mode", "hier", "--rebalance", str(args.rebalance_every)]
-    else:
-        assert split is not None
-        argv += ["--mode", "pipelining", "--split", ",".join(str(s) for s in split)]
-    return argv
-
-
-def worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    return env
-
-
-def live_workers(workdir: Path, nproc: int) -> list[int]:
-    """Pids of this job's workers that still run (checked by command line: pids can be reused)."""
-    pids = []
-    for rank in range(nproc):
-        with contextlib.suppress(OSError, ValueError):
-            pid = int((workdir / f"pid.{rank}").read_text())
-            if str(workdir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                pids.append(pid)
-    return pids
-
-
-def stop_job(proc: subprocess.Popen[bytes], workdir: Path, nproc: int, grace_s: float = 5.0) -> None:
-    """Stop what this job started, by id: the launcher's process group and its workers."""
-
-    def signal_workers(sig: int) -> None:
-        for pid in live_workers(workdir, nproc):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-
-    if proc.poll() is None:  # not reaped yet, so its process group id is still ours
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        signal_workers(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    signal_workers(signal.SIGKILL)  # normally none left: the launcher stops its workers
-
-
-def log_tail(path: Path, lines: int = 30) -> str:
-    if not path.exists():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return argv + jobs.flags(mode="hier", rebalance="never")
+    if contender == "rebalanced":
+        return argv + jobs.flags(mode="hier", rebalance=args.rebalance_every)
+    assert split is not None
+    return argv + jobs.flags(mode="pipelining", split=",".join(str(s) for s in split))
 
 
 def run_job(args: argparse.Namespace, stages: int, contender: str, split: list[int] | None) -> Job:
-    workdir = Path(tempfile.mkdtemp(prefix=f"lhbench-pipe-{contender}-{stages}-"))
-    t0 = time.monotonic()
-    with open(workdir / "job.log", "wb") as log:
-        proc = subprocess.Popen(
-            worker_argv(args, stages, contender, split, workdir),
-            env=worker_env(),
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        code = proc.wait(timeout=args.timeout)
-        if code != 0:
-            raise RuntimeError(f"torch.distributed.run exited with code {code}")
-        worker = json.loads((workdir / "rank0.json").read_text())
-        return Job(contender, stages, ok=True, wall_s=time.monotonic() - t0, worker=worker)
-    except Exception as exc:  # report and go on with the next job
-        return Job(contender, stages, ok=False, error=f"{exc}\n{log_tail(workdir / 'job.log')}")
-    finally:
-        stop_job(proc, workdir, stages)
-        if args.keep_logs:
-            print(f"    logs: {workdir}", flush=True)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+    """One torchrun job (the driver waits without polling: its CPU would count as other processes')."""
+    with jobs.job_dir(f"lhbench-pipe-{contender}-{stages}-", args.keep_logs, show=True) as workdir:
+        t0 = time.monotonic()
+        with jobs.torchrun(
+            stages, WORKER, worker_argv(args, stages, contender, split, workdir), workdir
+        ) as proc:
+            try:
+                jobs.check_exit(proc.wait(timeout=args.timeout))
+                worker = json.loads((workdir / "rank0.json").read_text())
+                return Job(contender, stages, ok=True, wall_s=time.monotonic() - t0, worker=worker)
+            except Exception as exc:  # report and go on with the next job
+                return Job(contender, stages, ok=False, error=f"{exc}\n{jobs.tail(workdir / 'job.log')}")
 
 
 def run_contender(args: argparse.Namespace, stages: int, contender: str, split: list[int] | None) -> Job:
     """``run_job`` after ``--wait-idle``; rerun up to ``--retry-busy`` times while others used the CPU."""
-    best: Job | None = None
-    for attempt in range(1, args.retry_busy + 2):
-        if args.wait_idle > 0:
-            wait_idle(args.wait_idle)
-        job = run_job(args, stages, contender, split)
-        job.attempts = attempt
-        if not job.ok:
-            return job
-        if best is None or job.other_cores < best.other_cores:
-            best = job
-        if not job.disturbed:
-            break
-        print(f"    disturbed: other processes used {job.other_cores:.2f} cores", flush=True)
-    assert best is not None
-    return best
+    attempt = lambda n: replace(run_job(args, stages, contender, split), attempts=n)
+    note = "    disturbed: other processes used {:.2f} cores"
+    return jobs.run_until_quiet(attempt, args.retry_busy, args.wait_idle, note, note_last=True)
 
 
 def describe_job(job: Job) -> str:
+    """One line about a finished job."""
     if not job.ok:
         return "FAILED: " + job.error.strip().splitlines()[0] if job.error.strip() else "FAILED"
     w = job.worker
@@ -373,58 +248,58 @@ def uniform_split(blocks: int, stages: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------- report
-def fmt(value: float, spec: str = ".2f") -> str:
-    return format(value, spec) if value == value else "n/a"
+def detail_row(setup: Setup, contender: str) -> list[str] | None:
+    """One row of the detail table (None when the contender did not run at this P)."""
+    done = setup.ok_jobs(contender)
+    if not done:
+        return (
+            [f"P={setup.stages}", LABELS[contender], "failed", *[""] * 5]
+            if setup.jobs.get(contender)
+            else None
+        )
+    rates = [j.samples_per_s for j in done]
+    rate = f"{mean(rates):,.0f}" + (f" ({min(rates):,.0f}-{max(rates):,.0f})" if len(rates) > 1 else "")
+    max_mean = (
+        fmt(mean([j.max_mean_window for j in done])) if contender in ("uniform", "rebalanced") else "n/a"
+    )
+    splits = ", ".join(sorted({" ".join(map(str, j.split)) for j in done}))
+    step_ms, vs_uniform = f"{mean([j.step_ms for j in done]):.0f}", fmt(setup.ratio(contender, "uniform"))
+    other = f"{max(j.other_cores for j in done):.2f}"
+    return [f"P={setup.stages}", LABELS[contender], splits, rate, step_ms, vs_uniform, max_mean, other]
 
 
 def detail_table(setups: list[Setup]) -> str:
-    lines = [
-        "| setup | contender | blocks per stage | samples/s | step [ms] | vs uniform | stage max/mean "
-        "| other cores |",
-        "|---|---|---|---|---|---|---|---|",
+    """Every contender at every P."""
+    header = [
+        "setup",
+        "contender",
+        "blocks per stage",
+        "samples/s",
+        "step [ms]",
+        "vs uniform",
+        "stage max/mean",
     ]
-    for setup in setups:
-        for contender in CONTENDERS:
-            jobs = setup.ok_jobs(contender)
-            if not jobs:
-                if setup.jobs.get(contender):
-                    lines.append(f"| P={setup.stages} | {LABELS[contender]} | failed | | | | | |")
-                continue
-            rates = [j.samples_per_s for j in jobs]
-            rate = f"{mean(rates):,.0f}"
-            if len(rates) > 1:
-                rate += f" ({min(rates):,.0f}-{max(rates):,.0f})"
-            max_mean = "n/a"
-            if contender in ("uniform", "rebalanced"):
-                max_mean = fmt(mean([j.max_mean_window for j in jobs]))
-            splits = sorted({" ".join(map(str, j.split)) for j in jobs})
-            lines.append(
-                f"| P={setup.stages} | {LABELS[contender]} | {', '.join(splits)} | {rate} | "
-                f"{mean([j.step_ms for j in jobs]):.0f} | {fmt(setup.ratio(contender, 'uniform'))} | "
-                f"{max_mean} | {max(j.other_cores for j in jobs):.2f} |"
-            )
-    return "\n".join(lines)
+    rows = [detail_row(setup, contender) for setup in setups for contender in CONTENDERS]
+    return report.md_table([*header, "other cores"], [row for row in rows if row is not None])
 
 
 def summary_table(setups: list[Setup]) -> str:
-    lines = [
-        "| setup | uniform [samples/s] | rebalanced [samples/s] | pipelining [samples/s] "
-        "| rebalanced / uniform | rebalanced / pipelining | max/mean before | max/mean after "
-        "| migration pause [ms] |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    """Per P: the throughputs, the ratios, the stage-time balance before and after, the migration pause."""
+    rows = []
     for setup in setups:
         reb = setup.ok_jobs("rebalanced")
         pauses = [sum(j.pauses_s) * 1e3 for j in reb]
         rates = [fmt(setup.throughput(c), ",.0f") for c in ("uniform", "rebalanced", "pipelining")]
         ratios = [fmt(setup.ratio("rebalanced", c)) for c in ("uniform", "pipelining")]
         max_mean = [fmt(mean([j.max_mean_before for j in reb])), fmt(mean([j.max_mean_window for j in reb]))]
-        cells = [setup.label, *rates, *ratios, *max_mean, fmt(mean(pauses), ".0f")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([setup.label, *rates, *ratios, *max_mean, fmt(mean(pauses), ".0f")])
+    rates = [f"{c} [samples/s]" for c in ("uniform", "rebalanced", "pipelining")]
+    ratios = ["rebalanced / uniform", "rebalanced / pipelining", "max/mean before", "max/mean after"]
+    return report.md_table(["setup", *rates, *ratios, "migration pause [ms]"], rows)
 
 
 def rebalance_details(setups: list[Setup]) -> str:
+    """Every rebalance of every rebalanced job, and what the checks in its window saw."""
     lines = []
     for setup in setups:
         for i, job in enumerate(setup.ok_jobs("rebalanced")):
@@ -454,6 +329,7 @@ def rebalance_details(setups: list[Setup]) -> str:
 
 
 def targets(setups: list[Setup]) -> str:
+    """Per P: rebalanced / uniform and the stage balance after, against the targets."""
     lines = []
     for setup in setups:
         speedup = setup.ratio("rebalanced", "uniform")
@@ -469,64 +345,79 @@ def targets(setups: list[Setup]) -> str:
     return "\n".join(lines)
 
 
-def draw(setups: list[Setup], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 1 + len(setups), figsize=(5 + 3.6 * len(setups), 3.8), squeeze=False)
-    ax = axes[0][0]
+def draw_throughput(ax: Any, setups: list[Setup]) -> None:
+    """Samples/s of every contender, grouped by P."""
     width = 0.8 / len(CONTENDERS)
     for c, contender in enumerate(CONTENDERS):
         xs = [i + (c - (len(CONTENDERS) - 1) / 2) * width for i in range(len(setups))]
         bars = ax.bar(xs, [s.throughput(contender) for s in setups], width=width, label=LABELS[contender])
         ax.bar_label(bars, fmt="%.0f", fontsize=6)
     ax.set_xticks(range(len(setups)))
+    waits = [s.stages > (os.cpu_count() or 1) for s in setups]
     ax.set_xticklabels(
-        [
-            f"P={s.stages}" + ("" if s.stages <= (os.cpu_count() or 1) else "\n(waits for a core)")
-            for s in setups
-        ]
+        [f"P={s.stages}" + ("\n(waits for a core)" if w else "") for s, w in zip(setups, waits)]
     )
     top = max((s.throughput(c) for s in setups for c in CONTENDERS if s.ok_jobs(c)), default=1.0)
     ax.set_ylim(0, top * 1.45)
     ax.set_ylabel("samples/s")
     ax.set_title(f"throughput ({os.cpu_count()} cores)")
     ax.legend(fontsize=7, loc="upper left")
+
+
+def draw_stage_times(ax: Any, setup: Setup) -> None:
+    """Stage times of the first rebalanced job: under the uniform split and rebalanced."""
+    reb = setup.ok_jobs("rebalanced")
+    if not reb or not reb[0].history:
+        ax.set_visible(False)
+        return
+    job = reb[0]
+    before = [t * 1e3 for t in job.history[0]["stage_times"]]
+    after = [t * 1e3 for t in job.worker["stage_times_s"]]
+    xs = range(len(before))
+    ax.bar(
+        [x - 0.2 for x in xs], before, width=0.4, label=f"uniform split (max/mean {job.max_mean_before:.2f})"
+    )
+    ax.bar([x + 0.2 for x in xs], after, width=0.4, label=f"rebalanced (max/mean {job.max_mean_window:.2f})")
+    ax.set_xticks(list(xs))
+    ax.set_xlabel("stage")
+    ax.set_ylabel("ms per micro-batch")
+    title = f"stage times, {setup.stages} stages on {os.cpu_count()} cores"
+    if setup.stages > (os.cpu_count() or 1):
+        title += "\n(include waiting for a core)"
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def draw(plt: Any, setups: list[Setup]) -> Any:
+    """Throughput per P, and per P the stage times before and after rebalancing."""
+    fig, axes = plt.subplots(1, 1 + len(setups), figsize=(5 + 3.6 * len(setups), 3.8), squeeze=False)
+    draw_throughput(axes[0][0], setups)
     for ax, setup in zip(axes[0][1:], setups):
-        reb = setup.ok_jobs("rebalanced")
-        if not reb or not reb[0].history:
-            ax.set_visible(False)
-            continue
-        job = reb[0]
-        before = [t * 1e3 for t in job.history[0]["stage_times"]]
-        after = [t * 1e3 for t in job.worker["stage_times_s"]]
-        xs = range(len(before))
-        ax.bar(
-            [x - 0.2 for x in xs],
-            before,
-            width=0.4,
-            label=f"uniform split (max/mean {job.max_mean_before:.2f})",
-        )
-        ax.bar(
-            [x + 0.2 for x in xs], after, width=0.4, label=f"rebalanced (max/mean {job.max_mean_window:.2f})"
-        )
-        ax.set_xticks(list(xs))
-        ax.set_xlabel("stage")
-        ax.set_ylabel("ms per micro-batch")
-        title = f"stage times, {setup.stages} stages on {os.cpu_count()} cores"
-        if setup.stages > (os.cpu_count() or 1):
-            title += "\n(include waiting for a core)"
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        draw_stage_times(ax, setup)
+    return fig
 
 
-def report(args: argparse.Namespace, setups: list[Setup], started: float) -> None:
+def payload(args: argparse.Namespace, setups: list[Setup]) -> dict[str, Any]:
+    """Everything as JSON: options, host, and per P the throughputs, ratios and every job."""
+    host = {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    return {"config": report.config(args), "host": host, "setups": [setup_json(s) for s in setups]}
+
+
+def setup_json(s: Setup) -> dict[str, Any]:
+    """One P as JSON."""
+    return {
+        "stages": s.stages,
+        "label": s.label,
+        "samples_per_s": {c: s.throughput(c) for c in CONTENDERS if s.ok_jobs(c)},
+        "rebalanced_vs_uniform": s.ratio("rebalanced", "uniform"),
+        "rebalanced_vs_pipelining": s.ratio("rebalanced", "pipelining"),
+        "jobs": {c: [asdict(j) for j in js] for c, js in s.jobs.items()},
+    }
+
+
+def print_report(args: argparse.Namespace, setups: list[Setup], started: float) -> None:
+    """Print the settings, both tables, the rebalances, the targets, the losses and what failed; write
+    JSON and (unless ``--no-figure``) the figure."""
     print()
     print(
         f"model: 16 residual MLP blocks of width {args.width}, hidden widths {args.hiddens}; batch "
@@ -553,77 +444,25 @@ def report(args: argparse.Namespace, setups: list[Setup], started: float) -> Non
             f"WARNING: {len(disturbed)} job(s) ran while other processes used > {BUSY_HOST_CORES} cores "
             "(see 'other cores'); use --wait-idle / --retry-busy on a shared host."
         )
-    for s in setups:
-        for js in s.jobs.values():
-            for j in js:
-                if not j.ok:
-                    print(f"\nP={s.stages} {j.contender} FAILED:\n{j.error}")
+    failed = [j for s in setups for js in s.jobs.values() for j in js if not j.ok]
+    report.print_failures([(f"P={j.stages} {j.contender}", j.error) for j in failed])
     print(f"\nbenchmark took {time.monotonic() - started:.0f} s")
-    payload = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "host": {
-            "cores": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
-        "setups": [
-            {
-                "stages": s.stages,
-                "label": s.label,
-                "samples_per_s": {c: s.throughput(c) for c in CONTENDERS if s.ok_jobs(c)},
-                "rebalanced_vs_uniform": s.ratio("rebalanced", "uniform"),
-                "rebalanced_vs_pipelining": s.ratio("rebalanced", "pipelining"),
-                "jobs": {c: [asdict(j) for j in js] for c, js in s.jobs.items()},
-            }
-            for s in setups
-        ],
-    }
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(payload, indent=2, default=str))
+    report.write_json(args.json_out, payload(args, setups), make_dir=True)
     print(f"wrote {args.json_out}")
-    if args.figure is not None:
-        try:
-            draw(setups, args.figure)
-            print(f"wrote {args.figure}")
-        except ImportError:
-            print("matplotlib is not installed: no figure (pip install matplotlib)")
+    if args.figure is not None and report.save_figure(args.figure, lambda plt: draw(plt, setups), dpi=110):
+        print(f"wrote {args.figure}")
+    elif args.figure is not None:
+        print("matplotlib is not installed: no figure (pip install matplotlib)")
 
 
 # ---------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", default="2,4", help="comma-separated numbers of stage processes")
-    p.add_argument("--steps", type=int, default=12, help="measured steps per job")
-    p.add_argument("--warmup", type=int, default=4, help="steps before the window (uniform, pipelining)")
-    p.add_argument("--rebalance-every", type=int, default=4, help="rebalanced: check every N steps")
-    p.add_argument("--max-settle-steps", type=int, default=40, help="rebalanced: start measuring by then")
-    p.add_argument("--imbalance-threshold", type=float, default=0.1, help="HierPipelineStrategy setting")
-    p.add_argument("--micro-batches", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=1024, help="samples per step")
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
-    p.add_argument("--width", type=int, default=256, help="what every block takes and returns")
-    p.add_argument("--heavy-hidden", type=int, default=1024, help="hidden width of the 8 heavy blocks")
-    p.add_argument(
-        "--light-hidden", default="32,16", help="hidden widths of the 8 light blocks (last repeats)"
-    )
-    p.add_argument(
-        "--pin",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="pin rank r (all its threads) to core r mod cores; auto: only when P <= cores",
-    )
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
-    p.add_argument("--repeats", type=int, default=2, help="jobs per contender (interleaved); mean reported")
-    p.add_argument("--quick", action="store_true", help="smoke run: P=2 only, one repeat, 8 steps")
-    p.add_argument(
-        "--wait-idle", type=float, default=0, help="before each job wait up to S s for an idle host"
-    )
-    p.add_argument("--retry-busy", type=int, default=0, help="rerun a disturbed job up to N times")
-    p.add_argument("--json-out", type=Path, default=RESULTS_DIR / "bench_pipeline.json")
-    p.add_argument("--figure", type=Path, default=RESULTS_DIR / "bench_pipeline.png")
+    """Command line of the driver (``--quick`` overrides some of it)."""
+    p = cli.parser(__doc__, OPTIONS)
+    p.add_argument("--json-out", type=Path, default=jobs.RESULTS_DIR / "bench_pipeline.json")
+    p.add_argument("--figure", type=Path, default=jobs.RESULTS_DIR / "bench_pipeline.png")
     p.add_argument("--no-figure", dest="figure", action="store_const", const=None)
-    p.add_argument("--timeout", type=float, default=300, help="seconds allowed per job")
-    p.add_argument("--keep-logs", action="store_true", help="keep each job's temp dir (/tmp/lhbench-pipe-*)")
+    cli.add_options(p, LAST_OPTIONS)
     args = p.parse_args(argv)
     if args.quick:
         args.stages, args.steps, args.warmup, args.repeats = "2", 8, 3, 1
@@ -638,7 +477,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_setup(args: argparse.Namespace, setup: Setup, repeat: int) -> None:
+    """One repeat of every contender at one P; the torch contenders get the splits the hier jobs chose."""
+    split, hier_split = uniform_split(16, setup.stages), None
+    for contender in args.contender_list:
+        if contender == "pipelining_hier_split" and hier_split is None:
+            print(f"[P={setup.stages}] {LABELS[contender]}: skipped (no rebalanced split)")
+            continue
+        print(f"[P={setup.stages}, run {repeat + 1}] {LABELS[contender]} ...", flush=True)
+        job_split = hier_split if contender == "pipelining_hier_split" else split
+        job = run_contender(args, setup.stages, contender, job_split)
+        setup.jobs.setdefault(contender, []).append(job)
+        print("    " + describe_job(job), flush=True)
+        if contender == "rebalanced" and job.ok:
+            hier_split = list(job.worker["final_starts"])
+        if contender == "uniform" and job.ok:
+            split = list(job.worker["final_starts"])  # the split hier_pipeline chose
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run every repeat of every setup, report (also after Ctrl-C), return an exit code."""
     args = parse_args(argv)
     started = time.monotonic()
     setups = [Setup(p) for p in args.stage_counts]
@@ -646,28 +504,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for repeat in range(args.repeats):
             for setup in setups:
-                split = uniform_split(16, setup.stages)
-                hier_split: list[int] | None = None
-                for contender in args.contender_list:
-                    if contender == "pipelining_hier_split":
-                        if hier_split is None:
-                            print(f"[P={setup.stages}] {LABELS[contender]}: skipped (no rebalanced split)")
-                            continue
-                        job_split: list[int] | None = hier_split
-                    else:
-                        job_split = split
-                    print(f"[P={setup.stages}, run {repeat + 1}] {LABELS[contender]} ...", flush=True)
-                    job = run_contender(args, setup.stages, contender, job_split)
-                    setup.jobs.setdefault(contender, []).append(job)
-                    print("    " + describe_job(job), flush=True)
-                    if contender == "rebalanced" and job.ok:
-                        hier_split = list(job.worker["final_starts"])
-                    if contender == "uniform" and job.ok:
-                        split = list(job.worker["final_starts"])  # the split hier_pipeline chose
+                run_setup(args, setup, repeat)
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: reporting what ran", flush=True)
-    report(args, setups, started)
+    print_report(args, setups, started)
     failed = any(not j.ok for s in setups for js in s.jobs.values() for j in js)
     return 1 if failed or interrupted else 0
 

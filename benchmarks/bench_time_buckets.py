@@ -1,7 +1,7 @@
 """Time-planned vs size-capped vs no gradient buckets, and Lightning ``ddp``, on an emulated 2-node link.
 
 Two network namespaces act as nodes, joined by a bridge; each node's egress is shaped to
-``--rate-mbit`` (see ``netns_cluster.py``). For every strategy one worker process
+``--rate-mbit`` (see ``harness/cluster.py``). For every strategy one worker process
 (``_time_buckets_worker.py``) runs per node (world size 2, ``devices=1, num_nodes=2``), so the two
 ranks' compute does not fight for the 2 cores of a small host, and ``HierSlicedStrategy
 (devices_per_node=1)`` is a plain inter-node all-reduce per bucket. The model is an MLP whose
@@ -24,22 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from netns_cluster import EmulatedCluster, Node, emulated_cluster
+from harness import cli, jobs, report
+from harness.cluster import EmulatedCluster, launch, logs_tail, run_on_cluster, watch
+from harness.jobs import BUSY_HOST_CORES
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
-WORKER = HERE / "_time_buckets_worker.py"
+WORKER = jobs.BENCH_DIR / "_time_buckets_worker.py"
 NUM_NODES = 2
 BASE_PORT = 29640
 NAME_PREFIX = "lhtb"  # not "lhbench": must not tear down a concurrent bench_hier_sliced.py cluster
@@ -48,43 +43,29 @@ STRATEGIES = ("none", "size", "time", "ddp")
 LABELS = {"none": "hier none", "size": "hier size", "time": "hier time", "ddp": "ddp"}
 TARGET_VS_NONE = 0.85
 TARGET_VS_DDP = 1.0
-BUSY_HOST_CORES = 0.2  # CPU use by other processes (cores) above which a run is flagged as disturbed
-
-
-def cpu_snapshot() -> tuple[float, float, float]:
-    """``(wall, host busy CPU seconds, CPU seconds of this driver and its reaped children)``.
-
-    Host busy time is user + nice + system from ``/proc/stat`` (all cores). The difference of two
-    snapshots minus our own share is CPU that *other* processes used meanwhile: on a small host a
-    concurrent job slows compute and skews the comparison, so runs are flagged when it is large.
-    """
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    busy = (fields[0] + fields[1] + fields[2]) / os.sysconf("SC_CLK_TCK")
-    ours = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        ours += usage.ru_utime + usage.ru_stime
-    return time.monotonic(), busy, ours
-
-
-def other_cores_between(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
-    """Average number of cores used by processes other than ours between two snapshots."""
-    wall = max(after[0] - before[0], 1e-9)
-    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall
-
-
-def wait_idle(timeout_s: float, sample_s: float = 2.0) -> float:
-    """Wait (up to ``timeout_s``) until other processes use less than ``BUSY_HOST_CORES``; returns
-    the last sampled use in cores."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        before = cpu_snapshot()
-        time.sleep(sample_s)
-        other = other_cores_between(before, cpu_snapshot())
-        if other <= BUSY_HOST_CORES or time.monotonic() >= deadline:
-            return other
-        print(f"  host busy ({other:.2f} cores used by other processes), waiting ...", flush=True)
+OPTIONS = """
+--rate-mbit            float  500                 egress limit per node (Mbit/s)
+--hidden               int    1024                MLP width
+--layers               int    12                  number of Linear(hidden, hidden) layers
+--batch-size           int    1280                per-process batch size
+--warmup               int    3                   warm-up steps (for time: after profiling)
+--steps                int    8                   measured steps
+--profile-steps        int    3                   bucketing='time': profiled steps
+--profile-warmup-steps int    1                   bucketing='time': steps before profiling
+--min-bucket-mb        float  1.0                 bucketing='time': smallest bucket
+--bucket-cap-mb        float  None                hier_sliced bucket cap (default: the strategy's)
+--strategies           str    none,size,time,ddp  comma-separated: none,size,time,ddp
+"""
+WORKER_OPTIONS = (
+    "hidden",
+    "layers",
+    "batch_size",
+    "warmup",
+    "steps",
+    "profile_steps",
+    "profile_warmup_steps",
+    "min_bucket_mb",
+)
 
 
 @dataclass
@@ -116,7 +97,7 @@ class RunResult:
         return sum(quiet) / len(quiet) if quiet else float("nan")
 
     @property
-    def other_cpu_cores(self) -> float:
+    def other_cores(self) -> float:
         """Cores used by other processes, averaged over the measured window."""
         other = self.worker.get("other_cpu_cores_per_step") or []
         steps = self.worker.get("step_times_s") or []
@@ -126,161 +107,56 @@ class RunResult:
     @property
     def disturbed(self) -> bool:
         """Whether other processes took a noticeable share of the CPU during the measured window."""
-        return self.other_cpu_cores > BUSY_HOST_CORES
+        return self.other_cores > BUSY_HOST_CORES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of the driver."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate-mbit", type=float, default=500, help="egress limit per node (Mbit/s)")
-    p.add_argument("--hidden", type=int, default=1024, help="MLP width")
-    p.add_argument("--layers", type=int, default=12, help="number of Linear(hidden, hidden) layers")
-    p.add_argument("--batch-size", type=int, default=1280, help="per-process batch size")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (for time: after profiling)")
-    p.add_argument("--steps", type=int, default=8, help="measured steps")
-    p.add_argument("--profile-steps", type=int, default=3, help="bucketing='time': profiled steps")
-    p.add_argument(
-        "--profile-warmup-steps", type=int, default=1, help="bucketing='time': steps before profiling"
-    )
-    p.add_argument("--min-bucket-mb", type=float, default=1.0, help="bucketing='time': smallest bucket")
-    p.add_argument(
-        "--bucket-cap-mb", type=float, default=None, help="hier_sliced bucket cap (default: the strategy's)"
-    )
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated: none,size,time,ddp")
-    p.add_argument("--json-out", type=Path, default=None, help="write all results as JSON here")
-    p.add_argument("--timeout", type=float, default=300, help="seconds allowed per strategy run")
-    p.add_argument("--keep-logs", action="store_true", help="keep the per-run temp dir with worker logs")
-    p.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0,
-        help="before each strategy, wait up to this many seconds for other processes to leave the CPU",
-    )
-    p.add_argument(
-        "--retry-busy",
-        type=int,
-        default=0,
-        help="rerun a strategy (after --wait-idle) up to this many times when other processes used the CPU",
-    )
+    run_options = cli.RUN_OPTIONS.format(timeout=300, per="strategy run", logs="the per-run temp dir")
+    p = cli.parser(__doc__, OPTIONS, run_options, cli.IDLE_OPTIONS.format(job="strategy"))
     args = p.parse_args(argv)
-    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    args.strategies = cli.comma_list(args.strategies)
     unknown = set(args.strategies) - set(STRATEGIES)
     if unknown:
         p.error(f"unknown strategies: {sorted(unknown)}")
     return args
 
 
-def worker_env(cluster: EmulatedCluster, node: Node, port: int, run_id: str) -> dict[str, str]:
-    """Environment of the worker of ``node``, as torchrun would set it (one process per node)."""
-    world_size = len(cluster.nodes)
-    rank = node.index
-    env = dict(os.environ)
-    env.update(
-        {
-            "MASTER_ADDR": cluster.nodes[0].ip,
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(world_size),
-            "RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
-            "GROUP_RANK": str(node.index),
-            "NODE_RANK": str(node.index),
-            "GROUP_WORLD_SIZE": str(world_size),
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(world_size),
-            "TORCHELASTIC_RUN_ID": run_id,
-            "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0",
-            "GLOO_SOCKET_IFNAME": node.ifname,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    return env
-
-
-def worker_argv(args: argparse.Namespace, strategy: str, out: Path) -> list[str]:
+def worker_argv(args: argparse.Namespace, strategy: str, workdir: Path) -> list[str]:
     """Command line of one worker."""
-    argv = [
-        sys.executable,
-        str(WORKER),
-        "--strategy",
-        strategy,
-        "--hidden",
-        str(args.hidden),
-        "--layers",
-        str(args.layers),
-        "--batch-size",
-        str(args.batch_size),
-        "--warmup",
-        str(args.warmup),
-        "--steps",
-        str(args.steps),
-        "--profile-steps",
-        str(args.profile_steps),
-        "--profile-warmup-steps",
-        str(args.profile_warmup_steps),
-        "--min-bucket-mb",
-        str(args.min_bucket_mb),
-        "--out",
-        str(out),
-        "--pid-dir",
-        str(out.parent),
-    ]
-    if args.bucket_cap_mb is not None:
-        argv += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
-    return argv
-
-
-def log_tail(workdir: Path, lines: int = 25) -> str:
-    """Last lines of every worker log, for error reports."""
-    parts = []
-    for log in sorted(workdir.glob("rank*.log")):
-        text = log.read_text(errors="replace").splitlines()[-lines:]
-        parts.append(f"--- {log.name} ---\n" + "\n".join(text))
-    return "\n".join(parts)
+    options = jobs.pick(args, *WORKER_OPTIONS)
+    tail = jobs.flags(out=workdir / "rank0.json", pid_dir=workdir, bucket_cap_mb=args.bucket_cap_mb)
+    return [sys.executable, str(WORKER), *jobs.flags(strategy=strategy, **options), *tail]
 
 
 def run_strategy(cluster: EmulatedCluster, args: argparse.Namespace, strategy: str, port: int) -> RunResult:
     """Run one strategy (one worker per node) and collect rank 0's timings."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"{NAME_PREFIX}-{strategy}-"))
-    print(f"[{LABELS[strategy]}] running {NUM_NODES} workers (logs: {workdir}) ...", flush=True)
-    t0 = time.monotonic()
-    before = cpu_snapshot()
-    try:
-        argv = worker_argv(args, strategy, workdir / "rank0.json")
-        run_id = f"{NAME_PREFIX}-{strategy}-{os.getpid()}"
-        procs = []
-        for node in cluster.nodes:
-            with open(workdir / f"rank{node.index}.log", "wb") as log:
-                env = worker_env(cluster, node, port, run_id)
-                procs.append(
-                    cluster.popen(node, argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-                )
-        deadline = t0 + args.timeout
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):
-                raise RuntimeError(f"worker failed, exit codes {codes}")
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"strategy run exceeded {args.timeout} s")
-            time.sleep(0.05)
-        other = other_cores_between(before, cpu_snapshot())
-        worker = json.loads((workdir / "rank0.json").read_text())
-        return RunResult(
-            strategy, True, wall_s=time.monotonic() - t0, other_cpu_cores_run=other, worker=worker
-        )
-    except Exception as exc:  # report and continue with the next strategy
-        return RunResult(
-            strategy, ok=False, error=f"{exc}\n{log_tail(workdir)}", wall_s=time.monotonic() - t0
-        )
-    finally:
-        cluster.kill_processes()
-        if not args.keep_logs:
-            shutil.rmtree(workdir, ignore_errors=True)
+    with jobs.job_dir(f"{NAME_PREFIX}-{strategy}-", args.keep_logs, stop=cluster.kill_processes) as workdir:
+        print(f"[{LABELS[strategy]}] running {NUM_NODES} workers (logs: {workdir}) ...", flush=True)
+        t0 = time.monotonic()
+        before = jobs.cpu_snapshot()
+        try:
+            argv = worker_argv(args, strategy, workdir)
+            procs = launch(cluster, argv, workdir, 1, port, f"{NAME_PREFIX}-{strategy}-{os.getpid()}")
+            watch(procs, args.timeout, 0.05, started=t0)
+            other = jobs.other_cores(before, jobs.cpu_snapshot())
+            worker = json.loads((workdir / "rank0.json").read_text())
+            return RunResult(
+                strategy, True, wall_s=time.monotonic() - t0, other_cpu_cores_run=other, worker=worker
+            )
+        except Exception as exc:  # report and continue with the next strategy
+            return RunResult(
+                strategy, ok=False, error=f"{exc}\n{logs_tail(workdir)}", wall_s=time.monotonic() - t0
+            )
+
+
+def run_when_quiet(cluster: EmulatedCluster, args: argparse.Namespace, i: int, strategy: str) -> RunResult:
+    """``run_strategy`` after ``--wait-idle``; again, up to ``--retry-busy`` times, while others used the
+    CPU (the last run counts); every attempt on a port of its own."""
+
+    attempt = lambda n: run_strategy(cluster, args, strategy, BASE_PORT + 10 * (n - 1) + i)
+    note = "  other processes used {:.2f} cores while measuring; retrying"
+    return jobs.run_until_quiet(attempt, args.retry_busy, args.wait_idle, note, keep_best=False)
 
 
 def _find(results: list[RunResult], strategy: str) -> RunResult | None:
@@ -295,7 +171,7 @@ def format_table(results: list[RunResult]) -> str:
         f"{'backward [s]':>13} {'comm [s]':>9} {'exposed [s]':>12} {'buckets':>8} {'median [s]':>11} "
         f"{'other CPU':>10} {'quiet steps [s]':>16}"
     )
-    rows = [header, "-" * len(header)]
+    rows = []
     for r in results:
         if not r.ok:
             rows.append(f"{LABELS[r.strategy]:<10} FAILED (see below)")
@@ -308,7 +184,7 @@ def format_table(results: list[RunResult]) -> str:
             f"{LABELS[r.strategy]:<10} {r.step_s:>9.3f} {vs_none:>8} {vs_ddp:>7} "
             f"{w['mean_hidden_fraction']:>7.1%} {w['mean_backward_s']:>13.3f} {w['mean_comm_union_s']:>9.3f} "
             f"{w['mean_exposed_s']:>12.3f} {w['num_buckets']:>8} {w['median_step_s']:>11.3f} "
-            f"{r.other_cpu_cores:>10.2f} {quiet:>16}"
+            f"{r.other_cores:>10.2f} {quiet:>16}"
         )
     busy = [LABELS[r.strategy] for r in results if r.ok and r.disturbed]
     if busy:
@@ -316,7 +192,7 @@ def format_table(results: list[RunResult]) -> str:
             f"WARNING: other processes used > {BUSY_HOST_CORES} cores while measuring {busy}: "
             "their step times are inflated; rerun on a quiet host (or see 'quiet steps')"
         )
-    return "\n".join(rows)
+    return report.text_table(header, rows)
 
 
 def format_balance(results: list[RunResult], rate_mbit: float) -> str:
@@ -392,7 +268,7 @@ def format_details(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def report(args: argparse.Namespace, cluster: EmulatedCluster, results: list[RunResult]) -> None:
+def print_report(args: argparse.Namespace, cluster: EmulatedCluster, results: list[RunResult]) -> None:
     """Print the table, balance, targets, details and errors; optionally write JSON."""
     grad_mb = next((r.worker["grad_bytes"] / 1e6 for r in results if r.ok), float("nan"))
     print()
@@ -414,52 +290,38 @@ def report(args: argparse.Namespace, cluster: EmulatedCluster, results: list[Run
             print(f"\n[{LABELS[r.strategy]}] FAILED:\n{r.error}")
     if args.json_out:
         payload = {
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "config": report.config(args),
             "cluster": {"burst_bytes": cluster.burst_bytes, "latency_ms": cluster.latency_ms},
             "targets": {"time_vs_none": TARGET_VS_NONE, "time_vs_ddp": TARGET_VS_DDP},
             "results": [asdict(r) for r in results],
         }
-        args.json_out.write_text(json.dumps(payload, indent=2))
+        report.write_json(args.json_out, payload)
         print(f"\nwrote {args.json_out}")
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    """Turn SIGTERM into SystemExit so that workers and namespaces are cleaned up."""
-    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run all requested strategies on one emulated cluster; return a process exit code."""
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     results: list[RunResult] = []
     t0 = time.monotonic()
-    try:
-        with emulated_cluster(
-            num_nodes=NUM_NODES,
-            rate_mbit=args.rate_mbit,
-            subnet_prefix=SUBNET_PREFIX,
-            name_prefix=NAME_PREFIX,
-        ) as cluster:
-            for i, strategy in enumerate(args.strategies):
-                for attempt in range(args.retry_busy + 1):
-                    if args.wait_idle > 0:
-                        wait_idle(args.wait_idle)
-                    result = run_strategy(cluster, args, strategy, BASE_PORT + 10 * attempt + i)
-                    if not result.ok or not result.disturbed:
-                        break
-                    if attempt < args.retry_busy:
-                        busy = result.other_cpu_cores
-                        print(
-                            f"  other processes used {busy:.2f} cores while measuring; retrying", flush=True
-                        )
-                results.append(result)
-            report(args, cluster, results)
-    except KeyboardInterrupt:
-        print("\ninterrupted; workers stopped and emulated cluster removed", file=sys.stderr)
-        return 130
-    print(f"total {time.monotonic() - t0:.0f} s")
-    return 0 if all(r.ok for r in results) else 1
+
+    def run_all(cluster: EmulatedCluster) -> bool:
+        results.extend(
+            run_when_quiet(cluster, args, i, strategy) for i, strategy in enumerate(args.strategies)
+        )
+        print_report(args, cluster, results)
+        return all(r.ok for r in results)
+
+    code = run_on_cluster(
+        run_all,
+        num_nodes=NUM_NODES,
+        rate_mbit=args.rate_mbit,
+        subnet_prefix=SUBNET_PREFIX,
+        name_prefix=NAME_PREFIX,
+    )
+    if code != 130:
+        print(f"total {time.monotonic() - t0:.0f} s")
+    return code
 
 
 if __name__ == "__main__":

@@ -1,23 +1,11 @@
-"""Emulate a small multi-node cluster on one Linux host with network namespaces.
+"""An emulated multi-node cluster on one Linux host (root, iproute2), and workers run in it.
 
-Each emulated *node* is a network namespace holding one end of a veth pair; the
-other ends are attached to a Linux bridge in the root namespace, so the nodes
-share one L2 segment (``10.77.0.0/24`` by default, node ``i`` gets ``.(i+1)``).
-Every node's egress is shaped with a token-bucket filter (``tc ... tbf``) on its
-in-namespace veth, which emulates a per-node NIC of ``rate_mbit`` Mbit/s.
-Processes started in the same namespace reach each other over that namespace's
-loopback path, so only *inter-node* traffic crosses the shaped link.
-
-Everything created here carries the name prefix ``lhbench`` and is removed on
-exit (also on exceptions and KeyboardInterrupt); leftovers of a crashed earlier
-run are removed before a new cluster is built.  Root and iproute2 (``ip``,
-``tc``) are required.
-
-Only traffic between the namespaces created here is generated; the addresses
-are private to this emulated cluster.
-
-Run ``sudo python benchmarks/netns_cluster.py`` for a self-test that measures
-the shaped throughput between node 1 and node 0.
+A node is a network namespace with one end of a veth pair; the other ends join a bridge in the root
+namespace (one L2 segment, ``10.77.0.0/24`` by default, node ``i`` at ``.(i+1)``). A token-bucket
+filter (``tc ... tbf``) on each in-namespace veth emulates a per-node NIC of ``rate_mbit`` Mbit/s;
+processes in one namespace talk over its loopback, so only inter-node traffic crosses the shaped link.
+Everything carries a name prefix (``lhbench``), leftovers of a crashed run are removed first, and all
+is removed on exit, exception or Ctrl-C. ``sudo python benchmarks/run.py netns [RATE_MBIT]`` checks it.
 """
 
 from __future__ import annotations
@@ -28,20 +16,21 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .jobs import REPO_ROOT, exit_on_sigterm, tail, worker_env
 
 PREFIX = "lhbench"
-BRIDGE = f"{PREFIX}-br"
 SUBNET_PREFIX = "10.77.0"
 SUBNET_BITS = 24
-
-# Token-bucket parameters.  ``burst`` must hold at least one timer tick worth of
-# tokens (rate / HZ; HZ may be as low as 100) or the filter cannot reach its
-# configured rate; 1/100 s of traffic (>= 64 KiB, so a full TSO/GSO segment fits)
-# gives a stable rate with short bursts.  ``latency`` bounds the queue in front
-# of the bucket: 50 ms is enough to avoid tail drops for a few TCP flows (TCP
-# small queues keep per-socket backlog low anyway) without large bufferbloat.
+# Token-bucket parameters. ``burst`` must hold at least one timer tick worth of tokens (rate / HZ; HZ
+# may be as low as 100) or the filter cannot reach its configured rate; 1/100 s of traffic (>= 64 KiB,
+# so a full TSO/GSO segment fits) gives a stable rate with short bursts. ``latency`` bounds the queue
+# in front of the bucket: 50 ms is enough to avoid tail drops for a few TCP flows (TCP small queues
+# keep per-socket backlog low anyway) without large bufferbloat.
 BURST_SECONDS = 0.01
 MIN_BURST_BYTES = 64 * 1024
 LATENCY_MS = 50
@@ -66,11 +55,11 @@ class EmulatedCluster:
     rate_mbit: float
     burst_bytes: int
     latency_ms: int
-    bridge: str = BRIDGE
+    bridge: str = f"{PREFIX}-br"
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
 
     def exec_argv(self, node: Node, argv: Sequence[str]) -> list[str]:
-        """Return ``argv`` wrapped so that it runs inside ``node``'s namespace."""
+        """``argv`` wrapped so that it runs inside ``node``'s namespace."""
         return ["ip", "netns", "exec", node.netns, *argv]
 
     def run(self, node: Node, argv: Sequence[str], check: bool = True) -> str:
@@ -78,17 +67,10 @@ class EmulatedCluster:
         return _run(self.exec_argv(node, argv), check=check)
 
     def popen(
-        self,
-        node: Node,
-        argv: Sequence[str],
-        env: Mapping[str, str] | None = None,
-        **kwargs: object,
+        self, node: Node, argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: object
     ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` inside ``node``'s namespace in its own process group.
-
-        The process is tracked and killed (whole process group) when the cluster
-        is torn down, if it is still running then.
-        """
+        """Start ``argv`` inside ``node``'s namespace in its own process group; it is killed (the
+        whole group) when the cluster is torn down, if it still runs then."""
         proc = subprocess.Popen(  # noqa: S603 - argv is built by the caller, not a shell string
             self.exec_argv(node, argv),
             env=dict(env) if env is not None else None,
@@ -100,8 +82,7 @@ class EmulatedCluster:
 
     def tx_bytes(self, node: Node) -> int:
         """Bytes sent so far by ``node``'s veth, read from sysfs inside its namespace."""
-        path = f"/sys/class/net/{node.ifname}/statistics/tx_bytes"
-        return int(self.run(node, ["cat", path]).strip())
+        return int(self.run(node, ["cat", f"/sys/class/net/{node.ifname}/statistics/tx_bytes"]).strip())
 
     def tx_bytes_all(self) -> list[int]:
         """``tx_bytes`` of every node, in node order."""
@@ -152,28 +133,25 @@ def burst_bytes_for(rate_mbit: float) -> int:
 
 def list_stale_netns(prefix: str = PREFIX) -> list[str]:
     """Names of existing network namespaces that start with ``prefix``."""
-    out = _run(["ip", "netns", "list"], check=False)
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    names = [
+        line.split()[0] for line in _run(["ip", "netns", "list"], check=False).splitlines() if line.strip()
+    ]
     return [name for name in names if name.startswith(prefix)]
 
 
 def list_stale_links(prefix: str = PREFIX) -> list[str]:
     """Names of root-namespace links that start with ``prefix`` (bridge, veth peers)."""
     out = _run(["ip", "-o", "link", "show"], check=False)
-    names = []
-    for line in out.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) >= 2:
-            names.append(parts[1].strip().split("@")[0])
+    parts = [line.split(":", 2) for line in out.splitlines()]
+    names = [p[1].strip().split("@")[0] for p in parts if len(p) >= 2]
     return [name for name in names if name.startswith(prefix)]
 
 
 def cleanup(prefix: str = PREFIX) -> None:
     """Remove every namespace and root-namespace link whose name starts with ``prefix``.
 
-    Deleting a namespace destroys the veth end inside it, which also destroys
-    its peer; remaining links (bridge, orphaned peers) are deleted explicitly.
-    Errors are ignored so that cleanup is idempotent.
+    Deleting a namespace destroys the veth end inside it, which also destroys its peer; remaining
+    links (bridge, orphaned peers) are deleted explicitly. Errors are ignored (idempotent).
     """
     for netns in list_stale_netns(prefix):
         _run(["ip", "netns", "del", netns], check=False)
@@ -181,52 +159,31 @@ def cleanup(prefix: str = PREFIX) -> None:
         _run(["ip", "link", "del", link], check=False)
 
 
-def _make_node(index: int, subnet_prefix: str, name_prefix: str = PREFIX) -> Node:
+def _make_node(index: int, subnet_prefix: str, name_prefix: str) -> Node:
     """Names and address for node ``index`` (interface names stay below 16 characters)."""
-    return Node(
-        index=index,
-        netns=f"{name_prefix}-n{index}",
-        ip=f"{subnet_prefix}.{index + 1}",
-        ifname=f"{name_prefix}-e{index}",
-        peer_ifname=f"{name_prefix}-v{index}",
-    )
-
-
-def _create_bridge(bridge: str) -> None:
-    """Create the root-namespace bridge that connects all nodes."""
-    _run(["ip", "link", "add", bridge, "type", "bridge"])
-    _run(["ip", "link", "set", bridge, "up"])
+    netns, ifname, peer_ifname = (f"{name_prefix}-{kind}{index}" for kind in "nev")
+    return Node(index, netns, f"{subnet_prefix}.{index + 1}", ifname, peer_ifname)
 
 
 def _create_node(node: Node, bridge: str, rate_mbit: float, burst: int, latency_ms: int) -> None:
     """Create ``node``'s namespace, veth pair, address and egress shaping."""
-    ns = ["ip", "netns", "exec", node.netns]
-    _run(["ip", "netns", "add", node.netns])
-    _run(["ip", "link", "add", node.ifname, "type", "veth", "peer", "name", node.peer_ifname])
-    _run(["ip", "link", "set", node.ifname, "netns", node.netns])
-    _run(["ip", "link", "set", node.peer_ifname, "master", bridge])
-    _run(["ip", "link", "set", node.peer_ifname, "up"])
-    _run([*ns, "ip", "link", "set", "lo", "up"])
-    _run([*ns, "ip", "addr", "add", f"{node.ip}/{SUBNET_BITS}", "dev", node.ifname])
-    _run([*ns, "ip", "link", "set", node.ifname, "up"])
-    _run(
-        [
-            *ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            node.ifname,
-            "root",
-            "tbf",
-            "rate",
-            f"{rate_mbit}mbit",
-            "burst",
-            str(burst),
-            "latency",
-            f"{latency_ms}ms",
-        ]
-    )
+    in_root = [
+        f"ip netns add {node.netns}",
+        f"ip link add {node.ifname} type veth peer name {node.peer_ifname}",
+        f"ip link set {node.ifname} netns {node.netns}",
+        f"ip link set {node.peer_ifname} master {bridge}",
+        f"ip link set {node.peer_ifname} up",
+    ]
+    in_node = [
+        "ip link set lo up",
+        f"ip addr add {node.ip}/{SUBNET_BITS} dev {node.ifname}",
+        f"ip link set {node.ifname} up",
+        f"tc qdisc add dev {node.ifname} root tbf rate {rate_mbit}mbit burst {burst} latency {latency_ms}ms",
+    ]
+    for command in in_root:
+        _run(command.split())
+    for command in in_node:
+        _run(["ip", "netns", "exec", node.netns, *command.split()])
 
 
 def _wait_reachable(cluster: EmulatedCluster, timeout_s: float = 10.0) -> None:
@@ -234,16 +191,8 @@ def _wait_reachable(cluster: EmulatedCluster, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     target = cluster.nodes[0].ip
     for node in cluster.nodes[1:]:
-        while True:
-            ok = (
-                subprocess.run(
-                    cluster.exec_argv(node, ["ping", "-c", "1", "-W", "1", target]),
-                    capture_output=True,
-                ).returncode
-                == 0
-            )
-            if ok:
-                break
+        ping = cluster.exec_argv(node, ["ping", "-c", "1", "-W", "1", target])
+        while subprocess.run(ping, capture_output=True).returncode != 0:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{node.netns} cannot reach {target}")
             time.sleep(0.2)
@@ -258,21 +207,10 @@ def emulated_cluster(
     subnet_prefix: str = SUBNET_PREFIX,
     name_prefix: str = PREFIX,
 ) -> Iterator[EmulatedCluster]:
-    """Build an emulated ``num_nodes`` cluster with ``rate_mbit`` egress per node; tear it down on exit.
-
-    Args:
-        num_nodes: number of namespaces ("nodes"), at most 250.
-        rate_mbit: egress rate limit of each node's veth, in Mbit/s.
-        latency_ms: tbf ``latency`` (maximum queueing delay before drops).
-        burst_bytes: tbf ``burst``; default :func:`burst_bytes_for` ``(rate_mbit)``.
-        subnet_prefix: first three octets of the private /24 used for the nodes.
-        name_prefix: prefix of every namespace and link created (and of what is cleaned up), so
-            that benchmarks with different prefixes do not remove each other's clusters; at most
-            12 characters (interface names must stay below 16).
-
-    Yields:
-        An :class:`EmulatedCluster` describing the nodes.
-    """
+    """An emulated cluster of ``num_nodes`` (<= 250) nodes with ``rate_mbit`` egress each (tbf ``latency``
+    and ``burst``, default :func:`burst_bytes_for`), torn down on exit. ``name_prefix`` (<= 12 characters:
+    interface names stay below 16) names, and limits the clean-up to, what it creates, so benchmarks
+    with different prefixes (and ``subnet_prefix``, the /24's first three octets) can run side by side."""
     require_tools()
     if not 1 <= num_nodes <= 250:
         raise ValueError(f"num_nodes must be in [1, 250], got {num_nodes}")
@@ -280,16 +218,11 @@ def emulated_cluster(
         raise ValueError(f"name_prefix must be 1-12 characters [A-Za-z0-9-], got {name_prefix!r}")
     burst = burst_bytes if burst_bytes is not None else burst_bytes_for(rate_mbit)
     nodes = [_make_node(i, subnet_prefix, name_prefix) for i in range(num_nodes)]
-    cluster = EmulatedCluster(
-        nodes=nodes,
-        rate_mbit=rate_mbit,
-        burst_bytes=burst,
-        latency_ms=latency_ms,
-        bridge=f"{name_prefix}-br",
-    )
+    cluster = EmulatedCluster(nodes, rate_mbit, burst, latency_ms, bridge=f"{name_prefix}-br")
     cleanup(name_prefix)
     try:
-        _create_bridge(cluster.bridge)
+        _run(["ip", "link", "add", cluster.bridge, "type", "bridge"])
+        _run(["ip", "link", "set", cluster.bridge, "up"])
         for node in nodes:
             _create_node(node, cluster.bridge, rate_mbit, burst, latency_ms)
         if shutil.which("ping"):
@@ -302,6 +235,89 @@ def emulated_cluster(
             cleanup(name_prefix)
 
 
+def run_on_cluster(body: Callable[[EmulatedCluster], bool], **cluster_options: Any) -> int:
+    """Build an emulated cluster (:func:`emulated_cluster` with ``cluster_options``), run ``body`` in it,
+    tear it down; returns an exit code: 0 when ``body`` returned True, 1 when not, 130 on Ctrl-C."""
+    exit_on_sigterm()
+    try:
+        with emulated_cluster(**cluster_options) as cluster:
+            ok = body(cluster)
+    except KeyboardInterrupt:
+        print("\ninterrupted; workers stopped and emulated cluster removed", file=sys.stderr)
+        return 130
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------------- workers in the cluster
+def rank_env(
+    cluster: EmulatedCluster, node: Node, local_rank: int, devices_per_node: int, port: int, run_id: str
+) -> dict[str, str]:
+    """Environment of one worker as torchrun would set it: ``TORCHELASTIC_RUN_ID`` turns on Lightning's
+    detection, ``GLOO_SOCKET_IFNAME`` makes gloo bind the node's veth."""
+    world, rank, index = (
+        len(cluster.nodes) * devices_per_node,
+        node.index * devices_per_node + local_rank,
+        node.index,
+    )
+    master = {"MASTER_ADDR": cluster.nodes[0].ip, "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": node.ifname}
+    ranks = {
+        "RANK": rank,
+        "ROLE_RANK": rank,
+        "LOCAL_RANK": local_rank,
+        "GROUP_RANK": index,
+        "NODE_RANK": index,
+    }
+    sizes = {"WORLD_SIZE": world, "ROLE_WORLD_SIZE": world, "LOCAL_WORLD_SIZE": devices_per_node}
+    elastic = {"TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0}
+    values = {**master, **ranks, **sizes, "GROUP_WORLD_SIZE": len(cluster.nodes), **elastic}
+    return worker_env(**{key: str(value) for key, value in values.items()})
+
+
+def launch(
+    cluster: EmulatedCluster, argv: list[str], workdir: Path, devices_per_node: int, port: int, run_id: str
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``devices_per_node`` workers in every node's namespace, ranks in node order; each logs to
+    ``workdir/rank<r>.log``."""
+    procs = []
+    for node in cluster.nodes:
+        for local_rank in range(devices_per_node):
+            rank = node.index * devices_per_node + local_rank
+            env = rank_env(cluster, node, local_rank, devices_per_node, port, run_id)
+            with open(workdir / f"rank{rank}.log", "wb") as log:  # the child holds its own descriptor
+                procs.append(
+                    cluster.popen(node, argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+                )
+    return procs
+
+
+def watch(
+    procs: list[subprocess.Popen[bytes]],
+    timeout_s: float,
+    poll_s: float,
+    on_tick: Callable[[], None] = lambda: None,
+    started: float | None = None,
+) -> None:
+    """Until every worker has exited 0: call ``on_tick`` every ``poll_s``; raise when one fails or the
+    run takes longer than ``timeout_s`` (counted from ``started``, default now)."""
+    deadline = (time.monotonic() if started is None else started) + timeout_s
+    while True:
+        on_tick()
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            raise RuntimeError(f"worker failed, exit codes {codes}")
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"strategy run exceeded {timeout_s} s")
+        time.sleep(poll_s)
+
+
+def logs_tail(workdir: Path) -> str:
+    """The last lines of every worker's log, for error reports."""
+    return "\n".join(f"--- {log.name} ---\n{tail(log, 25)}" for log in sorted(workdir.glob("rank*.log")))
+
+
+# ---------------------------------------------------------------------- self-test
 _SINK = """
 import socket, sys
 srv = socket.create_server(("0.0.0.0", int(sys.argv[1])))
@@ -350,7 +366,3 @@ def self_test(rate_mbit: float = 200, megabytes: int = 50) -> None:
         print(f"payload {received / 1e6:.1f} MB in {seconds:.2f} s = {mbit:.1f} Mbit/s")
         print(f"tx_bytes delta {(tx1 - tx0) / 1e6:.1f} MB (= payload x {(tx1 - tx0) / received:.3f})")
     print(f"leftovers after cleanup: netns={list_stale_netns()} links={list_stale_links()}")
-
-
-if __name__ == "__main__":
-    self_test(rate_mbit=float(sys.argv[1]) if len(sys.argv) > 1 else 200)

@@ -1,0 +1,149 @@
+"""Run under torchrun on one CUDA device (NCCL, world size 1): every strategy against Lightning.
+
+``gpu_checks.py OUT [CASE,...]`` trains each case on the GPU twice, once under the package's strategy
+and once under Lightning's own (``ddp`` on the same device, or the single-device strategy for the
+pipeline), and writes ``{case: {"max_rel_diff": ..., "reference_moved": ...}}`` as JSON to OUT.
+``tests/test_gpu.py`` runs it where a GPU exists (CI has none) and checks the numbers. With one
+device the NCCL collectives are trivial, but they are real: NCCL refuses host tensors, the CUDA
+code paths (inline reducer, CUDA-event step clock, pinned swap, the sharded grad scaler) run, and
+``LIGHTNING_HIER_AUDIT_DIR`` records what was issued.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lightning.pytorch as pl  # noqa: E402
+from hybrid_checks import Click  # noqa: E402
+from hybrid_checks import loader as hybrid_loader  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
+from models import EquivModel, loader  # noqa: E402
+from pipeline_models import SkewedNet  # noqa: E402
+from pipeline_models import loader as pipeline_loader  # noqa: E402
+
+from lightning_hier import HierPipelineStrategy, HierSlicedStrategy  # noqa: E402
+
+SLICED = {
+    "sliced_sgd_size": (dict(optimizer="sgd", quirks=True, batch_norm=True), {}, {}),
+    "sliced_adam_time": (dict(optimizer="adam"), dict(bucketing="time", profile_steps=2), {}),
+    "sliced_adamw_none_clip": (
+        dict(optimizer="adamw_groups", scheduler=True),
+        dict(bucketing="none"),
+        dict(gradient_clip_val=0.05),
+    ),
+    "sliced_bf16_mixed": (dict(optimizer="adam"), {}, dict(precision="bf16-mixed")),
+    "sliced_16_mixed": (dict(optimizer="adam"), {}, dict(precision="16-mixed")),
+    "sliced_accumulate_thread_reducer": (
+        dict(optimizer="sgd"),
+        dict(reducer="thread"),
+        dict(accumulate_grad_batches=2),
+    ),
+}
+PIPELINE = {
+    "pipeline_keep": dict(activation_policy="keep"),
+    "pipeline_swap": dict(activation_policy="swap"),
+    "pipeline_recompute_gpipe": dict(activation_policy="recompute", schedule="gpipe"),
+}
+HYBRID = {"hybrid_adagrad_16_mixed": "16-mixed", "hybrid_sgd_32": "32-true"}
+
+
+def trainer(strategy, steps: int, **kwargs) -> pl.Trainer:  # noqa: ANN001, ANN003
+    return pl.Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for key in a:
+        if key.endswith("num_batches_tracked"):
+            continue
+        worst = max(worst, ((a[key] - b[key]).abs().max() / (a[key].abs().max() + 1e-12)).item())
+    return worst
+
+
+def sliced(case: str) -> dict:
+    model_kwargs, hier_kwargs, trainer_kwargs = SLICED[case]
+    steps = 6 * trainer_kwargs.get("accumulate_grad_batches", 1)
+    results = []
+    for strategy in (
+        DDPStrategy(find_unused_parameters=True),
+        HierSlicedStrategy(bucket_cap_mb=0.002, **hier_kwargs),
+    ):
+        pl.seed_everything(1234, verbose=False)
+        model = EquivModel(**model_kwargs)
+        initial = state(model)
+        trainer(strategy, steps, **trainer_kwargs).fit(model, loader())
+        results.append(state(model))
+    return {
+        "max_rel_diff": max_rel_diff(results[0], results[1]),
+        "reference_moved": max_rel_diff(results[0], initial),
+    }
+
+
+def pipeline(case: str) -> dict:
+    results = []
+    for strategy in (SingleDeviceStrategy(device=torch.device("cuda", 0)), None):
+        if strategy is None:
+            strategy = HierPipelineStrategy(stages=1, micro_batches=4, rebalance="never", **PIPELINE[case])
+        pl.seed_everything(0, verbose=False)
+        model = SkewedNet(optimizer="adam")
+        initial = state(model)
+        trainer(strategy, 6).fit(model, pipeline_loader())
+        results.append(state(model))
+    return {
+        "max_rel_diff": max_rel_diff(results[0], results[1]),
+        "reference_moved": max_rel_diff(results[0], initial),
+    }
+
+
+def hybrid(case: str) -> dict:
+    """HybridEmbedding (host table, CUDA ids) under hier_sliced against a dense EmbeddingBag under ddp."""
+    results = []
+    for use_hybrid in (False, True):
+        strategy = HierSlicedStrategy() if use_hybrid else DDPStrategy()
+        pl.seed_everything(0, verbose=False)
+        model = Click(hybrid=use_hybrid, optimizer="adagrad" if "adagrad" in case else "sgd")
+        if not use_hybrid:
+            initial = {"emb": model.emb.weight.detach().float().cpu().clone(), **state(model.head)}
+        trainer(strategy, 8, precision=HYBRID[case], use_distributed_sampler=False).fit(
+            model, hybrid_loader()
+        )
+        results.append({"emb": model.emb.weight.detach().float().cpu().clone(), **state(model.head)})
+    return {
+        "max_rel_diff": max_rel_diff(results[0], results[1]),
+        "reference_moved": max_rel_diff(results[0], initial),
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    cases = sys.argv[2].split(",") if len(sys.argv) > 2 else [*SLICED, *PIPELINE, *HYBRID]
+    results: dict = {}
+    for case in cases:
+        run = sliced if case in SLICED else pipeline if case in PIPELINE else hybrid
+        try:
+            results[case] = run(case)
+        except Exception as error:  # noqa: BLE001 - one broken case must not hide the others
+            import traceback
+
+            results[case] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+        print(case, json.dumps({k: v for k, v in results[case].items() if k != "trace"}), flush=True)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
