@@ -177,6 +177,19 @@ class HierSlicedEngine:
             param.grad = None
         self._layout(plan, state)
 
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """What a checkpoint must hold to resume with this run's time plan (``None``: nothing to keep)."""
+        if self.time_bucketing is None:
+            return None
+        plan = self.time_bucketing.plan
+        return {"time_plan": plan.to_dict() if plan is not None else None}
+
+    def load_checkpoint_state(self, state: dict[str, Any] | None) -> None:
+        """Resume with the time plan :meth:`checkpoint_state` saved (same buckets, no new profiling)."""
+        saved = (state or {}).get("time_plan")
+        if saved is not None and self.time_bucketing is not None:
+            self.restore_time_plan(TimePlan.from_dict(saved))
+
     def restore_time_plan(self, plan: TimePlan) -> bool:
         """Resume with a saved time plan (no new profiling) if it fits this model; else profile again."""
         if self.time_bucketing is None:

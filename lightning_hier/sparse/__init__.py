@@ -5,7 +5,8 @@ Entry point: :class:`lightning_hier.sparse.embedding.HybridEmbedding`, a drop-in
 shared memory (:mod:`.shared_store`, :mod:`.table_file`, hashed ids in :mod:`.id_index`), per-id
 gradients are frequency-averaged hierarchically (:mod:`.sync`), one process per node applies the
 row-wise optimizer (:mod:`.row_optim`), and tables are checkpointed beside the ``.ckpt``
-(:mod:`.checkpoint`). No Lightning here.
+(:mod:`.checkpoint`). A strategy drives all of a model's tables through
+:class:`.node_tables.NodeTables`. No Lightning here.
 """
 
 from lightning_hier.sparse.embedding import HybridEmbedding

@@ -7,11 +7,10 @@ step itself is :class:`lightning_hier.sliced.engine.HierSlicedEngine`.
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -27,30 +26,12 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 
 from lightning_hier.bucketing.time_bucketing import TimeBucketingConfig, validate_time_settings
-from lightning_hier.bucketing.time_plan import TimePlan
+from lightning_hier.sliced.checkpoints import SlicedCheckpoints, validate_checkpoint_format
 from lightning_hier.sliced.engine import HierSlicedEngine
 from lightning_hier.sliced.reducer import REDUCERS
-from lightning_hier.sliced.sharded_checkpoint import (
-    check_layout,
-    consolidate_sharded_checkpoint,
-    is_sharded_checkpoint,
-    load_meta,
-    load_sharded_optimizer,
-    load_sharded_params,
-    save_sharded,
-)
 from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
 from lightning_hier.sliced.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
-from lightning_hier.sparse.checkpoint import (
-    CHECKPOINT_KEY as TABLES_KEY,
-)
-from lightning_hier.sparse.checkpoint import (
-    find_hybrid_embeddings,
-    remove_tables,
-    restore_tables,
-    save_tables,
-)
-from lightning_hier.sparse.embedding import HybridEmbedding
+from lightning_hier.sparse.node_tables import NodeTables
 from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
@@ -59,10 +40,6 @@ from lightning_hier.strategies.process_group_exit import destroy_process_group_a
 from lightning_hier.topology import Topology, resolve_backend, validate_layout
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_FORMATS = ("consolidated", "sharded")
-_LOADED_FROM = "_hier_sliced_loaded_from"
-_PLAN_KEY = "hier_sliced"
 
 
 class HierSlicedStrategy(DDPStrategy):
@@ -159,10 +136,7 @@ class HierSlicedStrategy(DDPStrategy):
         )
         if reducer not in REDUCERS:
             raise ValueError(f"reducer={reducer!r} is not one of {list(REDUCERS)}.")
-        if checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ValueError(
-                f"checkpoint_format={checkpoint_format!r} is not one of {list(CHECKPOINT_FORMATS)}."
-            )
+        validate_checkpoint_format(checkpoint_format)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -188,7 +162,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None
-        self.hybrid_embeddings: list[tuple[str, HybridEmbedding]] = []
+        self.tables = NodeTables()
         self._buffers_changed = False
 
     # ------------------------------------------------------------------ environment
@@ -242,14 +216,10 @@ class HierSlicedStrategy(DDPStrategy):
     def _attach_hybrid_embeddings(self) -> None:
         """Local rank 0 of each node creates every HybridEmbedding table in shared memory; the rest map it."""
         assert self.lightning_module is not None
-        self.hybrid_embeddings = find_hybrid_embeddings(self.lightning_module)
-        if not self.hybrid_embeddings:
-            return
-        topology = self._groups()
-        for name, module in self.hybrid_embeddings:
-            module.attach(
-                topology.intra_group, topology.inter_group, topology.local_rank, label=name, managed=True
-            )
+        self.tables = NodeTables(self.lightning_module)
+        if self.tables:
+            topology = self._groups()
+            self.tables.attach(topology.intra_group, topology.inter_group, topology.local_rank)
 
     def _check_automatic_optimization(self) -> None:
         assert self.lightning_module is not None
@@ -300,7 +270,7 @@ class HierSlicedStrategy(DDPStrategy):
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             assert self.topology is not None
-            checks = [module.synced_gradients_finite for _, module in self.hybrid_embeddings]
+            checks = self.tables.finite_checks()
             if isinstance(plugin.scaler, HierGradScaler):
                 plugin.scaler.extra_finite = checks
             else:
@@ -375,8 +345,7 @@ class HierSlicedStrategy(DDPStrategy):
         if self.engine.syncing:
             if self.full_gradients_in_hooks:
                 self.engine.expose_full_gradients()
-            for _, module in self.hybrid_embeddings:
-                module.sync_gradients()  # applied in optimizer_step, once the scaler has decided
+            self.tables.sync_gradients()  # applied in optimizer_step, once the scaler has decided
 
     def before_optimizer_step_hooks(self) -> None:
         """Called by the precision plugin right before ``on_before_optimizer_step``: under a loss
@@ -396,111 +365,58 @@ class HierSlicedStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engine is not None:
             self.engine.after_step()
-        inv_scale, skipped = self._table_update_factor()
-        for _, module in self.hybrid_embeddings:
-            module.apply_update(inv_scale, skipped)
+        self.tables.apply_update(*self._table_update_factor())
         return output
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoints(self) -> SlicedCheckpoints:
+        """How checkpoints are written and read (:mod:`lightning_hier.sliced.checkpoints`)."""
+        return SlicedCheckpoints(self.checkpoint_format)
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         # the flat buckets must exist before states are loaded into them (in place)
         return True
 
-    @property
-    def _saves_sharded(self) -> bool:
-        return self.checkpoint_format == "sharded" and self.engine is not None
-
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.engine is None:
             return super().optimizer_state(optimizer)
-        if self._saves_sharded:
-            return {}  # written slice by slice in save_checkpoint
-        return self.engine.optimizer_state_dict()
+        return self.checkpoints.optimizer_state(self.engine)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        if self.engine is not None and self.engine.time_bucketing is not None:
-            plan = self.engine.time_bucketing.plan
-            checkpoint[_PLAN_KEY] = {"time_plan": plan.to_dict() if plan is not None else None}
-        if self.hybrid_embeddings:
-            checkpoint[TABLES_KEY] = save_tables(self.hybrid_embeddings, filepath, write=self.is_global_zero)
-        if not self._saves_sharded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        assert self.engine is not None
-        # checkpoint["optimizer_states"] holds empty placeholders: the slices go to the DCP files
-        save_sharded(self.engine, filepath, checkpoint, self.is_global_zero)
-        return None
+        self.tables.save(checkpoint, filepath, write=self.is_global_zero)
+        write_file = partial(super().save_checkpoint, filepath=filepath, storage_options=storage_options)
+        self.checkpoints.save(self.engine, checkpoint, filepath, self.is_global_zero, write_file)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            remove_tables(filepath)
-        if self.is_global_zero and Path(filepath).is_dir():
-            shutil.rmtree(filepath)
-        else:
-            super().remove_checkpoint(filepath)
+            NodeTables.remove(filepath)
+        self.checkpoints.remove(filepath, self.is_global_zero, super().remove_checkpoint)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if is_sharded_checkpoint(checkpoint_path):
-            meta = load_meta(checkpoint_path)
-            meta[_LOADED_FROM] = str(checkpoint_path)
-            return meta
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        read_file = partial(super().load_checkpoint, weights_only=weights_only)
+        return self.checkpoints.read(checkpoint_path, read_file)
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        self._restore_time_plan(checkpoint)
-        if self.hybrid_embeddings and TABLES_KEY in checkpoint:
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            ckpt_path = getattr(trainer, "ckpt_path", None)
-            restore_tables(self.hybrid_embeddings, checkpoint[TABLES_KEY], ckpt_path)
-        path = checkpoint.get(_LOADED_FROM)
-        if path is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
         assert self.lightning_module is not None
-        if self.engine is None:  # validate/test/predict: no slices here, read the whole model
-            full = consolidate_sharded_checkpoint(path)
-            self.lightning_module.load_state_dict(full["state_dict"], strict=strict)
-            return None
-        check_layout(self.engine, checkpoint, path)
-        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
-        load_sharded_params(self.engine, path)
-        return None
-
-    def _restore_time_plan(self, checkpoint: dict[str, Any]) -> None:
-        """Resume with the saved time plan (same buckets, no new profiling) when it fits the model."""
-        saved = (checkpoint.get(_PLAN_KEY) or {}).get("time_plan")
-        if saved is None or self.engine is None or self.engine.time_bucketing is None:
-            return
-        self.engine.restore_time_plan(TimePlan.from_dict(saved))
+        self.tables.restore(checkpoint, getattr(self.lightning_module.trainer, "ckpt_path", None))
+        load_whole = super().load_model_state_dict
+        self.checkpoints.restore_model(self.engine, self.lightning_module, checkpoint, strict, load_whole)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if self.engine is None:
             return super().load_optimizer_state_dict(checkpoint)
-        if _LOADED_FROM in checkpoint:
-            load_sharded_optimizer(self.engine, checkpoint[_LOADED_FROM], checkpoint)
-            return None
-        states: Sequence[dict[str, Any]] = checkpoint["optimizer_states"]
-        if len(states) != 1:
-            raise ValueError(
-                f"the checkpoint holds {len(states)} optimizer states; HierSlicedStrategy uses one."
-            )
-        self.engine.load_optimizer_state_dict(states[0])
+        self.checkpoints.restore_optimizer(self.engine, checkpoint)
         _optimizers_to_device(self.optimizers, self.root_device)
         return None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Plain tensors (not views into the flat buckets), loadable into the bare module.
-
-        For sharded checkpoints only what the slices do not cover (buffers, frozen parameters,
-        second names of tied parameters) is kept here.
-        """
-        state = super().lightning_module_state_dict()
-        if self._saves_sharded:
-            assert self.engine is not None
-            sliced = set(self.engine.param_names)
-            state = {k: v for k, v in state.items() if k not in sliced}
-        return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        """Plain tensors (not views into the flat buckets), loadable into the bare module; when sharded,
+        only what the slices do not cover."""
+        return self.checkpoints.module_state(self.engine, super().lightning_module_state_dict())
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
