@@ -120,6 +120,7 @@ class PipelineEngine:
         self.checks: list[dict[str, Any]] = []  # every check: step, reason, changed, measured stage times
         self.last_decision: RebalanceDecision | None = None
         self.steps = 0
+        self._time_split_done = False
         self.meter: ActivationMeter | None = None
         self.runner: LayerRunner | None = None
         self.memory_plan: MemoryPlan | None = None
@@ -237,6 +238,29 @@ class PipelineEngine:
             event.pause_seconds,
         )
         return decision
+
+    def after_optimizer_step(self, steps: int, epoch_ends: bool) -> None:
+        """The plans that follow optimizer step number ``steps`` (1-based; ``epoch_ends`` when it was the
+        epoch's last): the one split by measured times (``partition="time"``, once ``profile_steps`` have
+        run), the memory plan when due, and a rebalance check when ``rebalance`` says one is due
+        (``"epoch"``: at the epoch's end; ``N``: every N steps). Collective: every stage calls it."""
+        settings = self.settings
+        if settings.partition == "time" and not self._time_split_done and steps >= settings.profile_steps:
+            self._time_split_done = True
+            self.rebalance(settings.imbalance_threshold, settings.balance_tolerance, force=True)
+            self.decide_memory_plan()
+            return
+        if self.memory_plan_due(steps):
+            self.decide_memory_plan()
+        if settings.rebalance == "never":
+            return
+        due = epoch_ends if settings.rebalance == "epoch" else steps % int(settings.rebalance) == 0
+        if due:
+            decision = self.rebalance(
+                settings.imbalance_threshold, settings.balance_tolerance, min_gain=settings.min_rebalance_gain
+            )
+            # a new split re-decides every stage's plan; otherwise only where memory changed
+            self.decide_memory_plan(force=decision.new is not None)
 
     def apply_partition(self, new: StagePartition) -> MigrationReport:
         """Move layers live so that ``new`` holds (collective over all stages)."""

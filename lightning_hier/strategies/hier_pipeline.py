@@ -164,7 +164,6 @@ class HierPipelineStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.engine: PipelineEngine | None = None
-        self._time_split_done = False
         self._user_zero_grad: Callable[..., Any] = lambda *args, **kwargs: None
 
     # ------------------------------------------------------------------ environment
@@ -439,28 +438,10 @@ class HierPipelineStrategy(DDPStrategy):
     def _maybe_rebalance(self) -> None:
         assert self.engine is not None and self.lightning_module is not None
         trainer = self.lightning_module.trainer
-        steps = trainer.global_step + 1  # global_step is incremented after optimizer_step returns
-        settings = self.settings
-        if settings.partition == "time" and not self._time_split_done and steps >= settings.profile_steps:
-            self._time_split_done = True
-            self.engine.rebalance(settings.imbalance_threshold, settings.balance_tolerance, force=True)
-            self.engine.decide_memory_plan()
-            return
-        if self.engine.memory_plan_due(steps):
-            self.engine.decide_memory_plan()
-        if settings.rebalance == "never":
-            return
-        if settings.rebalance == "epoch":
-            loop = trainer.fit_loop.epoch_loop
-            due = loop.batch_progress.is_last_batch or loop.batch_idx + 1 >= trainer.num_training_batches
-        else:
-            due = steps % int(settings.rebalance) == 0
-        if due:
-            decision = self.engine.rebalance(
-                settings.imbalance_threshold, settings.balance_tolerance, min_gain=settings.min_rebalance_gain
-            )
-            # a new split re-decides every stage's plan; otherwise only where memory changed
-            self.engine.decide_memory_plan(force=decision.new is not None)
+        loop = trainer.fit_loop.epoch_loop
+        epoch_ends = loop.batch_progress.is_last_batch or loop.batch_idx + 1 >= trainer.num_training_batches
+        # global_step is incremented after optimizer_step returns
+        self.engine.after_optimizer_step(trainer.global_step + 1, epoch_ends)
 
     # ------------------------------------------------------------------ checkpoints
     @property
