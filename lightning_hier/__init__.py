@@ -16,6 +16,7 @@ from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.sparse import HybridEmbedding
 from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
 from lightning_hier.strategies.hier_sliced import HierSlicedStrategy
+from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, emulating_cuda
 
 __version__ = "0.1.0"
@@ -23,6 +24,8 @@ __version__ = "0.1.0"
 if emulating_cuda():  # LIGHTNING_HIER_DEVICE_BACKEND: a CPU run whose groups are built as on CUDA
     register_emulated_nccl()
 install_from_env()  # LIGHTNING_HIER_AUDIT_DIR: record every collective of this process
+# any run that imports the package (ddp with a HybridEmbedding too) ends without gloo's exit race
+destroy_process_group_at_exit()
 
 for _strategy in (HierSlicedStrategy, HierPipelineStrategy):
     if _strategy.strategy_name not in StrategyRegistry:
