@@ -1,7 +1,7 @@
 """lightning_hier: hierarchical distributed-training strategies for PyTorch Lightning.
 
 Importing the package registers its strategy names with Lightning, so
-``Trainer(strategy="hier_sliced")`` and ``Trainer(strategy="hier_pipeline")`` work after
+``Trainer(strategy="hier_sliced")``, ``"hier_pipeline"`` and ``"hier_bsp"`` work after
 ``import lightning_hier``.
 """
 
@@ -14,6 +14,7 @@ from lightning_hier.sliced.engine import HierSlicedEngine
 from lightning_hier.sliced.sharded_checkpoint import consolidate_sharded_checkpoint
 from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.sparse import HybridEmbedding
+from lightning_hier.strategies.hier_bsp import HierBSPStrategy
 from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
 from lightning_hier.strategies.hier_sliced import HierSlicedStrategy
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
@@ -27,13 +28,14 @@ install_from_env()  # LIGHTNING_HIER_AUDIT_DIR: record every collective of this 
 # any run that imports the package (ddp with a HybridEmbedding too) ends without gloo's exit race
 destroy_process_group_at_exit()
 
-for _strategy in (HierSlicedStrategy, HierPipelineStrategy):
+for _strategy in (HierSlicedStrategy, HierPipelineStrategy, HierBSPStrategy):
     if _strategy.strategy_name not in StrategyRegistry:
         _strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "BucketPlan",
     "GradientTimingProfiler",
+    "HierBSPStrategy",
     "HierPipelineStrategy",
     "HierSlicedEngine",
     "HierSlicedStrategy",

@@ -84,11 +84,12 @@ class Topology:
         local_index = self.local_rank if local_index is None else local_index
         return [node * self.devices_per_node + local_index for node in range(self.num_nodes)]
 
-    def build_groups(self, timeout: timedelta | None = None) -> Topology:
+    def build_groups(self, timeout: timedelta | None = None, dedicated: bool = False) -> Topology:
         """Create the world, intra- and inter-node groups (a collective call: every rank must make it).
 
         Returns a copy of this topology holding this rank's groups, each with a CPU backend beside
-        the device one (the device rule above).
+        the device one (the device rule above). ``dedicated``: a world group of its own too, instead
+        of the shared control group (for a thread that issues collectives beside the main thread's).
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Topology.build_groups needs torch.distributed to be initialised first.")
@@ -97,8 +98,8 @@ class Topology:
                 f"Topology was made for world_size={self.world_size} but the process group has "
                 f"{dist.get_world_size()} ranks."
             )
-        world = control_group(timeout)
         backend = host_capable_backend()
+        world = dist.new_group(timeout=timeout, backend=backend) if dedicated else control_group(timeout)
         intra_lists = [self.intra_ranks(node) for node in range(self.num_nodes)]
         inter_lists = [self.inter_ranks(index) for index in range(self.devices_per_node)]
         intra, _ = dist.new_subgroups_by_enumeration(intra_lists, timeout=timeout, backend=backend)

@@ -92,7 +92,7 @@ class HierSlicedEngine:
                 f"{topology.devices_per_node} devices."
             )
         self._original_groups = [list(group["params"]) for group in optimizer.param_groups]
-        self.params, self._group_of = _trainable_params(self._original_groups)
+        self.params, self._group_of = trainable_params(self._original_groups)
         if not self.params:
             raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
         self.param_names = _names_of(module, self.params)
@@ -549,7 +549,7 @@ class HierSlicedEngine:
         self._reducer.close()
 
 
-def _trainable_params(groups: Sequence[Sequence[nn.Parameter]]) -> tuple[list[nn.Parameter], list[int]]:
+def trainable_params(groups: Sequence[Sequence[nn.Parameter]]) -> tuple[list[nn.Parameter], list[int]]:
     """Trainable parameters of the optimizer, each once, with the index of its param group."""
     params: list[nn.Parameter] = []
     group_of: list[int] = []

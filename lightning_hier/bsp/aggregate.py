@@ -1,0 +1,70 @@
+"""The aggregated gradient of one worker: every micro-step's gradient summed the moment it exists.
+
+A worker folds each micro-step's flat gradients into running sums and counts the micro-steps (and
+remembers which model version each was computed from). At a superstep the local BSP module reads the
+sums out (the worker keeps folding into a fresh set) and pushes them; the parameter server divides
+the job-wide sum by the job-wide micro-step count, so a worker that did more micro-steps weighs more,
+and a superstep of one micro-step per worker is exactly data parallel averaging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ReadOut:
+    """What one worker contributes to a superstep."""
+
+    sums: list[torch.Tensor]
+    count: int
+    versions: list[int]  # the model version each folded micro-step was computed from
+
+    def staleness(self, applied_at: int) -> list[int]:
+        """Supersteps between each micro-step's model and the superstep ``applied_at`` that applies it
+        (0: computed from the newest model when the superstep opened)."""
+        return [applied_at - 1 - version for version in self.versions]
+
+
+class GradientAggregate:
+    """Double-buffered gradient sums shaped like ``like`` (one flat tensor per bucket)."""
+
+    def __init__(self, like: Sequence[torch.Tensor]) -> None:
+        self._sums = [torch.zeros_like(t) for t in like]
+        self._spare = [torch.zeros_like(t) for t in like]
+        self.count = 0
+        self.versions: list[int] = []
+
+    @torch.no_grad()
+    def fold(self, grads: Sequence[torch.Tensor], version: int) -> None:
+        """Add one micro-step's gradients, computed from model ``version``."""
+        for total, grad in zip(self._sums, grads, strict=True):
+            total.add_(grad)
+        self.count += 1
+        self.versions.append(version)
+
+    def read_out(self) -> ReadOut:
+        """Everything folded so far; folding goes on into zeroed buffers. Hand the sums back with
+        :meth:`recycle` once they are pushed."""
+        out = ReadOut(self._sums, self.count, self.versions)
+        self._sums, self._spare = self._spare, []
+        self.count, self.versions = 0, []
+        return out
+
+    @torch.no_grad()
+    def recycle(self, out: ReadOut) -> None:
+        """Take pushed sums back as the next spare buffers."""
+        for tensor in out.sums:
+            tensor.zero_()
+        self._spare = out.sums
+
+
+def mean_scale(total_count: int) -> float:
+    """The factor each worker's sums are multiplied by before the job-wide sum, so that the sum is the
+    mean gradient per micro-step over the whole job."""
+    if total_count < 1:
+        raise ValueError(f"a superstep needs at least one micro-step, got {total_count}.")
+    return 1.0 / total_count

@@ -1,0 +1,77 @@
+"""The central BSP controller's decisions: when a superstep closes and when the job pauses.
+
+Every tick, each rank's local BSP module contributes one status row (what its worker has folded, what
+it is computing from, whether it can start another micro-step) to an all-gather on a CPU group. The
+controller role belongs to global rank 0: its row carries its clock (``superstep_seconds``), and the
+rules below turn the gathered rows into a decision. Every rank holds the same rows, so every rank
+evaluates the same pure function and reaches rank 0's decision without another broadcast (DESIGN
+principle 3: one decision from identical inputs, one issuing order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_hier.bsp.settings import BSPSettings
+
+# columns of a status row
+FOLDED = 0  # micro-steps folded into the open superstep
+INFLIGHT = 1  # model version the worker computes from now; -1 between micro-steps
+BLOCKED = 2  # 1: the worker cannot start another micro-step before the next model (or a resume)
+DRAIN = 3  # 1: the worker stopped and asks for everything to be applied (epoch end, checkpoint, exit)
+DEADLINE = 4  # rank 0 only: 1 once superstep_seconds have passed since the superstep opened
+EPOCH_END = 5  # 1: the worker ran out of batches (every worker then ends its epoch)
+ROW = 6
+
+
+@dataclass(frozen=True)
+class TickDecision:
+    """What all ranks do after a tick.
+
+    ``close``: read out, push, step, pull, announce the next model. ``closing``: a close is due but
+    must wait for a worker whose micro-step would otherwise land too stale; with ``max_staleness=0``
+    workers stop starting micro-steps until it happens. ``pause``: every worker drained (after the
+    close, if any): the local modules stop ticking until their workers resume.
+    """
+
+    close: bool = False
+    closing: bool = False
+    pause: bool = False
+
+
+def decide(rows: Sequence[Sequence[int]], settings: BSPSettings, version: int) -> TickDecision:
+    """The decision for one tick; ``version`` is the newest announced model (the number of closes)."""
+    folded = sum(row[FOLDED] for row in rows)
+    if all(row[DRAIN] for row in rows):
+        in_flight = any(row[INFLIGHT] >= 0 for row in rows)
+        return TickDecision(close=folded > 0 and not in_flight, pause=not in_flight)
+    if settings.superstep_steps is not None:
+        due = folded >= settings.superstep_steps * len(rows)
+    else:
+        due = bool(rows[0][DEADLINE]) and folded > 0
+    if not due:
+        return TickDecision()
+    if safe_to_close(rows, version, settings.max_staleness):
+        return TickDecision(close=True)
+    return TickDecision(closing=True)
+
+
+def safe_to_close(rows: Sequence[Sequence[int]], version: int, max_staleness: int) -> bool:
+    """Whether closing now keeps every gradient within ``max_staleness``.
+
+    The close makes model ``version + 1``; a micro-step computed from model ``r`` that is not folded
+    by then lands in the superstep after, ``version + 1 - r`` supersteps after its model. A worker
+    that is between micro-steps and not blocked may start one from ``version`` right after its row
+    was taken, so it counts as computing from ``version``.
+    """
+    for row in rows:
+        if row[INFLIGHT] >= 0:
+            source = row[INFLIGHT]
+        elif not row[BLOCKED]:
+            source = version
+        else:
+            continue
+        if version + 1 - source > max_staleness:
+            return False
+    return True

@@ -1,0 +1,194 @@
+"""``BSPEngine``: one worker of ``hier_bsp`` with its shared-memory module, local BSP module and server shard.
+
+The worker's side of a micro-step is two calls around the user's forward/backward::
+
+    engine.begin_step()      # pick up the newest model; wait only if a whole superstep ahead
+    ...forward, backward...  # gradients land in flat buffers behind the parameters' .grad
+    engine.end_step()        # fold them into the aggregate; the local BSP module does the rest
+
+``drain()`` stops the worker until every gradient it folded is applied and the final model is in its
+parameters (epoch ends, validation, checkpoints, exit: the same model on every rank); the next
+``begin_step()`` resumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hier.bsp.local_module import LocalBSPModule, SuperstepRecord
+from lightning_hier.bsp.server import ShardedParameterServer
+from lightning_hier.bsp.settings import BSPSettings
+from lightning_hier.bsp.shared_memory import SharedModelMemory
+from lightning_hier.bucketing.size_plan import ParamInfo, plan_size_buckets
+from lightning_hier.sliced.engine import trainable_params
+from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
+from lightning_hier.sliced.sharded_optim import check_optimizer
+from lightning_hier.sliced.slicing import SlicePlan
+from lightning_hier.topology import Topology
+
+
+class BSPEngine:
+    """Runs ``module``'s training as a ``hier_bsp`` worker; ``optimizer`` becomes the server's.
+
+    ``topology`` must hold groups that only this engine uses (its thread issues on them while the
+    main thread runs Lightning's own collectives on others).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        topology: Topology,
+        settings: BSPSettings,
+        slice_plan: SlicePlan | None = None,
+        bucket_cap_mb: float = 25.0,
+        timeout_s: float = 1800.0,
+        elementwise_optimizers: Sequence[str] = (),
+    ) -> None:
+        check_optimizer(optimizer, elementwise_optimizers)
+        self.settings = settings
+        self.topology = topology
+        self.timeout_s = timeout_s
+        self.optimizer = optimizer
+        original_groups = [list(group["params"]) for group in optimizer.param_groups]
+        self.params, group_of = trainable_params(original_groups)
+        if not self.params:
+            raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
+        infos = [
+            ParamInfo(i, p.numel(), p.element_size(), (group_of[i], p.dtype, p.device))
+            for i, p in enumerate(self.params)
+        ]
+        plan = plan_size_buckets(infos, int(bucket_cap_mb * 1024 * 1024))
+        slice_plan = slice_plan or SlicePlan((1.0,) * topology.devices_per_node)
+        self.server = ShardedParameterServer(
+            self.params, group_of, optimizer, original_groups, topology, plan, slice_plan
+        )
+        self.buckets: list[FlatBucket] = build_flat_buckets(
+            self.params, plan, slice_plan, topology.local_rank
+        )
+        self.memory = SharedModelMemory([b.params for b in self.buckets], settings)
+        self.module = LocalBSPModule(self.memory, self.server, topology, settings, timeout_s)
+        self.module.start()
+
+    # ------------------------------------------------------------------ worker
+    @torch.no_grad()
+    def begin_step(self) -> None:
+        """Resume after a drain, pick up the newest model, and wait while a whole superstep ahead."""
+        memory = self.memory
+        with memory.cond:
+            memory.raise_if_failed()
+            if memory.paused:
+                memory.paused = memory.draining = memory.epoch_ended = memory.peer_epoch_ended = False
+                memory.notify()
+            while True:
+                self._pick_up()
+                if not memory.blocked():
+                    break
+                memory.wait(self.timeout_s, "new model from the parameter server")
+            memory.in_flight = memory.picked_up
+            memory.started_since_pickup += 1
+        self.zero_grad()
+
+    @torch.no_grad()
+    def end_step(self, computed: bool = True) -> None:
+        """Fold this micro-step's gradients into the aggregate (``computed=False``: a skipped step)."""
+        memory = self.memory
+        self._collect_grads()
+        with memory.cond:
+            if computed:
+                memory.aggregate.fold([b.grads for b in self.buckets], memory.in_flight)
+                # the settings this step was taken with (an LR scheduler may change them before the close)
+                memory.hyper = [
+                    {k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups
+                ]
+            memory.in_flight = -1
+            memory.notify()
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero the worker's gradients; every parameter's ``.grad`` is (again) a view into its bucket."""
+        for bucket in self.buckets:
+            bucket.grads.zero_()
+            for slot in bucket.slots:
+                self.params[slot.index].grad = bucket.grad_view(slot)
+
+    @torch.no_grad()
+    def _collect_grads(self) -> None:
+        """Take in gradients that autograd put elsewhere (after a ``zero_grad(set_to_none=True)``)."""
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                param, view = self.params[slot.index], bucket.grad_view(slot)
+                if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                    view.add_(param.grad)
+                param.grad = view
+
+    def set_clipping(self, clip: tuple[str, float] | None) -> None:
+        """Gradient clipping the server applies to the mean gradient of every superstep."""
+        with self.memory.cond:
+            self.memory.clip = clip
+
+    @torch.no_grad()
+    def drain(self, epoch_end: bool = False) -> None:
+        """Apply everything folded on every rank, then copy the final model (a collective).
+        ``epoch_end``: this worker ran out of batches; the others end their epochs too."""
+        memory = self.memory
+        with memory.cond:
+            memory.raise_if_failed()
+            if not memory.paused:
+                memory.draining = True
+                memory.epoch_ended = epoch_end
+                memory.notify()
+                while not memory.paused:
+                    memory.wait(self.timeout_s, "drain of every worker")
+            self._pick_up()
+
+    def _pick_up(self) -> None:
+        memory = self.memory
+        if memory.picked_up != memory.version:
+            for bucket, published in zip(self.buckets, memory.published):
+                bucket.params.copy_(published)
+            memory.picked_up = memory.version
+            memory.started_since_pickup = 0
+
+    def start_epoch(self) -> None:
+        """A new epoch's batches begin: the last epoch's end no longer counts."""
+        with self.memory.cond:
+            if self.memory.paused:
+                self.memory.epoch_ended = self.memory.peer_epoch_ended = False
+
+    @property
+    def epoch_should_end(self) -> bool:
+        """Another worker ran out of batches: end this epoch too (all then drain together)."""
+        return self.memory.peer_epoch_ended
+
+    @property
+    def records(self) -> list[SuperstepRecord]:
+        return self.module.records
+
+    def close(self) -> None:
+        """Drain, then stop the local BSP module (a collective: every rank calls it)."""
+        if self.module.is_alive() and self.memory.error is None:
+            self.drain()
+        with self.memory.cond:
+            self.memory.stopping = True
+            self.memory.cond.notify_all()
+        self.module.join(timeout=10.0)
+
+    # ------------------------------------------------------------------ checkpoints
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The unsharded optimizer's ``state_dict`` (drained; a collective over the node)."""
+        return self.server.sharding.consolidated_state_dict()
+
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.server.sharding.load_consolidated_state_dict(state_dict)
+
+    @torch.no_grad()
+    def load_params(self) -> None:
+        """Take the worker's parameters (just loaded from a checkpoint) as the model of every copy."""
+        for bucket, master, published in zip(self.buckets, self.server.buckets, self.memory.published):
+            master.params.copy_(bucket.params)
+            published.copy_(bucket.params)

@@ -1,0 +1,161 @@
+"""The local BSP module: one background thread per worker that does all of the worker's communication.
+
+It ticks with the other ranks' modules (an all-gather of status rows on a CPU group), applies the
+controller's decision (:mod:`.controller`), and at a close reads the worker's aggregate out of the
+shared-memory module, pushes it to the server shards, steps them, pulls the new model and announces
+it. The worker (main thread) never waits for any of this unless it is a whole model ahead.
+Every collective of the run's training phase is issued by this thread, in one order on every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_hier.bsp.controller import DEADLINE, EPOCH_END, INFLIGHT, decide
+from lightning_hier.bsp.server import ShardedParameterServer
+from lightning_hier.bsp.settings import BSPSettings
+from lightning_hier.bsp.shared_memory import SharedModelMemory
+from lightning_hier.topology import Topology
+
+MIN_TICK_S = 0.001
+MAX_TICK_S = 0.016
+
+
+@dataclass(frozen=True)
+class SuperstepRecord:
+    """What one superstep applied (the same on every rank)."""
+
+    index: int  # the model version it produced
+    micro_steps: tuple[int, ...]  # per worker (global rank order)
+    max_staleness: int  # over the micro-steps it applied
+    staleness_counts: dict[int, int] = field(default_factory=dict)  # this rank's: staleness -> micro-steps
+    push_s: float = 0.0
+    step_s: float = 0.0
+    pull_s: float = 0.0
+    push_bytes: int = 0
+    pull_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LocalBSPModule(threading.Thread):
+    """Ticks, closes supersteps and announces models for one worker until stopped."""
+
+    def __init__(
+        self,
+        memory: SharedModelMemory,
+        server: ShardedParameterServer,
+        topology: Topology,
+        settings: BSPSettings,
+        timeout_s: float,
+    ) -> None:
+        super().__init__(name=f"hier-bsp-rank{topology.rank}", daemon=True)
+        assert topology.world_group is not None
+        self.memory = memory
+        self.server = server
+        self.topology = topology
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self.records: list[SuperstepRecord] = []
+        self.opened_at = time.monotonic()
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 - handed to the worker, which raises it
+            self.memory.fail(error)
+
+    def _loop(self) -> None:
+        memory, world = self.memory, self.topology.world_group
+        interval = MIN_TICK_S
+        while True:
+            with memory.cond:
+                if not memory.event:
+                    memory.cond.wait(interval)
+                if memory.stopping and memory.paused:
+                    return
+                row = memory.status_row()
+                version = memory.version
+            if self.topology.rank == 0 and self.settings.superstep_seconds is not None:
+                row[DEADLINE] = int(time.monotonic() - self.opened_at >= self.settings.superstep_seconds)
+            rows = torch.tensor(row, dtype=torch.int64)
+            gathered = [torch.empty_like(rows) for _ in range(self.topology.world_size)]
+            dist.all_gather(gathered, rows, group=world)
+            table = [g.tolist() for g in gathered]
+            decision = decide(table, self.settings, version)
+            busy = any(r[INFLIGHT] >= 0 for r in table)
+            interval = (
+                MIN_TICK_S
+                if (decision.close or decision.closing or not busy)
+                else min(MAX_TICK_S, interval * 2)
+            )
+            with memory.cond:
+                memory.peer_epoch_ended = memory.peer_epoch_ended or any(r[EPOCH_END] for r in table)
+                if decision.closing:
+                    memory.closing = True
+            if decision.close:
+                self._close(version + 1)
+            if decision.pause and not self._pause():
+                return
+
+    def _close(self, index: int) -> None:
+        memory, world = self.memory, self.topology.world_group
+        with memory.cond:
+            out = memory.read_out()
+            clip = memory.clip
+            hyper = memory.hyper
+        started = time.perf_counter()
+        count = torch.tensor([out.count], dtype=torch.int64)
+        counts = [torch.empty_like(count) for _ in range(self.topology.world_size)]
+        dist.all_gather(counts, count, group=world)
+        per_worker = tuple(int(c.item()) for c in counts)
+        push_bytes = self.server.push(out.sums, 1.0 / sum(per_worker))
+        _sync(out.sums)
+        pushed = time.perf_counter()
+        with memory.cond:
+            memory.aggregate.recycle(out)
+        shared = [hyper]
+        dist.broadcast_object_list(shared, src=0, group=world)  # the controller's optimizer settings
+        self.server.step(clip, shared[0])
+        stepped = time.perf_counter()
+        pull_bytes = self.server.pull()
+        _sync(self.server.flat_params())
+        pulled = time.perf_counter()
+        staleness = out.staleness(index)
+        worst = torch.tensor([max(staleness, default=0)], dtype=torch.int64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=world)
+        counts_by_staleness: dict[int, int] = {}
+        for s in staleness:
+            counts_by_staleness[s] = counts_by_staleness.get(s, 0) + 1
+        self.records.append(
+            SuperstepRecord(
+                index, per_worker, int(worst.item()), counts_by_staleness,
+                pushed - started, stepped - pushed, pulled - stepped, push_bytes, pull_bytes,
+            )
+        )  # fmt: skip
+        with memory.cond:
+            memory.announce(self.server.flat_params())
+        self.opened_at = time.monotonic()
+
+    def _pause(self) -> bool:
+        """Wait until the worker resumes (True) or stops (False)."""
+        memory = self.memory
+        with memory.cond:
+            memory.paused = True
+            memory.cond.notify_all()
+            while memory.paused and not memory.stopping:
+                memory.cond.wait()
+            return not memory.stopping
+
+
+def _sync(tensors: list[torch.Tensor]) -> None:
+    """Wait for the device before reading a host clock (a CUDA-only no-op elsewhere)."""
+    if tensors and tensors[0].is_cuda:
+        torch.cuda.synchronize(tensors[0].device)

@@ -1,0 +1,136 @@
+"""The parameter server, sharded over all ranks with ``hier_sliced``'s slicing and sharded optimizer.
+
+The master copy of the model lives in flat buckets laid out exactly as ``hier_sliced`` lays out a
+model (:mod:`lightning_hier.sliced.flat_buckets`); each rank owns slice ``local_rank`` of every bucket
+and the user's optimizer state for that slice only
+(:class:`~lightning_hier.sliced.sharded_optim.OptimizerSharding`).
+One superstep: every worker's gradient sums, scaled by one over the job-wide micro-step count, are
+reduce-scattered inside the node and all-reduced across nodes (the job-wide mean gradient per
+micro-step, slice by slice), clipped by the global norm when asked, stepped by the user's optimizer on
+the owned slices, and all-gathered inside the node into the full master model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hier.bucketing.size_plan import BucketPlan
+from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
+from lightning_hier.sliced.reducer import all_gather_slices, reduce_scatter_into
+from lightning_hier.sliced.sharded_optim import OptimizerSharding
+from lightning_hier.sliced.slicing import SlicePlan
+from lightning_hier.topology import Topology
+
+
+class ShardedParameterServer:
+    """Master parameters and optimizer state, one slice per rank of a node (the server shards).
+
+    ``params`` are the worker's parameters in plan order (their values seed the master copy; they are
+    not touched); ``original_groups`` the optimizer's param groups as the user built them. The server
+    steps a copy of ``optimizer`` (:func:`server_copy`).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group_of: Sequence[int],
+        optimizer: torch.optim.Optimizer,
+        original_groups: Sequence[Sequence[nn.Parameter]],
+        topology: Topology,
+        plan: BucketPlan,
+        slice_plan: SlicePlan,
+    ) -> None:
+        assert topology.intra_group is not None and topology.inter_group is not None
+        self.topology = topology
+        self.optimizer = server_copy(optimizer)
+        optimizer = self.optimizer
+        master = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in params]
+        self.buckets: list[FlatBucket] = build_flat_buckets(master, plan, slice_plan, topology.local_rank)
+        for param in master:  # the flat buckets hold the values; per-parameter gradients are never used
+            param.grad = None
+        bucket_group = [group_of[bucket.slots[0].index] for bucket in self.buckets]
+        for group, original in zip(optimizer.param_groups, original_groups):
+            group["params"] = list(original)
+        self.sharding = OptimizerSharding(
+            optimizer, self.buckets, bucket_group, original_groups, params, topology.intra_group
+        )
+        self._slice_grads = [bucket.grads[slice(*bucket.owned_range)] for bucket in self.buckets]
+        for shard, grad in zip(self.sharding.shards, self._slice_grads):
+            shard.grad = grad
+
+    def flat_params(self) -> list[torch.Tensor]:
+        """The full master model, one flat tensor per bucket (valid after :meth:`apply`)."""
+        return [bucket.params for bucket in self.buckets]
+
+    @torch.no_grad()
+    def push(self, sums: Sequence[torch.Tensor], scale: float) -> int:
+        """Reduce ``scale x sums`` of every rank into this rank's gradient slices; returns the bytes this
+        rank sent (a ring's ``(n-1)/n`` of what it reduces, per group)."""
+        intra, inter = self.topology.intra_group, self.topology.inter_group
+        sent = 0
+        for bucket, total, grad in zip(self.buckets, sums, self._slice_grads):
+            scaled = total * scale
+            reduce_scatter_into(grad, scaled, bucket.bounds, intra)
+            if dist.get_world_size(inter) > 1:
+                dist.all_reduce(grad, group=inter)
+            sent += _ring_bytes(scaled, dist.get_world_size(intra)) + _ring_bytes(
+                grad, dist.get_world_size(inter)
+            )
+        return sent
+
+    @torch.no_grad()
+    def step(self, clip: tuple[str, float] | None = None, hyper: list[dict] | None = None) -> None:
+        """Clip (``("norm", max_norm)`` by the global norm, ``("value", v)`` elementwise), then the user's
+        optimizer on this rank's slices, with ``hyper`` (per param group: lr, ...) when given."""
+        for shard, grad in zip(self.sharding.shards, self._slice_grads):
+            shard.grad = grad
+        if hyper is not None:
+            for group, settings in zip(self.optimizer.param_groups, hyper):
+                group.update(settings)
+        if clip is not None:
+            algorithm, value = clip
+            if algorithm == "norm":
+                self.sharding.clip_grad_norm_(value)
+            else:
+                for grad in self._slice_grads:
+                    grad.clamp_(-value, value)
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def pull(self) -> int:
+        """All-gather the updated slices inside the node; returns the bytes this rank sent."""
+        works = []
+        intra = self.topology.intra_group
+        for bucket in self.buckets:
+            works.extend(all_gather_slices(bucket.params, bucket.bounds, intra))
+        for work in works:
+            work.wait()
+        return sum(_ring_bytes(bucket.params, dist.get_world_size(intra)) for bucket in self.buckets)
+
+
+def server_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The user's optimizer as the server runs it: the same class, settings and hooks, with param groups
+    and state of its own.
+
+    The user's object stays with the training loop, where LR schedulers and monitors read and write its
+    ``param_groups`` between steps; the server thread steps its copy with the settings each superstep
+    was computed with, so neither side overwrites the other's values mid-step.
+    """
+    copied = copy.copy(optimizer)
+    copied.__dict__.pop("step", None)  # an LR scheduler's wrapper calls the original's step
+    copied.param_groups = [dict(group) for group in optimizer.param_groups]
+    copied.state = defaultdict(dict)
+    return copied
+
+
+def _ring_bytes(tensor: torch.Tensor, group_size: int) -> int:
+    if group_size <= 1:
+        return 0
+    return math.ceil(tensor.numel() * tensor.element_size() * (group_size - 1) / group_size)

@@ -1,0 +1,103 @@
+"""The shared-memory module between a worker and its local BSP module (seed 004's module 104).
+
+It holds the newest announced model (one flat tensor per bucket, with its version) and the worker's
+aggregated gradient with its micro-step count, plus the few flags the two sides exchange. The worker
+is the training loop on the main thread, the local BSP module a background thread of the same
+process, so "shared memory" is this process's memory behind one lock: a thread instead of a helper
+process keeps the model and gradients on the worker's own device (a CUDA tensor cannot be shared
+with another process without IPC handles and a second CUDA context per GPU).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from lightning_hier.bsp.aggregate import GradientAggregate, ReadOut
+from lightning_hier.bsp.controller import BLOCKED, DRAIN, EPOCH_END, FOLDED, INFLIGHT, ROW
+from lightning_hier.bsp.settings import BSPSettings
+
+
+class BSPStopped(RuntimeError):
+    """The local BSP module ended (a peer died or the job is shutting down)."""
+
+
+class SharedModelMemory:
+    """Model, aggregate and flags shared by one worker and its local BSP module (all under one lock)."""
+
+    def __init__(self, flat_params: Sequence[torch.Tensor], settings: BSPSettings) -> None:
+        self.settings = settings
+        self.cond = threading.Condition()
+        self.published = [t.detach().clone() for t in flat_params]
+        self.version = 0  # models announced so far (the initial one is version 0)
+        self.aggregate = GradientAggregate(flat_params)
+        self.in_flight = -1  # version the worker computes from, -1 between micro-steps
+        self.started_since_pickup = 0
+        self.picked_up = 0  # version the worker last copied
+        self.closing = False
+        self.draining = False
+        self.paused = False
+        self.stopping = False
+        self.epoch_ended = False  # this worker ran out of batches (set with draining)
+        self.peer_epoch_ended = False  # some worker ran out of batches: end this epoch too
+        self.error: BaseException | None = None
+        self.event = False  # the worker changed something the controller should hear about soon
+        self.clip: tuple[str, float] | None = None
+        self.hyper: list[dict] | None = None  # the optimizer's settings (lr, ...) at the last fold
+
+    # ------------------------------------------------------------------ worker side (main thread)
+    def blocked(self) -> bool:
+        """Whether the worker must wait for the next model (or a resume) before another micro-step."""
+        quota = self.settings.quota
+        return (
+            self.draining
+            or (quota is not None and self.started_since_pickup >= quota)
+            or (self.settings.max_staleness == 0 and self.closing)
+        )
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise BSPStopped(f"hier_bsp stopped: {self.error}") from self.error
+
+    def wait(self, timeout: float, what: str) -> None:
+        """Wait (lock held) for a notification; raise after ``timeout`` seconds without one."""
+        start = time.monotonic()
+        if not self.cond.wait(timeout):
+            raise BSPStopped(f"hier_bsp: no {what} after {time.monotonic() - start:.0f} s (timeout).")
+        self.raise_if_failed()
+
+    def notify(self) -> None:
+        self.event = True
+        self.cond.notify_all()
+
+    # ------------------------------------------------------------------ module side (BSP thread)
+    def status_row(self) -> list[int]:
+        row = [0] * ROW
+        row[FOLDED] = self.aggregate.count
+        row[INFLIGHT] = self.in_flight
+        row[BLOCKED] = int(self.in_flight < 0 and self.blocked())
+        row[DRAIN] = int(self.draining)
+        row[EPOCH_END] = int(self.epoch_ended)
+        self.event = False
+        return row
+
+    def read_out(self) -> ReadOut:
+        return self.aggregate.read_out()
+
+    @torch.no_grad()
+    def announce(self, flat_params: Sequence[torch.Tensor]) -> None:
+        """Publish a new model version (called by the local BSP module after a pull)."""
+        for target, source in zip(self.published, flat_params):
+            target.copy_(source)
+        self.version += 1
+        self.closing = False
+        self.cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cond.notify_all()

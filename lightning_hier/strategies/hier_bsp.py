@@ -1,0 +1,379 @@
+"""``HierBSPStrategy`` (``"hier_bsp"``): workers that never wait for each other, a BSP parameter server.
+
+Lightning glue only: the worker loop, superstep control, server shards and shared-memory module are
+:class:`lightning_hier.bsp.engine.BSPEngine`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.optim import Optimizer
+
+from lightning_hier.bsp.engine import BSPEngine
+from lightning_hier.bsp.settings import BSPSettings
+from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
+from lightning_hier.topology import Topology, resolve_backend, validate_layout
+
+log = logging.getLogger(__name__)
+
+
+class HierBSPStrategy(DDPStrategy):
+    """Bulk-synchronous parameter server with asynchronous workers.
+
+    Each worker (one process per device) trains on its own batches as fast as it can: after every
+    optimizer step's backward its gradients are folded into a local aggregate and it goes on with its
+    next batch, reading the newest model it has been given. A background thread per worker (the local
+    BSP module) does all communication: at each superstep it pushes the aggregate to the parameter
+    server, which is sharded over all ranks exactly like ``hier_sliced``'s optimizer (your
+    ``configure_optimizers`` optimizer steps there, each rank on its slice), and pulls the new model.
+    Gradients are weighted by micro-step counts, so a worker that did more steps counts more.
+
+    Args:
+        superstep_steps: a superstep closes once the workers have folded this many optimizer steps each
+            on average (give ``None`` to use ``superstep_seconds``).
+        superstep_seconds: a superstep closes this many seconds after it opened (on global rank 0).
+        max_staleness: no gradient is applied more than this many supersteps after the model it was
+            computed from; ``0`` with ``superstep_steps=1`` is Lightning's ``ddp``, step for step.
+        devices_per_node: devices joined by the fast link (``None``: the processes per host); the
+            server's slices are reduce-scattered inside a node and all-reduced across nodes.
+        bucket_cap_mb: size of one flat gradient bucket.
+        log_supersteps: log each superstep's micro-steps per worker, staleness, push/pull seconds and
+            bytes to the trainer's loggers (global rank 0).
+        elementwise_optimizers: optimizer class names, beyond torch's elementwise ones, whose update
+            you vouch is elementwise (the server shards it by flat slices).
+
+    With ``max_staleness >= 1`` workers run different numbers of steps, so the training length must be
+    in epochs (``max_epochs``; an epoch ends for everyone when the first worker runs out of batches),
+    and checkpoints and validation happen at epoch ends. See ``docs/hier_bsp.md``.
+    """
+
+    strategy_name = "hier_bsp"
+
+    def __init__(
+        self,
+        superstep_steps: int | None = 4,
+        superstep_seconds: float | None = None,
+        max_staleness: int = 1,
+        devices_per_node: int | None = None,
+        bucket_cap_mb: float = 25.0,
+        log_supersteps: bool = True,
+        elementwise_optimizers: Sequence[str] = (),
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.settings = BSPSettings(superstep_steps, superstep_seconds, max_staleness)
+        if devices_per_node is not None:
+            validate_layout(devices_per_node, devices_per_node)
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.devices_per_node = devices_per_node
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.log_supersteps = log_supersteps
+        self.elementwise_optimizers = tuple(elementwise_optimizers)
+        self.topology: Topology | None = None
+        self.engine: BSPEngine | None = None
+        self._in_step = False
+        self._logged = 0
+
+    # ------------------------------------------------------------------ environment
+    def setup_distributed(self) -> None:
+        self._validate_run()  # before the process group (and so before any collective) exists
+        world_size = self.num_nodes * self.num_processes
+        Topology.from_world(world_size, 0, self.devices_per_node, self.num_processes)
+        super().setup_distributed()
+        destroy_process_group_at_exit()
+        self.topology = Topology.from_world(
+            world_size, self.global_rank, self.devices_per_node, self.num_processes
+        )
+
+    def _get_process_group_backend(self) -> str:
+        return resolve_backend(self.root_device, self._process_group_backend)
+
+    def _validate_run(self) -> None:
+        module = self.lightning_module
+        if module is None:
+            return
+        if not module.automatic_optimization:
+            raise ValueError(
+                "HierBSPStrategy supports automatic optimization only: the optimizer runs on the parameter "
+                "server shards, not in your training_step. Set `self.automatic_optimization = True` or use "
+                "strategy='ddp'."
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ValueError(
+                "HierBSPStrategy does not support precision='16-mixed' (a loss scale per worker); use "
+                "'bf16-mixed' or '32-true'."
+            )
+        trainer = module._trainer
+        if trainer is None or self.settings.max_staleness == 0:
+            return
+        if trainer.max_steps not in (-1, None):
+            raise ValueError(
+                f"max_steps={trainer.max_steps} with HierBSPStrategy(max_staleness="
+                f"{self.settings.max_staleness}): workers run different numbers of steps, so give the "
+                "training length as max_epochs (or use max_staleness=0)."
+            )
+        if trainer.val_check_interval != 1.0 or trainer.check_val_every_n_epoch is None:
+            raise ValueError(
+                f"val_check_interval={trainer.val_check_interval!r} with HierBSPStrategy(max_staleness="
+                f"{self.settings.max_staleness}): validation must run at epoch ends, where every worker "
+                "has the same model (or use max_staleness=0)."
+            )
+        for callback in trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint) and (
+                callback._every_n_train_steps or callback._train_time_interval
+            ):
+                raise ValueError(
+                    "ModelCheckpoint(every_n_train_steps/train_time_interval) with HierBSPStrategy("
+                    f"max_staleness={self.settings.max_staleness}): workers reach a step number at different "
+                    "times; save per epoch (every_n_epochs) or use max_staleness=0."
+                )
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._build_engine()
+        else:
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._route_to_engine()
+            _without_step_broadcast(trainer)
+
+    def _build_engine(self) -> None:
+        assert self.topology is not None and self.lightning_module is not None
+        if len(self.optimizers) != 1:
+            raise ValueError(f"HierBSPStrategy needs exactly one optimizer, got {len(self.optimizers)}.")
+        _sync_module_states(self.lightning_module)  # every worker and every shard start from rank 0's model
+        if self.engine is not None:
+            self.engine.close()
+        groups = self.topology.build_groups(self._timeout, dedicated=True)  # the BSP thread's own
+        timeout_s = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        self.engine = BSPEngine(
+            self.lightning_module,
+            self.optimizers[0],
+            groups,
+            self.settings,
+            bucket_cap_mb=self.bucket_cap_mb,
+            timeout_s=timeout_s,
+            elementwise_optimizers=self.elementwise_optimizers,
+        )
+
+    def _route_to_engine(self) -> None:
+        """Gradient zeroing and clipping go to the engine: the optimizer belongs to the server thread."""
+        engine = self.engine
+        assert engine is not None
+        optimizer = self.optimizers[0]
+        optimizer.zero_grad = lambda set_to_none=True: engine.zero_grad()  # type: ignore[method-assign]
+        self.optimizers = self.optimizers  # LightningOptimizer wrappers copy the optimizer's attributes
+
+        def clip_gradients(
+            optimizer: Optimizer, clip_val: Any = None, gradient_clip_algorithm: Any = None
+        ) -> None:  # noqa: E501
+            if clip_val:
+                algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"
+                engine.set_clipping((str(algorithm), float(clip_val)))
+
+        self.precision_plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return _EndsWithPeers(dataloader, self)
+
+    # ------------------------------------------------------------------ step
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.engine is not None and not self._in_step:
+            self.engine.begin_step()  # the newest model, before this optimizer step's first forward
+            self._in_step = True
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self.engine is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model if model is not None else self.lightning_module
+        assert isinstance(model, pl.LightningModule)
+        # forward, backward and the hooks before the step; the step itself is the server's
+        result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        if self._in_step:
+            self.engine.end_step(computed=result is not None)
+            self._in_step = False
+        trainer = model.trainer
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self.engine.drain(epoch_end=True)
+        self._log_supersteps(trainer)
+        return result
+
+    def _log_supersteps(self, trainer: pl.Trainer) -> None:
+        assert self.engine is not None
+        records = self.engine.records
+        if not (self.log_supersteps and self.is_global_zero and trainer.loggers):
+            self._logged = len(records)
+            return
+        for record in records[self._logged : len(records)]:
+            metrics: dict[str, float] = {
+                "bsp/staleness_max": record.max_staleness,
+                "bsp/micro_steps": sum(record.micro_steps),
+                "bsp/push_s": record.push_s,
+                "bsp/step_s": record.step_s,
+                "bsp/pull_s": record.pull_s,
+                "bsp/push_bytes": record.push_bytes,
+                "bsp/pull_bytes": record.pull_bytes,
+            }
+            metrics.update({f"bsp/micro_steps_rank{r}": n for r, n in enumerate(record.micro_steps)})
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=record.index)
+            self._logged += 1
+
+    def on_validation_start(self) -> None:
+        if self.engine is not None:
+            self.engine.drain()
+
+    def on_train_end(self) -> None:
+        if self.engine is not None:
+            self.engine.drain()
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """While workers run free (between drains) a collective would pair different steps of different
+        workers: values logged with ``sync_dist=True`` then stay this worker's own."""
+        if self.engine is not None and not self.engine.memory.paused:
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the server shards must exist before the optimizer state is loaded into them
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.engine is not None:
+            self.engine.drain()  # the server's model, in every worker's parameters
+        state = super().lightning_module_state_dict()
+        return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.engine is None:
+            return super().optimizer_state(optimizer)
+        self.engine.drain()
+        return self.engine.optimizer_state_dict()
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.engine is not None:
+            self.engine.load_params()
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.engine is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        states = checkpoint["optimizer_states"]
+        if len(states) != 1:
+            raise ValueError(
+                f"the checkpoint holds {len(states)} optimizer states; HierBSPStrategy uses one."
+            )
+        self.engine.load_optimizer_state_dict(states[0])
+        for group, saved in zip(self.optimizers[0].param_groups, states[0]["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})  # what schedulers resume from
+        return None
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.precision_plugin.__dict__.pop("clip_gradients", None)
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            module.trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Bulk-synchronous parameter server (sharded like hier_sliced) with asynchronous "
+            "workers that fold gradients into a local aggregate",
+        )
+
+
+def _without_step_broadcast(trainer: pl.Trainer) -> None:
+    """Lightning broadcasts a SIGTERM flag from rank 0 before every training step. Workers here run
+    different numbers of steps and the BSP thread owns the training phase's collectives, so each worker
+    checks its own flag (a scheduler's SIGTERM reaches every process)."""
+    loop = trainer.fit_loop.epoch_loop
+
+    def check_own_sigterm() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = check_own_sigterm  # type: ignore[method-assign]
+
+
+class _EndsWithPeers:
+    """The user's training loader, ending an epoch early once another worker has run out of batches
+    (so every worker's epoch ends together); everything else is the loader's own."""
+
+    def __init__(self, loader: Any, strategy: HierBSPStrategy) -> None:
+        self._loader = loader
+        self._strategy = strategy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        engine = self._strategy.engine
+        module = self._strategy.lightning_module
+        training = engine is not None and module is not None and module._trainer is not None
+        training = training and module.trainer.training
+        if engine is not None and training:
+            engine.start_epoch()
+        for batch in self._loader:
+            if engine is not None and training and engine.epoch_should_end:
+                return
+            yield batch

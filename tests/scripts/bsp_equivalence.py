@@ -1,0 +1,79 @@
+"""Run under torchrun (4 processes): ``hier_bsp`` in plain-BSP mode against Lightning's ``ddp``.
+
+``superstep_steps=1, max_staleness=0`` applies every worker's gradient of each optimizer step
+together, so the parameters must equal ``ddp``'s. Rank 0 writes ``{scenario: {"max_rel_diff": ...,
+"reference_moved": ..., "supersteps": ...}}`` to the path in argv[1].
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from models import EquivModel, loader  # noqa: E402
+from train_equivalence import initial_state, max_rel_diff  # noqa: E402
+
+from lightning_hier import HierBSPStrategy  # noqa: E402
+
+SCENARIOS: dict[str, dict] = {
+    "sgd_momentum_2x2": dict(model=dict(optimizer="sgd"), bsp=dict(devices_per_node=2)),
+    "adam_4x1": dict(model=dict(optimizer="adam"), bsp=dict(devices_per_node=1)),
+    "adamw_groups_scheduler_clip_norm_accumulate": dict(
+        model=dict(optimizer="adamw_groups", scheduler=True),
+        bsp=dict(devices_per_node=2),
+        trainer=dict(gradient_clip_val=0.05, accumulate_grad_batches=2),
+    ),
+    "sgd_clip_value": dict(
+        model=dict(optimizer="sgd"),
+        bsp=dict(devices_per_node=2),
+        trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"),
+    ),
+}
+
+
+def train(strategy, model_kwargs: dict, trainer_kwargs: dict, steps: int) -> tuple[dict, object]:  # noqa: ANN001
+    pl.seed_everything(1234, verbose=False)
+    model = EquivModel(**model_kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size() if dist.is_initialized() else 4,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, train_dataloaders=loader())
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}, trainer.strategy
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    results = {}
+    for name, spec in SCENARIOS.items():
+        trainer_kwargs = spec.get("trainer", {})
+        steps = 6
+        reference, _ = train(DDPStrategy(), spec["model"], trainer_kwargs, steps)
+        bsp = HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **spec["bsp"])
+        state, strategy = train(bsp, spec["model"], trainer_kwargs, steps)
+        results[name] = {
+            "max_rel_diff": max_rel_diff(reference, state),
+            "reference_moved": max_rel_diff(reference, initial_state(spec["model"])),
+            "supersteps": len(strategy.engine.records),
+            "micro_steps": [r.micro_steps for r in strategy.engine.records],
+        }
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

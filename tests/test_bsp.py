@@ -1,0 +1,184 @@
+"""hier_bsp: settings, aggregation arithmetic and controller rules without processes; the engine on 4
+plain-torch processes; the strategy against Lightning's ddp."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_torchrun
+from scripts.bsp_equivalence import SCENARIOS
+
+from lightning_hier.bsp.aggregate import GradientAggregate, mean_scale
+from lightning_hier.bsp.controller import (
+    BLOCKED,
+    DEADLINE,
+    DRAIN,
+    FOLDED,
+    INFLIGHT,
+    ROW,
+    decide,
+    safe_to_close,
+)
+from lightning_hier.bsp.settings import BSPSettings
+from lightning_hier.strategies.hier_bsp import HierBSPStrategy
+
+
+# ---------------------------------------------------------------------- settings
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        (dict(superstep_steps=4, superstep_seconds=1.0), "superstep_steps=4 and superstep_seconds=1.0"),
+        (
+            dict(superstep_steps=None, superstep_seconds=None),
+            "superstep_steps=None and superstep_seconds=None",
+        ),
+        (dict(superstep_steps=0), "superstep_steps must be a positive integer, got 0"),
+        (dict(superstep_steps=2.5), "superstep_steps must be a positive integer, got 2.5"),
+        (dict(superstep_steps=None, superstep_seconds=-1.0), "superstep_seconds must be a positive"),
+        (dict(superstep_steps=None, superstep_seconds=float("nan")), "superstep_seconds must be a positive"),
+        (dict(max_staleness=-1), "max_staleness must be an integer >= 0, got -1"),
+    ],
+)
+def test_bad_settings_name_the_setting(kwargs: dict, names: str) -> None:
+    with pytest.raises(ValueError, match=names.replace("(", r"\(").replace(".", r"\.")):
+        BSPSettings(**kwargs)
+    with pytest.raises(ValueError):  # the strategy refuses them at construction, before any process group
+        HierBSPStrategy(**kwargs)
+
+
+def test_quota_is_one_superstep_per_staleness_step() -> None:
+    assert BSPSettings(superstep_steps=3, max_staleness=0).quota == 3
+    assert BSPSettings(superstep_steps=3, max_staleness=2).quota == 9
+    assert BSPSettings(superstep_steps=None, superstep_seconds=0.5).quota is None
+
+
+# ---------------------------------------------------------------------- aggregation arithmetic
+def test_aggregate_sums_counts_and_double_buffers() -> None:
+    aggregate = GradientAggregate([torch.zeros(3), torch.zeros(2)])
+    aggregate.fold([torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 1.0])], version=0)
+    aggregate.fold([torch.tensor([0.5, 0.0, -1.0]), torch.tensor([2.0, 0.0])], version=1)
+    out = aggregate.read_out()
+    assert out.count == 2 and out.versions == [0, 1]
+    assert torch.equal(out.sums[0], torch.tensor([1.5, 2.0, 2.0]))
+    assert torch.equal(out.sums[1], torch.tensor([3.0, 1.0]))
+    # folding goes on into fresh buffers while the read-out is pushed
+    aggregate.fold([torch.ones(3), torch.ones(2)], version=2)
+    assert torch.equal(out.sums[0], torch.tensor([1.5, 2.0, 2.0]))
+    aggregate.recycle(out)
+    second = aggregate.read_out()
+    assert second.count == 1 and torch.equal(second.sums[0], torch.ones(3))
+    assert out.staleness(applied_at=2) == [1, 0]
+
+
+def test_weighted_mean_counts_micro_steps_not_workers() -> None:
+    # worker A folded 3 micro-steps of gradient 1.0, worker B one of gradient 5.0: the mean gradient
+    # per micro-step is (3 + 5) / 4 = 2, not the per-worker average (1 + 5) / 2 = 3
+    sums = {"a": torch.tensor([3.0]), "b": torch.tensor([5.0])}
+    scale = mean_scale(3 + 1)
+    assert torch.allclose(sums["a"] * scale + sums["b"] * scale, torch.tensor([2.0]))
+    with pytest.raises(ValueError, match="at least one micro-step"):
+        mean_scale(0)
+
+
+# ---------------------------------------------------------------------- controller rules
+def row(folded: int = 0, in_flight: int = -1, blocked: bool = False, drain: bool = False) -> list[int]:
+    r = [0] * ROW
+    r[FOLDED], r[INFLIGHT], r[BLOCKED], r[DRAIN] = folded, in_flight, int(blocked), int(drain)
+    return r
+
+
+def test_plain_bsp_closes_only_when_every_worker_folded_its_step() -> None:
+    settings = BSPSettings(superstep_steps=1, max_staleness=0)
+    waiting = [row(1, blocked=True), row(1, blocked=True), row(0, in_flight=3)]
+    assert decide(waiting, settings, version=3).close is False
+    done = [row(1, blocked=True)] * 3
+    assert decide(done, settings, version=3).close is True
+
+
+def test_staleness_bound_holds_the_close_for_a_slow_worker() -> None:
+    # version 5 is out; a worker still computes from version 3: closing now would apply its gradient
+    # at superstep 7, three supersteps after its model (> 2), so the close waits for it
+    rows = [row(4), row(4), row(0, in_flight=3)]
+    settings = BSPSettings(superstep_steps=2, max_staleness=2)
+    assert safe_to_close(rows, version=5, max_staleness=2) is False
+    assert decide(rows, settings, version=5).closing is True
+    assert safe_to_close(rows, version=4, max_staleness=2) is True
+    # with max_staleness=0 an idle worker that is not blocked could still start from the old model
+    assert safe_to_close([row(1), row(1, blocked=True)], version=0, max_staleness=0) is False
+
+
+def test_superstep_seconds_follow_the_controllers_clock_and_drains_flush() -> None:
+    settings = BSPSettings(superstep_steps=None, superstep_seconds=0.5, max_staleness=1)
+    rows = [row(2), row(1)]
+    assert decide(rows, settings, version=0).close is False
+    rows[0][DEADLINE] = 1  # only rank 0's clock counts
+    assert decide(rows, settings, version=0).close is True
+    drained = [row(1, blocked=True, drain=True), row(0, blocked=True, drain=True)]
+    decision = decide(drained, settings, version=0)
+    assert decision.close and decision.pause
+    assert decide([row(0, drain=True), row(0, drain=True)], settings, 0) == type(decision)(pause=True)
+
+
+# ---------------------------------------------------------------------- engine on plain processes
+@pytest.fixture(scope="module")
+def engine_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bsp") / "engine.json"
+    run_torchrun("bsp_checks.py", 4, str(out), timeout=300)
+    return json.loads(out.read_text())
+
+
+def test_plain_bsp_engine_equals_data_parallel_averaging(engine_results: dict) -> None:
+    result = engine_results["plain"]
+    assert result["reference_moved"] > 1e-2
+    assert result["max_rel_diff"] < 1e-5, result
+    assert result["supersteps"] == 6
+
+
+def test_straggler_contributes_less_and_nothing_is_lost(engine_results: dict) -> None:
+    result = engine_results["straggler"]
+    computed, records = result["computed"], result["records"]
+    applied = [sum(r["micro_steps"][w] for r in records) for w in range(4)]
+    assert applied == computed  # every micro-step computed was applied, by worker
+    fast = sum(computed[:3]) / 3
+    assert computed[3] < 0.7 * fast, computed  # the slowed worker did fewer, the others did not wait
+    assert max(r["max_staleness"] for r in records) <= 1
+    assert any(r["max_staleness"] == 1 for r in records)  # the bound was reached, not just unused
+    assert result["same_model_everywhere"]
+
+
+# ---------------------------------------------------------------------- strategy against ddp
+@pytest.fixture(scope="module")
+def strategy_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bsp") / "strategy.json"
+    run_torchrun("bsp_equivalence.py", 4, str(out), timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_plain_bsp_strategy_matches_ddp(strategy_results: dict, scenario: str) -> None:
+    result = strategy_results[scenario]
+    assert result["reference_moved"] > 1e-3
+    assert result["max_rel_diff"] < 1e-5, result
+    assert result["micro_steps"] == [[1, 1, 1, 1]] * 6
+
+
+def test_manual_optimization_is_refused_before_any_process_group(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from scripts.models import EquivModel, loader
+
+    class Manual(EquivModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=HierBSPStrategy(), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="automatic optimization only"):
+        trainer.fit(Manual(), train_dataloaders=loader())
+    assert not dist.is_initialized()
