@@ -154,12 +154,6 @@ class BSPEngine:
             memory.picked_up = memory.version
             memory.started_since_pickup = 0
 
-    def start_epoch(self) -> None:
-        """A new epoch's batches begin: the last epoch's end no longer counts."""
-        with self.memory.cond:
-            if self.memory.paused:
-                self.memory.epoch_ended = self.memory.peer_epoch_ended = False
-
     @property
     def epoch_should_end(self) -> bool:
         """Another worker ran out of batches: end this epoch too (all then drain together)."""

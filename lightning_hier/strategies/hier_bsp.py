@@ -7,7 +7,7 @@ Lightning glue only: the worker loop, superstep control, server shards and share
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -178,6 +178,8 @@ class HierBSPStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self._route_to_engine()
             _without_step_broadcast(trainer)
+            if self.settings.max_staleness > 0:
+                _validate_at_every_epoch_end(trainer)
 
     def _build_engine(self) -> None:
         assert self.topology is not None and self.lightning_module is not None
@@ -215,10 +217,6 @@ class HierBSPStrategy(DDPStrategy):
 
         self.precision_plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
-    # ------------------------------------------------------------------ data
-    def process_dataloader(self, dataloader: Any) -> Any:
-        return _EndsWithPeers(dataloader, self)
-
     # ------------------------------------------------------------------ step
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self.engine is not None and not self._in_step:
@@ -243,7 +241,11 @@ class HierBSPStrategy(DDPStrategy):
             self.engine.end_step(computed=result is not None)
             self._in_step = False
         trainer = model.trainer
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.is_last_batch or self.engine.epoch_should_end:
+            # another worker ran out of batches: this step ends the epoch here too (validation, epoch-end
+            # schedulers and checkpoints follow as at any epoch's last batch)
+            progress.is_last_batch = True
             self.engine.drain(epoch_end=True)
         self._log_supersteps(trainer)
         return result
@@ -326,7 +328,8 @@ class HierBSPStrategy(DDPStrategy):
         self.precision_plugin.__dict__.pop("clip_gradients", None)
         module = self.lightning_module
         if module is not None and module._trainer is not None:
-            module.trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            for patched in ("_broadcast_sigterm_tensor", "_should_check_val_fx"):
+                module.trainer.fit_loop.epoch_loop.__dict__.pop(patched, None)
         super().teardown()
 
     @classmethod
@@ -352,28 +355,15 @@ def _without_step_broadcast(trainer: pl.Trainer) -> None:
     loop._broadcast_sigterm_tensor = check_own_sigterm  # type: ignore[method-assign]
 
 
-class _EndsWithPeers:
-    """The user's training loader, ending an epoch early once another worker has run out of batches
-    (so every worker's epoch ends together); everything else is the loader's own."""
+def _validate_at_every_epoch_end(trainer: pl.Trainer) -> None:
+    """Lightning validates when a worker's batch count reaches the loader's length; a worker whose epoch
+    ended with the others' (fewer batches) must validate too, or the ranks' validation collectives
+    would not pair up. ``val_check_interval`` is 1.0 here (checked at setup)."""
+    loop = trainer.fit_loop.epoch_loop
 
-    def __init__(self, loader: Any, strategy: HierBSPStrategy) -> None:
-        self._loader = loader
-        self._strategy = strategy
+    def at_epoch_end(data_fetcher: Any) -> bool:
+        if not loop._should_check_val_epoch():
+            return False
+        return loop.batch_progress.is_last_batch or (trainer.should_stop and trainer.fit_loop._can_stop_early)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        engine = self._strategy.engine
-        module = self._strategy.lightning_module
-        training = engine is not None and module is not None and module._trainer is not None
-        training = training and module.trainer.training
-        if engine is not None and training:
-            engine.start_epoch()
-        for batch in self._loader:
-            if engine is not None and training and engine.epoch_should_end:
-                return
-            yield batch
+    loop._should_check_val_fx = at_epoch_end  # type: ignore[method-assign]
