@@ -182,3 +182,34 @@ def test_manual_optimization_is_refused_before_any_process_group(tmp_path: Path)
     with pytest.raises(ValueError, match="automatic optimization only"):
         trainer.fit(Manual(), train_dataloaders=loader())
     assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------- strategy: asynchronous, resumed
+@pytest.fixture(scope="module")
+def lightning_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bsp_lightning")
+    run_torchrun("bsp_lightning_checks.py", 4, str(out), timeout=600)
+    return json.loads((out / "results.json").read_text())
+
+
+def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results: dict) -> None:
+    import csv
+
+    result = lightning_results["straggler"]
+    with open(result["metrics_csv"]) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("bsp/micro_steps")]
+    applied = [sum(int(float(r[f"bsp/micro_steps_rank{w}"])) for r in rows) for w in range(4)]
+    assert applied == result["computed"]  # every optimizer step a worker took reached the server
+    assert sum(int(float(r["bsp/micro_steps"])) for r in rows) == sum(result["computed"])
+    assert max(float(r["bsp/staleness_max"]) for r in rows) <= 1
+    fast, slow = result["computed"][:3], result["computed"][3]
+    assert slow < 0.8 * min(fast), result["computed"]  # the others went on without it
+    assert all(float(r["bsp/push_bytes"]) > 0 and float(r["bsp/pull_s"]) >= 0 for r in rows)
+    assert result["same_model_everywhere"]
+
+
+def test_plain_bsp_resume_equals_an_uninterrupted_run(lightning_results: dict) -> None:
+    result = lightning_results["resume"]
+    assert result["halfway_moved"] > 1e-2
+    assert result["max_rel_diff"] < 1e-6, result
+    assert result["bare_equals_halfway"] == 0.0  # the checkpoint loads into a module without the plugin
