@@ -1,120 +1,208 @@
-"""One training process of ``bench_hier_sliced.py`` (launched 4x, torchrun-style env vars).
-
-Trains a communication-bound MLP with Lightning on CPU (gloo) for ``warmup + steps + 1`` steps. At the
-start of step ``warmup`` ("start") and of step ``warmup + steps`` ("end") all ranks meet in a barrier
-and rank 0 hands over to the driver (marker files in ``--signal-dir``), which reads the nodes'
-``tx_bytes`` while no gradient traffic is in flight; so the window covers exactly ``steps`` steps,
-start to start, and communication deferred into the next step is counted once per step as well.
-Rank 0 writes its timings as JSON to ``--out``.
-"""
+"""One training process of ``bench_hier_sliced.py`` and ``bench_time_buckets.py``: the MLP with ``ddp`` or
+``hier_sliced``, on the same batch every step (no data loading); what it measures: benchmarks/README.md."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from harness import cli
+from harness.jobs import BUSY_HOST_CORES, host_busy_seconds, process_cpu_seconds
 from harness.worker import MLP, MarkedWindow, quiet_trainer, setup
 from lightning import LightningModule, Trainer
-from torch.utils.data import DataLoader, TensorDataset
+from torch.autograd import Variable
 
 OPTIONS = """
---strategy      {ddp,hier_sliced}  ddp
---hidden        int    1024
---layers        int    6
---batch-size    int    8
---warmup        int    3
---steps         int    8
---bucket-cap-mb float  25.0
---signal-dir    path   None
---out           path   required  JSON timings (written by rank 0)
+--config   str   required  the driver's settings, as JSON (see main)
+--job-dir  path  required  marker files, pid.<rank>
+--out      path  required  JSON timings (written by rank 0)
 """
+MEANS = ("backward_s", "comm_union_s", "hidden_fraction", "exposed_s")
 
 
-class PhaseTimer(MarkedWindow):
-    """The marked window, plus the in-batch duration (forward, backward, optimizer) of measured steps."""
+def comm_record(backward: float, launch: list[float], done: list[float], sizes: list[int]) -> dict[str, Any]:
+    """Bucket spans (s after backward start): their union, its part before backward ended, what is exposed."""
+    total, hidden, cursor = 0.0, 0.0, float("-inf")
+    for start, end in sorted(zip(launch, done)):
+        start = max(start, cursor)
+        if end > start:
+            total += end - start
+            hidden += max(0.0, min(end, backward) - start)
+            cursor = end
+    return {
+        "backward_s": backward,
+        "bucket_launch_s": launch,
+        "bucket_done_s": done,
+        "bucket_bytes": sizes,
+        "comm_union_s": total,
+        "hidden_fraction": hidden / total if total > 0 else 0.0,
+        "exposed_s": max(0.0, max(done, default=0.0) - backward),
+    }
 
-    def __init__(self, warmup: int, steps: int, signal_dir: Path | None) -> None:
-        super().__init__(warmup, steps, signal_dir)
-        self.batch_times: list[float] = []
-        self._batch_t0 = 0.0
+
+class StepRecorder(MarkedWindow):
+    """The measured window (no hand-over), plus the time plan and per step the buckets' spans and the CPU
+    use. Under ``ddp`` a comm hook times the all-reduces, and an autograd callback the end of backward."""
+
+    def __init__(self, first: int, steps: int, job_dir: Path) -> None:
+        super().__init__(first, steps, signal_dir=None)
+        self.job_dir = job_dir
+        self.pids = [os.getpid()]
+        self.cpu_marks: list[tuple[float, float]] = []  # (host busy s, the workers' CPU s) per step start
+        self.records: list[dict[str, Any]] = []
+        self.engine: Any = None  # hier_sliced's
+        self.timing: Any = None  # its time bucketing
+        self.plan: dict[str, Any] | None = None
+        self.plans_at_start: int | None = None
+        self.backward: list[float] = []  # ddp: backward start, end of the autograd graph
+        self.spans: list[list[float]] = []  # ddp: [launch, done, bytes] per bucket
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """ddp: install the timing comm hook, and the gradient hooks that mark the end of backward."""
+        self.engine = getattr(trainer.strategy, "engine", None)
+        self.timing = getattr(self.engine, "time_bucketing", None)
+        if self.engine is None:
+            trainer.strategy.model.register_comm_hook(state=self, hook=_timed_allreduce_hook)
+            for param in pl_module.parameters():
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if len(self.backward) == 1:  # the first gradient of this backward
+            self.backward.append(float("nan"))
+            Variable._execution_engine.queue_callback(self._on_graph_done)
+
+    def _on_graph_done(self) -> None:
+        self.backward[1] = time.perf_counter()
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        """Start of backward: a new ddp timeline."""
+        self.backward = [time.perf_counter()]
+        self.spans = []
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Record the step's start (after a hand-over)."""
+        """At the first measured step, read every worker's pid and the time plan."""
+        if batch_idx == self.first:
+            self.pids = [int(f.read_text()) for f in sorted(self.job_dir.glob("pid.*"))]
+            if self.timing is not None:
+                self._record_plan()
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self._batch_t0 = time.perf_counter()
+
+    def mark_step(self) -> None:
+        """A step start, with the host's and the workers' CPU time."""
+        self.cpu_marks.append((host_busy_seconds(), process_cpu_seconds(self.pids)))
+        super().mark_step()
+
+    def _record_plan(self) -> None:
+        if self.timing.plan is None:
+            raise RuntimeError(
+                f"bucketing='time' has no plan at batch {self.first}: the measured window would "
+                "include profiling; raise --warmup"
+            )
+        plan, self.plans_at_start = self.timing.plan, self.timing.plans_made
+        self.plan = {"describe": plan.describe(), "backward_seconds": plan.backward_seconds}
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Record the in-batch duration of measured steps."""
-        if self.first <= batch_idx < self.first + self.steps:
-            self.batch_times.append(time.perf_counter() - self._batch_t0)
+        """Record the buckets of a measured step."""
+        if not self.first <= batch_idx < self.first + self.steps:
+            return
+        if self.engine is None:
+            start = self.backward[0]
+            launch, done = ([s[i] - start for s in self.spans] for i in (0, 1))
+            record = comm_record(self.backward[1] - start, launch, done, [int(s[2]) for s in self.spans])
+        else:
+            tl = self.engine.last_timeline
+            launch, done, sizes = list(tl.bucket_launch), list(tl.bucket_done), list(tl.bucket_bytes)
+            record = comm_record(tl.backward_seconds, launch, done, sizes)
+            record["hidden_fraction"] = tl.hidden_fraction()  # the engine's own
+        self.records.append({**record, "batch_idx": batch_idx})
 
     def summary(self) -> dict[str, Any]:
         """Timings of the measured window."""
-        summary = super().summary()
-        return {"step_times_s": summary["step_times_s"], "batch_times_s": self.batch_times, **summary}
+        window = super().summary()
+        if len(self.records) != self.steps:
+            raise RuntimeError(f"expected {self.steps} measured steps, recorded {len(self.records)}")
+        marks = list(zip(self.cpu_marks, self.cpu_marks[1:]))
+        ours = [b[1] - a[1] for a, b in marks]
+        steps = window["step_times_s"]
+        other = [max(0.0, b[0] - a[0] - w) / dt for (a, b), w, dt in zip(marks, ours, steps)]
+        return {
+            **window,
+            "other_cpu_cores_per_step": other,  # cores that other processes used during each step
+            "other_cpu_cores": sum(o * t for o, t in zip(other, steps)) / sum(steps),
+            "quiet_step_times_s": [t for t, o in zip(steps, other) if o <= BUSY_HOST_CORES],
+            **{f"mean_{key}": statistics.fmean(r[key] for r in self.records) for key in MEANS},
+            "num_buckets": len(self.records[-1]["bucket_launch_s"]),
+            "plan": self.plan,
+            "plans_made_at_start": self.plans_at_start,
+            "plans_made_at_end": self.timing.plans_made if self.timing else None,
+            "steps": self.records,
+        }
 
 
-def make_strategy(name: str, devices_per_node: int, bucket_cap_mb: float) -> Any:
-    """Lightning's DDP or a HierSlicedStrategy (imported lazily), both with the same bucket cap."""
-    if name == "hier_sliced":
-        from lightning_hier import HierSlicedStrategy
+def _timed_allreduce_hook(state, bucket):  # unannotated: DDP's _check_comm_hook rejects string annotations
+    """DDP's default ``allreduce_hook``; ``state`` (the recorder) gets its launch and completion times."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        return HierSlicedStrategy(devices_per_node=devices_per_node, bucket_cap_mb=bucket_cap_mb)
-    from lightning.pytorch.strategies import DDPStrategy
+    nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+    span = [time.perf_counter(), float("nan"), float(nbytes)]
+    state.spans.append(span)
 
-    return DDPStrategy(bucket_cap_mb=bucket_cap_mb)
+    def done(fut):
+        span[1] = time.perf_counter()
+        return fut.value()
+
+    return allreduce_hook(None, bucket).then(done)
 
 
-def make_loader(hidden: int, batch_size: int, world_size: int, total_steps: int) -> DataLoader:
-    """Random regression data, enough for ``total_steps`` batches on every rank in one epoch."""
-    gen = torch.Generator().manual_seed(0)
-    n = batch_size * world_size * (total_steps + 2)
-    data = TensorDataset(torch.randn(n, hidden, generator=gen), torch.randn(n, hidden, generator=gen))
-    return DataLoader(data, batch_size=batch_size, shuffle=False)
+def make_strategy(name: str, options: dict[str, Any]) -> Any:
+    """Lightning's DDP or a HierSlicedStrategy (imported only then) with ``options``."""
+    if name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(**options)
+    from lightning_hier import HierSlicedStrategy
+
+    return HierSlicedStrategy(devices_per_node=int(os.environ["LOCAL_WORLD_SIZE"]), **options)
 
 
 def main() -> None:
-    """Train and, on rank 0, write the timings."""
+    """Train with ``--config`` (``strategy``, ``strategy_options``, ``record``: ``handover`` or ``buckets``,
+    ``hidden``, ``layers``, ``batch_size``, ``lr``, ``warmup``, ``steps``); rank 0 writes the timings."""
     args = cli.parser(__doc__, OPTIONS).parse_args()
-    setup()
-    world_size, devices_per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    num_nodes = world_size // devices_per_node
-    total_steps = args.warmup + args.steps + 1
-    model = MLP(args.hidden, args.layers, lr=1e-3)
-    # before fit: a strategy may re-layout or shard parameters
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    timer = PhaseTimer(args.warmup, args.steps, args.signal_dir)
-    strategy = make_strategy(args.strategy, devices_per_node, args.bucket_cap_mb)
+    config = json.loads(args.config)
+    setup(interop_threads=True)
+    rank, devices, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"))
+    (args.job_dir / f"pid.{rank}").write_text(str(os.getpid()))
+    gen = torch.Generator().manual_seed(rank)
+    batch = tuple(torch.randn(config["batch_size"], config["hidden"], generator=gen) for _ in range(2))
+    first, steps = config["warmup"], config["steps"]
+    window = (StepRecorder if config["record"] == "buckets" else MarkedWindow)(first, steps, args.job_dir)
+    model = MLP(config["hidden"], config["layers"], lr=config["lr"])
+    # counted before fit: a strategy may lay the parameters out anew
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     trainer = quiet_trainer(
-        devices=devices_per_node,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        max_steps=total_steps,
-        callbacks=[timer],
+        devices=devices,
+        num_nodes=world // devices,
+        strategy=make_strategy(config["strategy"], config["strategy_options"]),
+        max_steps=first + steps + 1,
+        use_distributed_sampler=False,  # the same batch every step, on every rank its own
+        callbacks=[window],
     )
     t0 = time.perf_counter()
-    trainer.fit(model, make_loader(args.hidden, args.batch_size, world_size, total_steps))
+    trainer.fit(model, torch.utils.data.DataLoader([batch] * (first + steps + 1), batch_size=None))
     if trainer.global_rank == 0:
-        result = {
-            "strategy": args.strategy,
-            "strategy_class": type(trainer.strategy).__name__,
-            "world_size": world_size,
-            "num_nodes": num_nodes,
-            "devices_per_node": devices_per_node,
-            **{k: getattr(args, k) for k in ("hidden", "layers", "batch_size", "warmup", "steps")},
-            "grad_bytes": grad_bytes,
-            "fit_s": time.perf_counter() - t0,
-            **timer.summary(),
-        }
+        result = {**config, "strategy_class": type(trainer.strategy).__name__, "world_size": world}
+        result.update(num_nodes=world // devices, devices_per_node=devices, grad_bytes=grad_bytes)
+        result.update(fit_s=time.perf_counter() - t0, **window.summary())
         args.out.write_text(json.dumps(result, indent=2))
 
 

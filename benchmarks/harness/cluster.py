@@ -11,6 +11,7 @@ is removed on exit, exception or Ctrl-C. ``sudo python benchmarks/run.py netns [
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .jobs import REPO_ROOT, exit_on_sigterm, tail, worker_env
+from .jobs import REPO_ROOT, Markers, exit_on_sigterm, flags, job_dir, tail, worker_env
 
 PREFIX = "lhbench"
 SUBNET_PREFIX = "10.77.0"
@@ -87,6 +88,13 @@ class EmulatedCluster:
     def tx_bytes_all(self) -> list[int]:
         """``tx_bytes`` of every node, in node order."""
         return [self.tx_bytes(node) for node in self.nodes]
+
+    def describe(self, ranks_per_node: int) -> str:
+        """The cluster in one line."""
+        return (
+            f"emulated cluster: {len(self.nodes)} nodes x {ranks_per_node} rank(s), {self.rate_mbit:g} "
+            f"Mbit/s egress per node (tbf burst {self.burst_bytes} B, latency {self.latency_ms} ms)"
+        )
 
     def kill_processes(self, grace_s: float = 5.0) -> None:
         """Terminate (then kill) every still-running process started via :meth:`popen`."""
@@ -315,6 +323,50 @@ def watch(
 def logs_tail(workdir: Path) -> str:
     """The last lines of every worker's log, for error reports."""
     return "\n".join(f"--- {log.name} ---\n{tail(log, 25)}" for log in sorted(workdir.glob("rank*.log")))
+
+
+@dataclass
+class StrategyRun:
+    """One strategy's run of workers: rank 0's JSON (``worker``), or why it failed (``error``)."""
+
+    strategy: str
+    ok: bool = True
+    error: str = ""
+    worker: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step_s(self) -> float:
+        """Mean step time of the measured window (rank 0, start to start)."""
+        return float(self.worker["mean_step_s"])
+
+
+def run_workers(
+    cluster: EmulatedCluster,
+    argv: list[str],
+    name: str,
+    ranks_per_node: int,
+    port: int,
+    args: Any,
+    at_phase: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``argv --out DIR/rank0.json --job-dir DIR`` on ``ranks_per_node`` ranks a node (``DIR``: a temp dir
+    ``<name>-*``) within ``args.timeout``; returns rank 0's JSON, or raises with the end of the workers' logs.
+    ``at_phase(phase)`` runs while rank 0 waits at "start" and "end" (``harness.worker.MarkedWindow``)."""
+    with job_dir(f"{name}-", args.keep_logs, stop=cluster.kill_processes) as workdir:
+        print(f"[{name}] running {len(cluster.nodes) * ranks_per_node} workers (logs: {workdir})", flush=True)
+        try:
+            argv = [*argv, *flags(out=workdir / "rank0.json", job_dir=workdir)]
+            procs = launch(cluster, argv, workdir, ranks_per_node, port, f"{name}-{os.getpid()}")
+            if at_phase is None:
+                watch(procs, args.timeout, 0.05)
+            else:
+                markers = Markers(workdir, ("start", "end"))
+                watch(procs, args.timeout, 0.002, lambda: markers.answer(at_phase))
+                if markers.missing:
+                    raise RuntimeError(f"workers finished without signalling phases {markers.missing}")
+            return json.loads((workdir / "rank0.json").read_text())
+        except Exception as exc:
+            raise RuntimeError(f"{exc}\n{logs_tail(workdir)}") from exc
 
 
 # ---------------------------------------------------------------------- self-test

@@ -114,13 +114,17 @@ class MarkedWindow(Callback):
         if batch_idx in self.extra:
             handshake(trainer, self.signal_dir, self.extra[batch_idx])
         if batch_idx == self.first + self.steps:
-            self.step_starts.append(time.perf_counter())
+            self.mark_step()
             handshake(trainer, self.signal_dir, "end")
         elif batch_idx == self.first:
             handshake(trainer, self.signal_dir, "start")
-            self.step_starts.append(time.perf_counter())
+            self.mark_step()
         elif self.first < batch_idx < self.first + self.steps:
-            self.step_starts.append(time.perf_counter())
+            self.mark_step()
+
+    def mark_step(self) -> None:
+        """Record a step start (a subclass may sample more here)."""
+        self.step_starts.append(time.perf_counter())
 
     def summary(self) -> dict[str, Any]:
         """Timings of the window."""
