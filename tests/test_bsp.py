@@ -213,3 +213,44 @@ def test_plain_bsp_resume_equals_an_uninterrupted_run(lightning_results: dict) -
     assert result["halfway_moved"] > 1e-2
     assert result["max_rel_diff"] < 1e-6, result
     assert result["bare_equals_halfway"] == 0.0  # the checkpoint loads into a module without the plugin
+
+
+def test_a_dead_worker_ends_the_others_with_its_rank_and_the_last_checkpoint_loads(tmp_path: Path) -> None:
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import SCRIPTS
+    from scripts.models import EquivModel
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # Lightning's own launcher (torchrun would kill the survivors itself)
+    with subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "bsp_dead_worker.py"), str(tmp_path)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            proc.wait(timeout=180)
+            deadline = time.monotonic() + 60
+            while len(list(tmp_path.glob("rank*.json"))) < 3 and time.monotonic() < deadline:
+                time.sleep(0.5)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the launcher's group may be gone already
+                os.killpg(proc.pid, signal.SIGKILL)
+    died = float((tmp_path / "died_at").read_text())
+    results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == ["rank0", "rank1", "rank2"], results
+    for result in results.values():
+        assert result["error"] and result["error"].startswith("BSPStopped"), result
+        assert result["ended"] - died < 60  # within the strategy's timeout, not a hang
+    # ranks that still reach the job's store (hosted by rank 0's process) name the lost one
+    assert "lost rank(s) [3]" in results["rank0"]["error"]
+    rank2 = results["rank2"]["error"]
+    assert "lost rank(s) [3]" in rank2 or "store is unreachable" in rank2
+    checkpoint = torch.load(tmp_path / "ckpt" / "epoch=0-step=8.ckpt", weights_only=False)
+    model = EquivModel(optimizer="sgd")
+    model.load_state_dict(checkpoint["state_dict"])
+    assert len(checkpoint["optimizer_states"][0]["state"]) == len(list(model.parameters()))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hier.bsp.controller import DEADLINE, EPOCH_END, INFLIGHT, decide
+from lightning_hier.bsp.liveness import Heartbeat, describe_loss, lost_ranks, new_run_key
 from lightning_hier.bsp.server import ShardedParameterServer
 from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.bsp.shared_memory import SharedModelMemory
@@ -65,12 +66,18 @@ class LocalBSPModule(threading.Thread):
         self.timeout_s = timeout_s
         self.records: list[SuperstepRecord] = []
         self.opened_at = time.monotonic()
+        self.run_key = new_run_key()
+        self.heartbeat = Heartbeat(self.run_key, topology.rank)
 
     def run(self) -> None:
+        self.heartbeat.start()
         try:
             self._loop()
         except BaseException as error:  # noqa: BLE001 - handed to the worker, which raises it
-            self.memory.fail(error)
+            lost = lost_ranks(self.run_key, self.topology.world_size)
+            self.memory.fail(RuntimeError(describe_loss(error, lost)))
+        finally:
+            self.heartbeat.stop()
 
     def _loop(self) -> None:
         memory, world = self.memory, self.topology.world_group

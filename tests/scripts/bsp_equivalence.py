@@ -15,10 +15,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
-from models import EquivModel, loader  # noqa: E402
-from train_equivalence import initial_state, max_rel_diff  # noqa: E402
+from train_equivalence import initial_state, max_rel_diff, train  # noqa: E402
 
 from lightning_hier import HierBSPStrategy  # noqa: E402
 
@@ -38,33 +36,15 @@ SCENARIOS: dict[str, dict] = {
 }
 
 
-def train(strategy, model_kwargs: dict, trainer_kwargs: dict, steps: int) -> tuple[dict, object]:  # noqa: ANN001
-    pl.seed_everything(1234, verbose=False)
-    model = EquivModel(**model_kwargs)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size() if dist.is_initialized() else 4,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kwargs,
-    )
-    trainer.fit(model, train_dataloaders=loader())
-    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}, trainer.strategy
-
-
 def main() -> None:
     out = Path(sys.argv[1])
     results = {}
     for name, spec in SCENARIOS.items():
         trainer_kwargs = spec.get("trainer", {})
         steps = 6
-        reference, _ = train(DDPStrategy(), spec["model"], trainer_kwargs, steps)
-        bsp = HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **spec["bsp"])
-        state, strategy = train(bsp, spec["model"], trainer_kwargs, steps)
+        reference = train(DDPStrategy(), spec["model"], trainer_kwargs, steps)
+        strategy = HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **spec["bsp"])
+        state = train(strategy, spec["model"], trainer_kwargs, steps)
         results[name] = {
             "max_rel_diff": max_rel_diff(reference, state),
             "reference_moved": max_rel_diff(reference, initial_state(spec["model"])),

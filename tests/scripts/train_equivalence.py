@@ -97,8 +97,8 @@ def train(strategy, model_kwargs: dict, trainer_kwargs: dict, steps: int) -> dic
         **trainer_kwargs,
     )
     trainer.fit(model, train_dataloaders=loader())
-    engine = getattr(trainer.strategy, "engine", None)
-    PLAN_KINDS.append(engine.bucket_plan.kind if engine is not None else None)
+    plan = getattr(getattr(trainer.strategy, "engine", None), "bucket_plan", None)
+    PLAN_KINDS.append(plan.kind if plan is not None else None)
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
 

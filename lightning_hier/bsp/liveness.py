@@ -1,0 +1,70 @@
+"""Which ranks are gone, asked after a collective failed.
+
+When a worker dies, the others' next collective fails (gloo: the connection closes; otherwise the
+group's timeout) with an error that names an address, not a rank. Every rank's :class:`Heartbeat`
+bumps a counter in the job's key-value store once a second from a thread of its own (a rank stuck
+in a collective still beats); after a failure, the counters that did not move for a few seconds
+name the lost ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import torch.distributed as dist
+
+BEAT_SECONDS = 1.0
+WATCH_SECONDS = 2.5
+_runs = itertools.count()
+
+
+def new_run_key() -> str:
+    """A prefix the same on every rank (every rank creates its BSP engines in the same order)."""
+    return f"lightning_hier/bsp/{next(_runs)}"
+
+
+class Heartbeat(threading.Thread):
+    """Adds one to ``<run_key>/beat/<rank>`` in the default store every ``BEAT_SECONDS`` until stopped."""
+
+    def __init__(self, run_key: str, rank: int) -> None:
+        super().__init__(name=f"hier-bsp-heartbeat-rank{rank}", daemon=True)
+        self.key = f"{run_key}/beat/{rank}"
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            while not self._stop.is_set():
+                store.add(self.key, 1)
+                self._stop.wait(BEAT_SECONDS)
+        except Exception:  # noqa: BLE001, S110 - the store's host is gone; lost_ranks reports it
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def lost_ranks(run_key: str, world_size: int, watch_s: float = WATCH_SECONDS) -> list[int] | None:
+    """Ranks whose heartbeat did not move within ``watch_s`` (``None``: the store is unreachable,
+    which means the process hosting it, normally global rank 0's, is gone)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"{run_key}/beat/{rank}" for rank in range(world_size)]
+        before = [store.add(key, 0) for key in keys]
+        time.sleep(watch_s)
+        after = [store.add(key, 0) for key in keys]
+    except Exception:  # noqa: BLE001 - any store failure means its host is unreachable
+        return None
+    return [rank for rank, (a, b) in enumerate(zip(before, after)) if a == b]
+
+
+def describe_loss(error: BaseException, lost: list[int] | None) -> str:
+    if lost is None:
+        return (
+            f"the job's key-value store is unreachable (global rank 0's host is likely gone) after: {error}"
+        )
+    if lost:
+        return f"lost rank(s) {lost}: their heartbeats stopped; the collective failed with: {error}"
+    return f"a collective failed while every rank is still alive: {error}"
