@@ -223,10 +223,11 @@ def test_a_dead_worker_ends_the_others_with_its_rank_and_the_last_checkpoint_loa
     import sys
     import time
 
-    from helpers import SCRIPTS
+    from helpers import SCRIPTS, free_port
     from scripts.models import EquivModel
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_port())  # Lightning's launcher would pick one that may be taken meanwhile
     # Lightning's own launcher (torchrun would kill the survivors itself)
     with subprocess.Popen(
         [sys.executable, str(SCRIPTS / "bsp_dead_worker.py"), str(tmp_path)],

@@ -10,7 +10,8 @@ host enqueued them. A run is safe when
 4. one global order of all these operations exists that every rank's own order agrees with
    (operations of one ``batch_isend_irecv`` are unordered among themselves): a cycle means two
    ranks each wait for what the other has queued behind its own wait, which deadlocks on GPUs;
-5. (with ``require_main_thread``) everything was issued from the main thread.
+5. each group was used by one thread on each rank (two threads on one communicator interleave in no
+   fixed order), and (with ``require_main_thread``) that thread is the main thread.
 """
 
 from __future__ import annotations
@@ -93,10 +94,23 @@ def analyze(source: str | Path | dict[int, list[Record]], require_main_thread: b
                     f"rank {rank}: {r['op']} on group {r['group']} issued from thread {r['thread']!r} "
                     f"(at {r['caller']}); one issuing thread per rank keeps one order"
                 )
+    report.problems += _check_one_thread_per_group(records)
     report.problems += _check_group_sequences(records)
     report.problems += _check_point_to_point(records)
     report.problems += _check_global_order(records)
     return report
+
+
+def _check_one_thread_per_group(records: dict[int, list[Record]]) -> list[str]:
+    problems = []
+    for rank, items in sorted(records.items()):
+        threads: dict[str, set[str]] = defaultdict(set)
+        for r in items:
+            threads[r["group"]].add(r["thread"])
+        for group, names in sorted(threads.items()):
+            if len(names) > 1:
+                problems.append(f"rank {rank}: group {group} used from threads {sorted(names)}")
+    return problems
 
 
 def _is_p2p(r: Record) -> bool:

@@ -174,8 +174,12 @@ class BSPEngine:
 
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state_dict(self) -> dict[str, Any]:
-        """The unsharded optimizer's ``state_dict`` (drained; a collective over the node)."""
-        return self.server.sharding.consolidated_state_dict()
+        """The unsharded optimizer's ``state_dict`` (drains first; a collective over the node, issued by
+        the local BSP module's thread like every other collective on its groups)."""
+        self.drain()
+        if not self.module.is_alive():  # after close(): the module's thread has ended
+            return self.server.sharding.consolidated_state_dict()
+        return self.module.call(self.server.sharding.consolidated_state_dict)
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.server.sharding.load_consolidated_state_dict(state_dict)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,11 +69,14 @@ class LocalBSPModule(threading.Thread):
         self.opened_at = time.monotonic()
         self.run_key = new_run_key()
         self.heartbeat = Heartbeat(self.run_key, topology.rank)
+        self._task: Callable[[], Any] | None = None
+        self._result: Any = _NOTHING
 
     def run(self) -> None:
         self.heartbeat.start()
         try:
-            self._loop()
+            if self._paused():  # until the first training step: setup and sanity checks are the main thread's
+                self._loop()
         except BaseException as error:  # noqa: BLE001 - handed to the worker, which raises it
             lost = lost_ranks(self.run_key, self.topology.world_size)
             self.memory.fail(RuntimeError(describe_loss(error, lost)))
@@ -152,14 +156,55 @@ class LocalBSPModule(threading.Thread):
         self.opened_at = time.monotonic()
 
     def _pause(self) -> bool:
-        """Wait until the worker resumes (True) or stops (False)."""
+        """Pause until the worker resumes (True) or stops (False)."""
+        with self.memory.cond:
+            self.memory.paused = True
+            self.memory.cond.notify_all()
+        return self._paused()
+
+    def _paused(self) -> bool:
+        """Wait while paused (as a module starts); meanwhile run what the worker asks (:meth:`call`)."""
         memory = self.memory
         with memory.cond:
-            memory.paused = True
-            memory.cond.notify_all()
             while memory.paused and not memory.stopping:
+                if self._task is not None:
+                    task, self._task = self._task, None
+                    memory.cond.release()
+                    try:
+                        result: Any = task()
+                    except BaseException as error:  # noqa: BLE001 - raised again in the caller
+                        result = _Failed(error)
+                    finally:
+                        memory.cond.acquire()
+                    self._result = result
+                    memory.cond.notify_all()
+                    continue
                 memory.cond.wait()
             return not memory.stopping
+
+    def call(self, task: Callable[[], Any]) -> Any:
+        """Run ``task`` on this thread while it is paused (main thread, after a drain): collectives on
+        this module's groups then still come from one thread only."""
+        memory = self.memory
+        with memory.cond:
+            if not memory.paused or not self.is_alive():
+                raise RuntimeError("the local BSP module runs work for the worker only while paused.")
+            self._task, self._result = task, _NOTHING
+            memory.cond.notify_all()
+            while self._result is _NOTHING:
+                memory.wait(self.timeout_s, "answer from the local BSP module")
+            result, self._result = self._result, _NOTHING
+        if isinstance(result, _Failed):
+            raise result.error
+        return result
+
+
+_NOTHING = object()
+
+
+@dataclass
+class _Failed:
+    error: BaseException
 
 
 def _sync(tensors: list[torch.Tensor]) -> None:

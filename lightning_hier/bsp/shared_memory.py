@@ -39,7 +39,7 @@ class SharedModelMemory:
         self.picked_up = 0  # version the worker last copied
         self.closing = False
         self.draining = False
-        self.paused = False
+        self.paused = True  # the local BSP module starts paused; the first begin_step resumes it
         self.stopping = False
         self.epoch_ended = False  # this worker ran out of batches (set with draining)
         self.peer_epoch_ended = False  # some worker ran out of batches: end this epoch too

@@ -22,7 +22,7 @@ from pipeline_models import SkewedNet  # noqa: E402
 from pipeline_models import loader as pipeline_loader  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_hier import HierPipelineStrategy, HierSlicedStrategy, StageRebalancer  # noqa: E402
+from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy, StageRebalancer  # noqa: E402
 
 
 class LoggedModel(EquivModel):
@@ -96,6 +96,18 @@ def hybrid(out: Path) -> None:
     run.fit(resumed, hybrid_loader(), ckpt_path=str(out / "hybrid.ckpt"))
 
 
+def bsp(out: Path) -> None:
+    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
+    model = LoggedModel(optimizer="adam")
+    checkpoint = ModelCheckpoint(dirpath=str(out / "ckpt"), monitor="val_loss", save_top_k=1)
+    run = trainer(
+        strategy, out, max_epochs=2, limit_train_batches=4, limit_val_batches=2, gradient_clip_val=0.5,
+        callbacks=[checkpoint],
+    )  # fmt: skip
+    run.fit(model, loader(), loader())
+    run.test(model, loader(), ckpt_path="best")
+
+
 def pipeline(out: Path, schedule: str) -> None:
     strategy = HierPipelineStrategy(partition=[1, 1, 1, 17], rebalance=2, micro_batches=4, schedule=schedule)
     run = trainer(
@@ -122,6 +134,8 @@ def main() -> None:
         sliced(out, "none", "consolidated", slice_weights="equal")
     elif case == "hybrid":
         hybrid(out)
+    elif case == "bsp":
+        bsp(out)
     elif case in ("pipeline_1f1b", "pipeline_gpipe"):
         pipeline(out, case.split("_")[1])
     else:
