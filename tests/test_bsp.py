@@ -149,6 +149,17 @@ def test_straggler_contributes_less_and_nothing_is_lost(engine_results: dict) ->
     assert result["same_model_everywhere"]
 
 
+def test_supersteps_by_the_controllers_clock(engine_results: dict) -> None:
+    result = engine_results["timed"]
+    computed, records = result["computed"], result["records"]
+    assert [sum(r["micro_steps"][w] for r in records) for w in range(4)] == computed
+    assert all(r["max_staleness"] == 0 for r in records)  # max_staleness=0: never a superstep late
+    # a fast worker's ~0.03 s steps put several micro-steps into each 0.1 s superstep
+    assert max(r["micro_steps"][0] for r in records) >= 2
+    assert computed[3] < computed[0]
+    assert result["same_model_everywhere"]
+
+
 # ---------------------------------------------------------------------- strategy against ddp
 @pytest.fixture(scope="module")
 def strategy_results(tmp_path_factory: pytest.TempPathFactory) -> dict:

@@ -9,6 +9,8 @@
   runs at about a third of the others' speed; the workers stop when the first has done its steps.
   Reports the micro-steps each rank computed and the superstep records (micro-steps per worker,
   staleness), so the test can check that nothing was lost and the bound held.
+- ``timed``: the same with ``superstep_seconds=0.1, max_staleness=0`` (supersteps by the controller's
+  clock; every gradient applied in the superstep right after its model).
 """
 
 from __future__ import annotations
@@ -87,10 +89,12 @@ def plain(steps: int = 6) -> dict:
     return {"max_rel_diff": diff, "reference_moved": moved, "supersteps": supersteps}
 
 
-def straggler(steps: int = 24, slow_rank: int = 3, sleep_s: float = 0.03) -> dict:
+def straggler(
+    steps: int = 24, slow_rank: int = 3, sleep_s: float = 0.03, settings: BSPSettings | None = None
+) -> dict:
     rank = dist.get_rank()
     model = make_model()
-    engine = engine_for(model, BSPSettings(superstep_steps=2, max_staleness=1))
+    engine = engine_for(model, settings or BSPSettings(superstep_steps=2, max_staleness=1))
     computed = 0
     for step in range(steps):
         if engine.epoch_should_end:
@@ -118,7 +122,8 @@ def straggler(steps: int = 24, slow_rank: int = 3, sleep_s: float = 0.03) -> dic
 
 def main(out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    results = {"plain": plain(), "straggler": straggler()}
+    timed = BSPSettings(superstep_steps=None, superstep_seconds=0.1, max_staleness=0)
+    results = {"plain": plain(), "straggler": straggler(), "timed": straggler(steps=30, settings=timed)}
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
