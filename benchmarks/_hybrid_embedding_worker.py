@@ -1,12 +1,9 @@
-"""One of the 4 training processes of a ``bench_hybrid_embedding.py`` job (see benchmarks/README.md).
-
-The only argument is the driver's settings as JSON (``variant``, ``rows``, ``dim``, ``batch_size``,
-``max_bag``, ``zipf``, ``warmup``, ``mem_steps``, ``steps``, ``job_dir``); rank 0 writes
-``job_dir/rank0.json``.
-"""
+"""One of the 4 training processes of a ``bench_hybrid_embedding.py`` job; its only argument is the driver's
+settings as JSON; rank 0 writes ``<job_dir>/rank0.json``. The model: benchmarks/README.md."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -30,9 +27,7 @@ def click_batch(config: dict[str, Any], seed: int, index: int) -> tuple[torch.Te
     """Synthetic click-log batch ``index``: ``(ids, offsets, dense, labels)``, ``batch_size`` bags of
     1..``max_bag`` ids (flat ids + offsets) whose ranks follow a bounded power law (exponent ``zipf``)."""
     rows, size, one_minus_s = config["rows"], config["batch_size"], 1.0 - config["zipf"]
-    multiplier = ID_MULTIPLIER
-    while math.gcd(multiplier, rows) != 1:
-        multiplier += 2
+    multiplier = next(m for m in itertools.count(ID_MULTIPLIER, 2) if math.gcd(m, rows) == 1)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
     lengths = torch.randint(1, config["max_bag"] + 1, (size,), generator=generator)
     offsets = torch.zeros(size, dtype=torch.long)
@@ -85,7 +80,7 @@ def main() -> None:
     if variant == "hybrid":  # one table per node in /dev/shm, updated by its own row-wise SGD
         from lightning_hier import HierSlicedStrategy, HybridEmbedding
 
-        table = HybridEmbedding(rows, dim, mode="sum", optimizer="sgd", lr=lr)
+        table: nn.Module = HybridEmbedding(rows, dim, mode="sum", optimizer="sgd", lr=lr)
         strategy: Any = HierSlicedStrategy(devices_per_node=devices)
     else:
         table, strategy = nn.EmbeddingBag(rows, dim, mode="sum", sparse=variant == "ddp_sparse"), "ddp"
@@ -93,19 +88,18 @@ def main() -> None:
     warmup, steps = config["warmup"], config["steps"]
     first = warmup + config["mem_steps"]
     window = MarkedWindow(first, steps, job_dir, extra={warmup: "mem_start"})
+    total = first + steps + 1
     trainer = quiet_trainer(
         devices=devices,
         num_nodes=world // devices,
         strategy=strategy,
-        max_steps=first + steps + 1,
+        max_steps=total,
         use_distributed_sampler=False,
         callbacks=[window],
     )
-    t0 = time.perf_counter()
     # batch i is made from index i when it is fetched (every rank draws its own, seeded by rank)
-    batches = DataLoader(
-        range(first + steps + 1), batch_size=None, collate_fn=partial(click_batch, config, rank)
-    )
+    batches = DataLoader(range(total), batch_size=None, collate_fn=partial(click_batch, config, rank))
+    t0 = time.perf_counter()
     trainer.fit(model, batches)
     if trainer.global_rank == 0:
         timings = window.summary()

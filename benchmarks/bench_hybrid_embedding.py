@@ -1,35 +1,32 @@
 """Memory and throughput of a >= 1 GB embedding table: ``HybridEmbedding`` vs ``nn.EmbeddingBag`` + ddp.
 
-Four processes on one host, Linux, no root; variants, measurements and options: benchmarks/README.md.
-"""
+Four processes on one host, Linux, no root; variants, measurements and options: benchmarks/README.md."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from harness import cli, jobs, report
 from harness.cluster import watch
-from harness.jobs import BUSY_HOST_CORES, WITH_IRQ_AND_STEAL
+from harness.jobs import WITH_IRQ_AND_STEAL
 
 WORKER = jobs.BENCH_DIR / "_hybrid_embedding_worker.py"
 NPROC = 4
 CONTENDER, REFERENCES = "hybrid", ("ddp_sparse", "ddp_dense")  # the targets are against the first
 RATIOS = (("table memory", "table mem [GiB]", "<=", 0.30), ("throughput  ", "samples/s", ">=", 1.0))
-# rough peak bytes per process for the big table, as multiples of the table size (for the memory check)
-TABLE_COPIES_PER_PROCESS = {"hybrid": 0.25, "ddp_dense": 3.2, "ddp_sparse": 1.2}
+TABLE_COPIES_PER_PROCESS = {"hybrid": 0.25, "ddp_dense": 3.2, "ddp_sparse": 1.2}  # rough peak, in tables
 PROCESS_OVERHEAD_BYTES = 700 * 2**20
-PSS_FIELDS = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File", "Rss")
+PSS_FIELDS, SAMPLE_INTERVAL_S = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File", "Rss"), 0.2
 FORMATS = {"x table": ".2f", "samples/s": ",.0f", "step [ms]": ".1f", "other cores": ".2f"}  # else GiB
+RERUN_NOTE = "    other processes used {:.2f} cores: running it again"
 TORCHREC_NOTE = "TorchRec: not available for torch 2.13 CPU, not run (why: benchmarks/README.md)"
 OPTIONS = """
 --rows            int    2_000_000  rows of the big table
@@ -46,7 +43,6 @@ OPTIONS = """
 --dense-steps     int    4          timed steps of ddp_dense
 --repeats int 2 big-table jobs per variant (interleaved; throughput = their mean); ddp_dense runs once
 --variants        str    hybrid,ddp_dense,ddp_sparse  comma-separated: hybrid, ddp_dense, ddp_sparse
---sample-interval float  0.2        seconds between PSS samples
 --skip-memory-check flag -          run even if MemAvailable looks short
 """
 
@@ -79,32 +75,31 @@ class Variant:
 def read_kib(path: str) -> dict[str, int]:
     """The ``key: N kB`` lines of a ``/proc`` file, in bytes."""
     with open(path) as handle:
-        lines = [line.split() for line in handle if line.endswith(" kB\n")]
-    return {key.rstrip(":"): int(value) * 1024 for key, value, _ in lines}
+        lines = [line.split() for line in handle]
+    return {key.rstrip(":"): int(value) * 1024 for key, value, *unit in lines if unit == ["kB"]}
 
 
-def serve(proc: subprocess.Popen[bytes], workdir: Path, args: argparse.Namespace, result: JobResult) -> None:
-    """Until the job exits: at each window edge sample memory and CPU, then acknowledge; sample memory every
-    ``--sample-interval`` from "mem_start" to "start", never in the timed window ("start" to "end")."""
-    markers = jobs.Markers(workdir, ("mem_start", "start", "end"))
+def run_once(args: argparse.Namespace, variant: str, rows: int, attempt: int) -> JobResult:
+    """One torchrun job; at each window edge sample memory and CPU, then acknowledge; sample memory every
+    ``SAMPLE_INTERVAL_S`` from "mem_start" to "start", never in the timed window ("start" to "end")."""
+    prefix = "dense_" if variant == "ddp_dense" else ""  # ddp_dense has its own step counts
+    config = {k: getattr(args, prefix + k) for k in ("warmup", "mem_steps", "steps")}
+    config.update(variant=variant, rows=rows, **jobs.pick(args, "dim", "batch_size", "max_bag", "zipf"))
+    result = JobResult(variant, rows, attempts=attempt)
     pids: list[int] = []
     cpu: dict[str, jobs.Snapshot] = {}
     next_sample = 0.0
 
     def sample() -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a worker is exiting
             rollups = [read_kib(f"/proc/{pid}/smaps_rollup") for pid in pids]
-        except (FileNotFoundError, ProcessLookupError):
-            return  # a worker is exiting
-        total = {k: sum(r.get(k, 0) for r in rollups) for k in PSS_FIELDS}
-        result.samples += 1
-        if total["Pss"] > result.peak.get("Pss", -1):
-            result.peak, result.per_process_pss = total, [r["Pss"] for r in rollups]
+            total = {k: sum(r.get(k, 0) for r in rollups) for k in PSS_FIELDS}
+            result.samples += 1
+            if total["Pss"] > result.peak.get("Pss", -1):
+                result.peak, result.per_process_pss = total, [r["Pss"] for r in rollups]
 
-    def at_edge(phase: str) -> None:
-        pids[:] = pids or jobs.live_workers(workdir, NPROC)
-        if len(pids) != NPROC:
-            raise RuntimeError("the window started before every worker wrote its pid")
+    def at_edge(phase: str) -> None:  # at_edge and tick run inside watch: workdir, proc, markers are set
+        pids[:] = pids or jobs.live_workers(workdir, NPROC)  # all wrote their pid before the first step
         sample()
         cpu[phase] = jobs.cpu_snapshot([proc.pid, *pids], WITH_IRQ_AND_STEAL)
 
@@ -113,39 +108,26 @@ def serve(proc: subprocess.Popen[bytes], workdir: Path, args: argparse.Namespace
         markers.answer(at_edge)
         if pids and "start" not in markers.acked and time.monotonic() >= next_sample:
             sample()
-            next_sample = time.monotonic() + args.sample_interval
+            next_sample = time.monotonic() + SAMPLE_INTERVAL_S
 
-    watch([proc], args.timeout, 0.005, tick)
-    if markers.missing:
-        raise RuntimeError(f"the job finished without signalling {markers.missing}")
-    result.other_cores = jobs.other_cores(cpu["start"], cpu["end"])
-
-
-def run_job(args: argparse.Namespace, variant: str, rows: int, attempt: int) -> JobResult:
-    """One torchrun job: ``variant`` with a table of ``rows`` rows (``ddp_dense`` has its own step counts)."""
-    prefix = "dense_" if variant == "ddp_dense" else ""
-    config = {k: getattr(args, prefix + k) for k in ("warmup", "mem_steps", "steps")}
-    config.update(variant=variant, rows=rows, **jobs.pick(args, "dim", "batch_size", "max_bag", "zipf"))
-    result = JobResult(variant, rows, attempts=attempt)
     with jobs.job_dir(f"lhbench-emb-{variant}-{rows}-", args.keep_logs) as workdir:
         print(f"[{variant}, {rows:,} rows] {NPROC} workers (logs: {workdir}) ...", flush=True)
+        markers = jobs.Markers(workdir, ("mem_start", "start", "end"))
         with jobs.torchrun(NPROC, WORKER, [json.dumps({**config, "job_dir": str(workdir)})], workdir) as proc:
             try:
-                serve(proc, workdir, args, result)
+                watch([proc], args.timeout, 0.005, tick)
                 result.worker = json.loads((workdir / "rank0.json").read_text())
+                result.other_cores = jobs.other_cores(cpu["start"], cpu["end"])
             except Exception as exc:  # report it and go on with the next job
                 error = f"{exc}\n{jobs.tail(workdir / 'job.log')}"
                 return JobResult(variant, rows, ok=False, error=error, attempts=attempt)
     return result
 
 
-def run_when_idle(args: argparse.Namespace, variant: str, rows: int) -> JobResult:
-    """``run_job`` after ``--wait-idle``; again, up to ``--retry-busy`` times, while others used the CPU."""
-    note = "    other processes used {:.2f} cores: running it again"
-    attempt = lambda n: run_job(args, variant, rows, n)
-    return jobs.run_until_quiet(
-        attempt, args.retry_busy, args.wait_idle, note, indent="    ", fields=WITH_IRQ_AND_STEAL
-    )
+def run_job(args: argparse.Namespace, variant: str, rows: int) -> JobResult:
+    """``run_once`` after ``--wait-idle``; again, up to ``--retry-busy`` times, while others used the CPU."""
+    job = lambda attempt: run_once(args, variant, rows, attempt)
+    return jobs.run_until_quiet(job, args.retry_busy, args.wait_idle, RERUN_NOTE, fields=WITH_IRQ_AND_STEAL)
 
 
 def memory_check(args: argparse.Namespace, variant: str) -> str | None:
@@ -154,46 +136,37 @@ def memory_check(args: argparse.Namespace, variant: str) -> str | None:
     need = NPROC * (TABLE_COPIES_PER_PROCESS[variant] * table + PROCESS_OVERHEAD_BYTES)
     available = read_kib("/proc/meminfo")["MemAvailable"]
     if need > 0.9 * available:
-        return f"needs about {need / 2**30:.1f} GiB but MemAvailable is {available / 2**30:.1f} GiB"
-    shm_free = shutil.disk_usage("/dev/shm").free
-    if variant == "hybrid" and table > 0.9 * shm_free:
-        return (
-            f"the table ({table / 2**30:.2f} GiB) does not fit in /dev/shm ({shm_free / 2**30:.2f} GiB free)"
-        )
+        return f"needs ~{need / 2**30:.1f} GiB, MemAvailable is {available / 2**30:.1f} GiB (reduce --rows)"
+    if variant == "hybrid" and table > 0.9 * (shm_free := shutil.disk_usage("/dev/shm").free):
+        return f"the table ({table / 2**30:.2f} GiB) does not fit in /dev/shm ({shm_free / 2**30:.2f} free)"
     return None
 
 
-def summary(v: Variant) -> dict[str, Any]:
+def summary(bigs: list[JobResult], tiny: JobResult) -> dict[str, Any]:
     """A variant's row of the table, by column; memory is the max over all samples of all repeats."""
-    assert v.tiny is not None
-    big = max(v.big, key=lambda b: b.peak["Pss"])
-    table = big.peak["Pss"] - v.tiny.peak["Pss"]
-    rates = [float(b.worker["samples_per_s"]) for b in v.big]
+    big = max(bigs, key=lambda b: b.peak["Pss"])
+    table = big.peak["Pss"] - tiny.peak["Pss"]
+    rates = [float(b.worker["samples_per_s"]) for b in bigs]
     return {
         "PSS big [GiB]": big.peak["Pss"] / 2**30,
-        "PSS tiny [GiB]": v.tiny.peak["Pss"] / 2**30,
+        "PSS tiny [GiB]": tiny.peak["Pss"] / 2**30,
         "table mem [GiB]": table / 2**30,
         "x table": table / big.worker["table_bytes"],
         "Shmem [GiB]": big.peak.get("Pss_Shmem", 0) / 2**30,
         "Anon [GiB]": big.peak.get("Pss_Anon", 0) / 2**30,
         "samples/s": statistics.fmean(rates),
         "samples/s range": f"{min(rates):,.0f}-{max(rates):,.0f}",
-        "step [ms]": 1000 * statistics.fmean(float(b.worker["mean_step_s"]) for b in v.big),
-        "jobs x steps": f"{len(v.big)}x{big.worker['steps']}",
-        "other cores": max(b.other_cores for b in v.big),
+        "step [ms]": 1000 * statistics.fmean(float(b.worker["mean_step_s"]) for b in bigs),
+        "jobs x steps": f"{len(bigs)}x{big.worker['steps']}",
+        "other cores": max(b.other_cores for b in bigs),
     }
 
 
 def print_report(args: argparse.Namespace, variants: list[Variant], skipped: dict[str, str]) -> None:
     """The settings, the table, the ratios (with the targets), the TorchRec note, the failures; the JSON."""
-    table = args.rows * args.dim * 4
-    print(
-        f"\n{NPROC} processes, table {args.rows:,} x {args.dim} float32 = {table / 1e9:.2f} GB "
-        f"({table / 2**30:.3f} GiB), tiny table {args.tiny_rows:,} rows; batch {args.batch_size}/process, "
-        f"1..{args.max_bag} ids/sample, zipf {args.zipf}; PSS: the 4 workers' sum at its peak, table mem = "
-        f"PSS(big) - PSS(tiny); other cores > {BUSY_HOST_CORES} skew samples/s"
-    )
-    done = {v.variant: summary(v) for v in variants if v.tiny and v.tiny.ok}
+    gb = args.rows * args.dim * 4 / 1e9
+    print(f"\ntable {args.rows:,} x {args.dim} float32 ({gb:.2f} GB), tiny table {args.tiny_rows:,} rows")
+    done = {v.variant: summary(v.big, v.tiny) for v in variants if v.tiny and v.tiny.ok}
     cell = lambda k, x: (x if isinstance(x, str) else format(x, FORMATS.get(k, ".3f"))).rjust(len(k))
     cells = {name: [cell(k, x) for k, x in row.items()] for name, row in done.items()}
     rows = [" ".join([f"{v.variant:<11}", *cells.get(v.variant, ["FAILED (see below)"])]) for v in variants]
@@ -219,29 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     run_options = cli.RUN_OPTIONS.format(timeout=600, per="job", logs="the per-job temp dirs")
     p = cli.parser(__doc__, OPTIONS, run_options, cli.IDLE_OPTIONS.format(job="job"))
     args = p.parse_args(argv)
+    jobs.exit_on_sigterm()
     args.variants = cli.comma_list(args.variants)
     if not set(args.variants) <= set(TABLE_COPIES_PER_PROCESS):
         p.error(f"--variants: choose from {', '.join(TABLE_COPIES_PER_PROCESS)}")
-    jobs.exit_on_sigterm()
-    if os.getloadavg()[0] > 1.0:
-        print(f"note: load average {os.getloadavg()[0]:.1f} before starting; other work skews the throughput")
-    checks = {name: None if args.skip_memory_check else memory_check(args, name) for name in args.variants}
-    skipped = {name: f"{why} (--skip-memory-check runs it anyway)" for name, why in checks.items() if why}
+    skipped = {n: why for n in args.variants if not args.skip_memory_check and (why := memory_check(args, n))}
     for name, why in skipped.items():
-        print(f"[{name}] skipped: {why}", flush=True)
+        print(f"[{name}] skipped: {why} (--skip-memory-check runs it anyway)", flush=True)
     variants = [Variant(name) for name in args.variants if name not in skipped]
-    try:
-        for repeat in range(max(1, args.repeats)):  # interleaved, so slow drifts of the host hit all variants
-            for v in variants:
-                if (repeat == 0 or v.variant != "ddp_dense") and all(b.ok for b in v.big):
-                    v.big.append(run_when_idle(args, v.variant, args.rows))
+    for repeat in range(max(1, args.repeats)):  # interleaved, so slow drifts of the host hit all variants
         for v in variants:
-            if all(b.ok for b in v.big):
-                v.tiny = run_when_idle(args, v.variant, args.tiny_rows)
-        print_report(args, variants, skipped)
-    except KeyboardInterrupt:
-        print("\ninterrupted; the running job was stopped", file=sys.stderr)
-        return 130
+            if (repeat == 0 or v.variant != "ddp_dense") and all(b.ok for b in v.big):
+                v.big.append(run_job(args, v.variant, args.rows))
+    for v in variants:
+        if all(b.ok for b in v.big):
+            v.tiny = run_job(args, v.variant, args.tiny_rows)
+    print_report(args, variants, skipped)
     return 0 if all(v.tiny and v.tiny.ok for v in variants) and not skipped else 1
 
 
