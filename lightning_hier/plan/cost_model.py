@@ -1,0 +1,191 @@
+"""A communication cost model: what each technique moves and how long it takes, before a job runs.
+
+The alpha-beta model: a message of ``n`` bytes over a link costs ``alpha + n / beta``. A ring
+all-reduce of ``S`` bytes over ``p`` endpoints takes ``2 (p - 1)`` steps and each endpoint sends
+``2 (p - 1) / p * S`` bytes; a reduce-scatter or an all-gather is half of that. A node's inter-node
+link (its NIC) carries the traffic of all its devices that talk across nodes. See docs/cost_model.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes x devices_per_node`` devices; bandwidths in bytes/s, latency in seconds."""
+
+    nodes: int
+    devices_per_node: int
+    intra_bandwidth: float  # per device, inside a node (NVLink, PCIe, loopback)
+    inter_bandwidth: float  # per node: the node's link to the others
+    latency: float = 5e-6  # alpha of one message step (both links)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        for name in ("intra_bandwidth", "inter_bandwidth"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of bytes per second, got {value!r}.")
+        if not (isinstance(self.latency, (int, float)) and math.isfinite(self.latency) and self.latency >= 0):
+            raise ValueError(f"latency must be >= 0 seconds, got {self.latency!r}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted communication of one training step (or one superstep, for ``hier_bsp``)."""
+
+    name: str
+    seconds: float  # communication time if nothing overlaps it
+    exposed_seconds: float  # what stays on the step's critical path
+    inter_bytes_per_node: float  # bytes one node sends over its inter-node link
+    intra_bytes_per_device: float  # bytes one device sends inside its node
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every technique's estimate for one model on one cluster (``estimates[0]`` is the flat ring)."""
+
+    cluster: Cluster
+    gradient_bytes: float
+    estimates: list[Estimate] = field(default_factory=list)
+
+    def by_name(self, name: str) -> Estimate:
+        return next(e for e in self.estimates if e.name == name)
+
+
+def ring_seconds(nbytes: float, endpoints: int, bandwidth: float, latency: float, passes: int = 2) -> float:
+    """``passes`` = 2 for an all-reduce, 1 for a reduce-scatter or an all-gather."""
+    if endpoints <= 1:
+        return 0.0
+    steps = passes * (endpoints - 1)
+    return steps * latency + steps / endpoints * nbytes / bandwidth
+
+
+def ring_bytes(nbytes: float, endpoints: int, passes: int = 2) -> float:
+    return 0.0 if endpoints <= 1 else passes * (endpoints - 1) / endpoints * nbytes
+
+
+def flat_ring(cluster: Cluster, nbytes: float) -> Estimate:
+    """What ``ddp`` does: one ring over all ranks. In node order only one flow per node crosses the
+    slow link, but it carries the ring's full per-endpoint volume, so every step runs at its speed."""
+    p = cluster.world_size
+    inter = ring_bytes(nbytes, p) if cluster.nodes > 1 else 0.0
+    slowest = cluster.inter_bandwidth if cluster.nodes > 1 else cluster.intra_bandwidth
+    seconds = ring_seconds(nbytes, p, slowest, cluster.latency)
+    return Estimate("ddp (flat ring)", seconds, seconds, inter, ring_bytes(nbytes, p))
+
+
+def hierarchical(cluster: Cluster, nbytes: float, weights: list[float] | None = None) -> Estimate:
+    """``hier_sliced``: reduce-scatter in the node, all-reduce of each slice across nodes (the node's
+    ``L`` slices share its link), all-gather in the node. Unequal ``weights`` change the intra-node
+    steps (the largest slice is the slowest) but not the bytes each node sends across."""
+    nodes, local = cluster.nodes, cluster.devices_per_node
+    shares = _shares(weights, local)
+    largest = max(shares) * nbytes
+    intra_rs = _sliced_ring_seconds(largest, local, cluster.intra_bandwidth, cluster.latency)
+    inter = ring_seconds(nbytes, nodes, cluster.inter_bandwidth, cluster.latency)  # all slices, one link
+    seconds = 2 * intra_rs + inter
+    name = "hier_sliced" if weights is None else "hier_sliced (weighted)"
+    return Estimate(
+        name, seconds, seconds, ring_bytes(nbytes, nodes), 2 * ring_bytes(nbytes, local, passes=1)
+    )
+
+
+def with_overlap(estimate: Estimate, backward_seconds: float, buckets: int, name: str) -> Estimate:
+    """Time-bucketed sync: buckets go out while backward still runs. What stays exposed is the part of
+    the communication longer than backward, and at least the last bucket's share (sent after the last
+    gradient exists)."""
+    if backward_seconds < 0 or buckets < 1:
+        raise ValueError(
+            f"backward_seconds must be >= 0 and buckets >= 1, got {backward_seconds}, {buckets}."
+        )
+    exposed = max(estimate.seconds - backward_seconds, estimate.seconds / buckets)
+    return Estimate(
+        name, estimate.seconds, exposed, estimate.inter_bytes_per_node, estimate.intra_bytes_per_device
+    )
+
+
+def bsp_superstep(cluster: Cluster, nbytes: float, superstep_steps: int, step_seconds: float) -> Estimate:
+    """``hier_bsp``: one push (reduce-scatter + all-reduce) and one pull (all-gather) per superstep,
+    run beside the workers' compute; per micro-step the exposed part is what does not fit into the
+    ``superstep_steps`` micro-steps of compute."""
+    if superstep_steps < 1:
+        raise ValueError(f"superstep_steps must be >= 1, got {superstep_steps}.")
+    per_superstep = hierarchical(cluster, nbytes)
+    exposed = max(0.0, per_superstep.seconds - superstep_steps * step_seconds) / superstep_steps
+    return Estimate(
+        f"hier_bsp (superstep_steps={superstep_steps})", per_superstep.seconds, exposed,
+        per_superstep.inter_bytes_per_node, per_superstep.intra_bytes_per_device,
+        notes="per superstep; exposed per micro-step",
+    )  # fmt: skip
+
+
+def bandwidth_bound(cluster: Cluster, nbytes: float) -> Estimate:
+    """No all-reduce can do better: every node must send ``2 (N - 1) / N * S`` over its link."""
+    inter = ring_bytes(nbytes, cluster.nodes)
+    seconds = (
+        inter / cluster.inter_bandwidth
+        if cluster.nodes > 1
+        else ring_bytes(nbytes, cluster.devices_per_node) / cluster.intra_bandwidth
+    )
+    return Estimate("bandwidth bound", seconds, seconds, inter, 0.0, notes="lower bound")
+
+
+def plan(
+    cluster: Cluster,
+    params: float,
+    dtype: str = "fp32",
+    bucket_mb: float = 25.0,
+    backward_seconds: float | None = None,
+    slice_weights: list[float] | None = None,
+    superstep_steps: int = 4,
+    step_seconds: float | None = None,
+) -> Plan:
+    """Every technique's predicted communication for a model of ``params`` parameters."""
+    if not (params > 0):
+        raise ValueError(f"params must be positive, got {params!r}.")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPE_BYTES)}.")
+    if not (bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}.")
+    nbytes = float(params) * DTYPE_BYTES[dtype]
+    buckets = max(1, math.ceil(nbytes / (bucket_mb * 2**20)))
+    estimates = [flat_ring(cluster, nbytes), hierarchical(cluster, nbytes)]
+    if slice_weights is not None:
+        estimates.append(hierarchical(cluster, nbytes, slice_weights))
+    if backward_seconds is not None:
+        estimates.append(with_overlap(estimates[0], backward_seconds, buckets, "ddp, overlapped buckets"))
+        estimates.append(with_overlap(estimates[1], backward_seconds, buckets, "hier_sliced, time buckets"))
+    compute = step_seconds if step_seconds is not None else (backward_seconds or 0.0) * 1.5
+    estimates.append(bsp_superstep(cluster, nbytes, superstep_steps, compute))
+    estimates.append(bandwidth_bound(cluster, nbytes))
+    return Plan(cluster, nbytes, estimates)
+
+
+def _shares(weights: list[float] | None, local: int) -> list[float]:
+    if weights is None:
+        return [1.0 / local] * local
+    if len(weights) != local or any(not (w > 0) for w in weights):
+        raise ValueError(f"slice weights must be {local} positive numbers, got {weights!r}.")
+    total = float(sum(weights))
+    return [w / total for w in weights]
+
+
+def _sliced_ring_seconds(largest_slice: float, endpoints: int, bandwidth: float, latency: float) -> float:
+    """A reduce-scatter (or all-gather) whose slowest endpoint handles ``largest_slice`` bytes from each
+    of the other ``endpoints - 1``."""
+    if endpoints <= 1:
+        return 0.0
+    return (endpoints - 1) * (latency + largest_slice / bandwidth)
