@@ -232,29 +232,37 @@ def test_a_dead_worker_ends_the_others_with_its_rank_and_the_last_checkpoint_loa
     import signal
     import subprocess
     import sys
-    import time
 
     from helpers import SCRIPTS, free_port
     from scripts.models import EquivModel
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = str(free_port())  # Lightning's launcher would pick one that may be taken meanwhile
-    # Lightning's own launcher (torchrun would kill the survivors itself)
-    with subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "bsp_dead_worker.py"), str(tmp_path)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    ) as proc:  # fmt: skip
+    # one process per rank, started here as separate node agents would (Lightning's launcher and
+    # torchrun kill every process of the job as soon as one dies, so they cannot show what survivors do)
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), "WORLD_SIZE": "4", "NODE_RANK": "0"}  # fmt: skip
+    log = tmp_path / "log.txt"
+    with open(log, "wb") as sink:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "bsp_dead_worker.py"), str(tmp_path)],
+                env={**base, "LOCAL_RANK": str(rank)},
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            for rank in range(4)
+        ]
         try:
-            proc.wait(timeout=180)
-            deadline = time.monotonic() + 60
-            while len(list(tmp_path.glob("rank*.json"))) < 3 and time.monotonic() < deadline:
-                time.sleep(0.5)
+            for proc in procs:
+                proc.wait(timeout=180)
         finally:
-            with contextlib.suppress(ProcessLookupError):  # the launcher's group may be gone already
-                os.killpg(proc.pid, signal.SIGKILL)
-    died = float((tmp_path / "died_at").read_text())
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
     results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
-    assert sorted(results) == ["rank0", "rank1", "rank2"], results
+    assert (tmp_path / "died_at").exists(), (results, log.read_text()[-3000:])
+    died = float((tmp_path / "died_at").read_text())
+    assert sorted(results) == ["rank0", "rank1", "rank2"], (results, log.read_text()[-3000:])
     for result in results.values():
         assert result["error"] and result["error"].startswith("BSPStopped"), result
         assert result["ended"] - died < 60  # within the strategy's timeout, not a hang

@@ -1,7 +1,8 @@
-"""Run with plain ``python`` (Lightning's own launcher starts 4 processes): rank 3 of a ``hier_bsp`` run
-dies in the second epoch. ``bsp_dead_worker.py OUT`` has every surviving rank write
-``OUT/rank<r>.json`` with the error it ended with and how long after the death; a checkpoint is saved
-at the end of every epoch under ``OUT/ckpt``."""
+"""One process per rank (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*`` set by the test, as separate node
+agents would start them): rank 3 of a ``hier_bsp`` run dies in the second epoch.
+
+``bsp_dead_worker.py OUT`` has every surviving rank write ``OUT/rank<r>.json`` with the error it
+ended with and when; a checkpoint is saved at the end of every epoch under ``OUT/ckpt``."""
 
 from __future__ import annotations
 
