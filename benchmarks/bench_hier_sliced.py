@@ -54,7 +54,7 @@ def run_strategy(cluster: EmulatedCluster, args: argparse.Namespace, strategy: s
     config = {"strategy": strategy, **options, **jobs.pick(args, *WORKER_OPTIONS)}
     argv = [sys.executable, str(WORKER), "--config", json.dumps(config)]
     tx: dict[str, list[int]] = {}
-    read_tx = lambda phase: tx.update({phase: cluster.tx_bytes_all()})
+    read_tx = lambda phase: tx.update({phase: [cluster.tx_bytes(n) for n in cluster.nodes]})
     try:
         worker = run_workers(cluster, argv, f"lhbench-{strategy}", DEVICES_PER_NODE, port, args, read_tx)
     except Exception as exc:  # report it and go on with the next strategy

@@ -85,16 +85,10 @@ class EmulatedCluster:
         """Bytes sent so far by ``node``'s veth, read from sysfs inside its namespace."""
         return int(self.run(node, ["cat", f"/sys/class/net/{node.ifname}/statistics/tx_bytes"]).strip())
 
-    def tx_bytes_all(self) -> list[int]:
-        """``tx_bytes`` of every node, in node order."""
-        return [self.tx_bytes(node) for node in self.nodes]
-
     def describe(self, ranks_per_node: int) -> str:
         """The cluster in one line."""
-        return (
-            f"emulated cluster: {len(self.nodes)} nodes x {ranks_per_node} rank(s), {self.rate_mbit:g} "
-            f"Mbit/s egress per node (tbf burst {self.burst_bytes} B, latency {self.latency_ms} ms)"
-        )
+        shape = f"{len(self.nodes)} nodes x {ranks_per_node} rank(s), {self.rate_mbit:g} Mbit/s out per node"
+        return f"emulated cluster: {shape} (tbf burst {self.burst_bytes} B, latency {self.latency_ms} ms)"
 
     def kill_processes(self, grace_s: float = 5.0) -> None:
         """Terminate (then kill) every still-running process started via :meth:`popen`."""
@@ -139,20 +133,12 @@ def burst_bytes_for(rate_mbit: float) -> int:
     return max(MIN_BURST_BYTES, int(rate_mbit * 1e6 / 8 * BURST_SECONDS))
 
 
-def list_stale_netns(prefix: str = PREFIX) -> list[str]:
-    """Names of existing network namespaces that start with ``prefix``."""
-    names = [
-        line.split()[0] for line in _run(["ip", "netns", "list"], check=False).splitlines() if line.strip()
-    ]
-    return [name for name in names if name.startswith(prefix)]
-
-
-def list_stale_links(prefix: str = PREFIX) -> list[str]:
-    """Names of root-namespace links that start with ``prefix`` (bridge, veth peers)."""
-    out = _run(["ip", "-o", "link", "show"], check=False)
-    parts = [line.split(":", 2) for line in out.splitlines()]
-    names = [p[1].strip().split("@")[0] for p in parts if len(p) >= 2]
-    return [name for name in names if name.startswith(prefix)]
+def list_stale(prefix: str = PREFIX) -> tuple[list[str], list[str]]:
+    """Existing network namespaces, and root-namespace links (bridge, veth peers), named ``prefix*``."""
+    netns = [line.split()[0] for line in _run(["ip", "netns", "list"], check=False).split("\n") if line]
+    parts = [line.split(":", 2) for line in _run(["ip", "-o", "link", "show"], check=False).splitlines()]
+    links = [p[1].strip().split("@")[0] for p in parts if len(p) >= 2]
+    return [n for n in netns if n.startswith(prefix)], [n for n in links if n.startswith(prefix)]
 
 
 def cleanup(prefix: str = PREFIX) -> None:
@@ -161,10 +147,11 @@ def cleanup(prefix: str = PREFIX) -> None:
     Deleting a namespace destroys the veth end inside it, which also destroys its peer; remaining
     links (bridge, orphaned peers) are deleted explicitly. Errors are ignored (idempotent).
     """
-    for netns in list_stale_netns(prefix):
-        _run(["ip", "netns", "del", netns], check=False)
-    for link in list_stale_links(prefix):
-        _run(["ip", "link", "del", link], check=False)
+    netns, links = list_stale(prefix)
+    for name in netns:
+        _run(["ip", "netns", "del", name], check=False)
+    for name in links:
+        _run(["ip", "link", "del", name], check=False)
 
 
 def _make_node(index: int, subnet_prefix: str, name_prefix: str) -> Node:
@@ -262,22 +249,14 @@ def rank_env(
 ) -> dict[str, str]:
     """Environment of one worker as torchrun would set it: ``TORCHELASTIC_RUN_ID`` turns on Lightning's
     detection, ``GLOO_SOCKET_IFNAME`` makes gloo bind the node's veth."""
-    world, rank, index = (
-        len(cluster.nodes) * devices_per_node,
-        node.index * devices_per_node + local_rank,
-        node.index,
-    )
-    master = {"MASTER_ADDR": cluster.nodes[0].ip, "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": node.ifname}
-    ranks = {
-        "RANK": rank,
-        "ROLE_RANK": rank,
-        "LOCAL_RANK": local_rank,
-        "GROUP_RANK": index,
-        "NODE_RANK": index,
-    }
-    sizes = {"WORLD_SIZE": world, "ROLE_WORLD_SIZE": world, "LOCAL_WORLD_SIZE": devices_per_node}
-    elastic = {"TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0}
-    values = {**master, **ranks, **sizes, "GROUP_WORLD_SIZE": len(cluster.nodes), **elastic}
+    rank, world = node.index * devices_per_node + local_rank, len(cluster.nodes) * devices_per_node
+    values = dict(
+        MASTER_ADDR=cluster.nodes[0].ip, MASTER_PORT=port, GLOO_SOCKET_IFNAME=node.ifname,
+        RANK=rank, ROLE_RANK=rank, LOCAL_RANK=local_rank, GROUP_RANK=node.index, NODE_RANK=node.index,
+        WORLD_SIZE=world, ROLE_WORLD_SIZE=world, LOCAL_WORLD_SIZE=devices_per_node,
+        GROUP_WORLD_SIZE=len(cluster.nodes), TORCHELASTIC_RUN_ID=run_id,
+        TORCHELASTIC_RESTART_COUNT=0, TORCHELASTIC_MAX_RESTARTS=0,
+    )  # fmt: skip
     return worker_env(**{key: str(value) for key, value in values.items()})
 
 
@@ -318,11 +297,6 @@ def watch(
         if time.monotonic() > deadline:
             raise TimeoutError(f"strategy run exceeded {timeout_s} s")
         time.sleep(poll_s)
-
-
-def logs_tail(workdir: Path) -> str:
-    """The last lines of every worker's log, for error reports."""
-    return "\n".join(f"--- {log.name} ---\n{tail(log, 25)}" for log in sorted(workdir.glob("rank*.log")))
 
 
 @dataclass
@@ -366,35 +340,29 @@ def run_workers(
                     raise RuntimeError(f"workers finished without signalling phases {markers.missing}")
             return json.loads((workdir / "rank0.json").read_text())
         except Exception as exc:
-            raise RuntimeError(f"{exc}\n{logs_tail(workdir)}") from exc
+            logs = (f"--- {log.name} ---\n{tail(log, 25)}" for log in sorted(workdir.glob("rank*.log")))
+            raise RuntimeError("\n".join([str(exc), *logs])) from exc
 
 
 # ---------------------------------------------------------------------- self-test
 _SINK = """
-import socket, sys
-srv = socket.create_server(("0.0.0.0", int(sys.argv[1])))
-conn, _ = srv.accept()
-total = 0
+import socket
+conn, total = socket.create_server(("", 5201)).accept()[0], 0
 while chunk := conn.recv(1 << 20):
     total += len(chunk)
 print(total)
 """
-
 _SOURCE = """
 import socket, sys, time
-host, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 for _ in range(100):
     try:
-        s = socket.create_connection((host, port))
+        s = socket.create_connection((sys.argv[1], 5201))
         break
     except OSError:
         time.sleep(0.05)
-buf = b"x" * (1 << 20)
 t0 = time.perf_counter()
-sent = 0
-while sent < nbytes:
-    s.sendall(buf)
-    sent += len(buf)
+for _ in range(int(sys.argv[2])):
+    s.sendall(b"x" * (1 << 20))
 s.shutdown(socket.SHUT_WR)
 s.recv(1)
 print(time.perf_counter() - t0)
@@ -405,16 +373,13 @@ def self_test(rate_mbit: float = 200, megabytes: int = 50) -> None:
     """Send ``megabytes`` MiB from node 1 to node 0 over TCP and print the achieved rate."""
     with emulated_cluster(num_nodes=2, rate_mbit=rate_mbit) as cluster:
         src, dst = cluster.nodes[1], cluster.nodes[0]
-        nbytes = megabytes << 20
-        sink = cluster.popen(dst, [sys.executable, "-c", _SINK, "5201"], stdout=subprocess.PIPE)
+        sink = cluster.popen(dst, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE)
         tx0 = cluster.tx_bytes(src)
-        out = cluster.run(src, [sys.executable, "-c", _SOURCE, dst.ip, "5201", str(nbytes)])
-        tx1 = cluster.tx_bytes(src)
+        seconds = float(cluster.run(src, [sys.executable, "-c", _SOURCE, dst.ip, str(megabytes)]))
+        tx = cluster.tx_bytes(src) - tx0
         received = int(sink.communicate(timeout=30)[0])
-        seconds = float(out)
         print(f"nodes: {[(n.netns, n.ip, n.ifname) for n in cluster.nodes]}")
         print(f"tbf: rate {rate_mbit} mbit, burst {cluster.burst_bytes} B, latency {cluster.latency_ms} ms")
-        mbit = received * 8 / seconds / 1e6
-        print(f"payload {received / 1e6:.1f} MB in {seconds:.2f} s = {mbit:.1f} Mbit/s")
-        print(f"tx_bytes delta {(tx1 - tx0) / 1e6:.1f} MB (= payload x {(tx1 - tx0) / received:.3f})")
-    print(f"leftovers after cleanup: netns={list_stale_netns()} links={list_stale_links()}")
+        print(f"payload {received / 1e6:.1f} MB in {seconds:.2f} s = {received * 8e-6 / seconds:.1f} Mbit/s")
+        print(f"tx_bytes delta {tx / 1e6:.1f} MB (= payload x {tx / received:.3f})")
+    print(f"leftovers after cleanup (netns, links): {list_stale()}")
