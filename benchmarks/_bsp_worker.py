@@ -23,8 +23,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as po
 from lightning_hier import HierBSPStrategy
 from lightning_hier.examples.digits import DigitsClassifier, DigitsDataModule
 
-MODEL = {"hidden": 128, "lr": 0.05, "momentum": 0.9}  # examples/configs/hier_bsp.yaml
-
 
 class PostLocalSGDOnCPU(DDPStrategy):
     """Lightning's ``DDPStrategy`` registers the DDP communication hook on CUDA only (silently: on CPU
@@ -44,7 +42,10 @@ class PostLocalSGDOnCPU(DDPStrategy):
 def make_strategy(c: dict[str, Any]) -> Any:
     """The contender's strategy, from the job's config ``c``."""
     if c["contender"] == "hier_bsp":
-        return HierBSPStrategy(superstep_steps=c["superstep_steps"], max_staleness=c["max_staleness"])
+        steps, seconds = c["superstep_steps"] or None, c["superstep_seconds"] or None
+        return HierBSPStrategy(
+            superstep_steps=steps, superstep_seconds=seconds, max_staleness=c["max_staleness"]
+        )
     if c["contender"] == "ddp":
         return DDPStrategy()
     state = post_localSGD.PostLocalSGDState(None, None, start_localSGD_iter=c["start_local_sgd"])
@@ -54,25 +55,37 @@ def make_strategy(c: dict[str, Any]) -> Any:
     )
 
 
-class Recorder(pl.Callback):
-    """Per epoch: seconds since training started, val_acc, samples so far; stops at the target. A
-    ``straggler`` sleeps after each batch as long as the batch took: it runs at about half speed."""
+class Digits(DigitsClassifier):
+    """The digits MLP; a ``straggler`` sleeps after each backward as long as its forward and backward took
+    (from the start of ``training_step``, so waiting for a model or a collective before it is not
+    counted): it computes at half speed, as a device half as fast would."""
 
-    def __init__(self, target_acc: float, straggler: bool) -> None:
-        self.target_acc, self.straggler = target_acc, straggler
+    def __init__(self, straggler: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.straggler = straggler
+
+    def training_step(self, *args: Any) -> Any:
+        self.compute_start = time.perf_counter()
+        return super().training_step(*args)
+
+    def on_after_backward(self) -> None:
+        if self.straggler:
+            time.sleep(time.perf_counter() - self.compute_start)
+
+
+class Recorder(pl.Callback):
+    """Per epoch: seconds since training started, val_acc, samples so far; stops at the target."""
+
+    def __init__(self, target_acc: float) -> None:
+        self.target_acc = target_acc
         self.samples = 0
         self.epochs: list[dict[str, float]] = []
 
     def on_train_start(self, *args: Any) -> None:
         self.start = time.perf_counter()
 
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.batch_start = time.perf_counter()
-
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
         self.samples += len(batch[0])
-        if self.straggler:
-            time.sleep(time.perf_counter() - self.batch_start)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         acc = float(trainer.callback_metrics["val_acc"])  # synced over the ranks: the same decision on all
@@ -88,7 +101,7 @@ def main(config: dict[str, Any], job_dir: Path) -> None:
     faulthandler.dump_traceback_later(config["hang_s"])
     setup()
     pl.seed_everything(config["seed"], verbose=False)
-    recorder = Recorder(config["target_acc"], straggler=rank == config["straggler"])
+    recorder = Recorder(config["target_acc"])
     trainer = quiet_trainer(
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=make_strategy(config),
@@ -96,9 +109,14 @@ def main(config: dict[str, Any], job_dir: Path) -> None:
         num_sanity_val_steps=0,
         callbacks=[recorder],
     )
-    trainer.fit(DigitsClassifier(**MODEL), DigitsDataModule(batch_size=config["batch_size"]))
+    model = Digits(rank == config["straggler"], **{k: config[k] for k in ("hidden", "lr", "momentum")})
+    trainer.fit(model, DigitsDataModule(batch_size=config["batch_size"]))
     faulthandler.cancel_dump_traceback_later()
-    (job_dir / f"rank{rank}.json").write_text(json.dumps({"epochs": recorder.epochs}))
+    engine = getattr(trainer.strategy, "engine", None)
+    supersteps = [r.to_dict() for r in engine.records] if engine is not None else []
+    (job_dir / f"rank{rank}.json").write_text(
+        json.dumps({"epochs": recorder.epochs, "supersteps": supersteps})
+    )
 
 
 if __name__ == "__main__":

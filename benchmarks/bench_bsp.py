@@ -32,11 +32,16 @@ POST_LOCAL_NOTE = (
 )
 OPTIONS = """
 --scenarios        str    straggler,even  comma-separated: straggler (rank 3 at half speed), even
+--contenders       str    hier_bsp,ddp,post_local_sgd  comma-separated: which of the three to run
 --target-acc       float  0.90  train until val_acc (checked every epoch) reaches this ...
 --max-epochs       int    20    ... or for this many epochs
 --batch-size       int    32    per process
 --seed             int    42    model initialization (the same for every contender)
---superstep-steps  int    1     hier_bsp: superstep_steps
+--hidden           int    128   MLP width
+--lr               float  0.05  SGD learning rate (every contender)
+--momentum         float  0.9   SGD momentum (every contender)
+--superstep-steps  int    1     hier_bsp: superstep_steps (0: use --superstep-seconds)
+--superstep-seconds float 0     hier_bsp: superstep_seconds (with --superstep-steps 0)
 --max-staleness    int    1     hier_bsp: max_staleness
 --start-local-sgd  int    8     post_local_sgd: start_localSGD_iter (steps of global gradient all-reduce)
 --averaging-period int    4     post_local_sgd: model_averaging_period
@@ -73,8 +78,9 @@ class Run:
 
 def run_once(args: argparse.Namespace, contender: str, scenario: str, attempt: int) -> Run:
     """One job; rank 0's times and val_acc, the samples of all ranks."""
-    names = ("target_acc", "max_epochs", "batch_size", "seed", "superstep_steps", "max_staleness")
-    config = jobs.pick(args, *names, "start_local_sgd", "averaging_period", "local_sgd_group")
+    names = ("target_acc", "max_epochs", "batch_size", "seed", "hidden", "lr", "momentum", "superstep_steps")
+    config = jobs.pick(args, *names, "superstep_seconds", "max_staleness", "start_local_sgd")
+    config.update(jobs.pick(args, "averaging_period", "local_sgd_group"))
     straggler = STRAGGLER_RANK if scenario == "straggler" else None
     config.update(contender=contender, straggler=straggler, hang_s=max(args.timeout - 30, 10))
     with jobs.job_dir(f"lhbench-bsp-{contender}-", args.keep_logs, show=True) as workdir:
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     scenarios, runs = cli.comma_list(args.scenarios), []
     print(f"{POST_LOCAL_NOTE}\n", flush=True)
     for scenario in scenarios:
-        for name in (CONTENDER, *REFERENCES):
+        for name in cli.comma_list(args.contenders):
             print(f"[{scenario}] {name} ...", flush=True)
             job = partial(run_once, args, name, scenario)  # job(attempt)
             runs.append(jobs.run_until_quiet(job, args.retry_busy, args.wait_idle, RERUN_NOTE))

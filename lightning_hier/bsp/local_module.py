@@ -69,6 +69,7 @@ class LocalBSPModule(threading.Thread):
         self.opened_at = time.monotonic()
         self.run_key = new_run_key()
         self.heartbeat = Heartbeat(self.run_key, topology.rank)
+        self._sent_hyper: list[dict] | None = None  # the optimizer settings the server steps with
         self._task: Callable[[], Any] | None = None
         self._result: Any = _NOTHING
 
@@ -123,31 +124,35 @@ class LocalBSPModule(threading.Thread):
             clip = memory.clip
             hyper = memory.hyper
         started = time.perf_counter()
-        count = torch.tensor([out.count], dtype=torch.int64)
-        counts = [torch.empty_like(count) for _ in range(self.topology.world_size)]
-        dist.all_gather(counts, count, group=world)
-        per_worker = tuple(int(c.item()) for c in counts)
+        staleness = out.staleness(index)
+        hyper_changed = self.topology.rank == 0 and _changed(hyper, self._sent_hyper)
+        # one gather for what every rank needs before the push: counts (the mean's weights), the worst
+        # staleness, and whether the controller's optimizer settings changed since it last sent them
+        mine = torch.tensor([out.count, max(staleness, default=0), int(hyper_changed)], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
+        dist.all_gather(gathered, mine, group=world)
+        per_worker = tuple(int(g[0]) for g in gathered)
+        worst = max(int(g[1]) for g in gathered)
         push_bytes = self.server.push(out.sums, 1.0 / sum(per_worker))
         _sync(out.sums)
         pushed = time.perf_counter()
         with memory.cond:
             memory.aggregate.recycle(out)
-        shared = [hyper]
-        dist.broadcast_object_list(shared, src=0, group=world)  # the controller's optimizer settings
-        self.server.step(clip, shared[0])
+        if int(gathered[0][2]):
+            shared = [hyper]
+            dist.broadcast_object_list(shared, src=0, group=world)  # the controller's optimizer settings
+            self._sent_hyper = shared[0]
+        self.server.step(clip, self._sent_hyper)
         stepped = time.perf_counter()
         pull_bytes = self.server.pull()
         _sync(self.server.flat_params())
         pulled = time.perf_counter()
-        staleness = out.staleness(index)
-        worst = torch.tensor([max(staleness, default=0)], dtype=torch.int64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=world)
         counts_by_staleness: dict[int, int] = {}
         for s in staleness:
             counts_by_staleness[s] = counts_by_staleness.get(s, 0) + 1
         self.records.append(
             SuperstepRecord(
-                index, per_worker, int(worst.item()), counts_by_staleness,
+                index, per_worker, worst, counts_by_staleness,
                 pushed - started, stepped - pushed, pulled - stepped, push_bytes, pull_bytes,
             )
         )  # fmt: skip
@@ -205,6 +210,16 @@ _NOTHING = object()
 @dataclass
 class _Failed:
     error: BaseException
+
+
+def _changed(hyper: list[dict] | None, sent: list[dict] | None) -> bool:
+    """Whether ``hyper`` differs from the settings last sent (tensor-valued settings: always)."""
+    if hyper is None:
+        return False
+    try:
+        return bool(hyper != sent)
+    except RuntimeError:  # a tensor setting compared elementwise
+        return True
 
 
 def _sync(tensors: list[torch.Tensor]) -> None:
