@@ -1,5 +1,6 @@
-"""One training process of ``bench_hier_sliced.py`` and ``bench_time_buckets.py``: the MLP with ``ddp`` or
-``hier_sliced``, on the same batch every step (no data loading); what it measures: benchmarks/README.md."""
+"""One training process of ``bench_hier_sliced.py`` and ``bench_time_buckets.py``: the MLP with ``ddp``,
+``hier_sliced`` or ``hier_bsp``, on the same batch every step (no data loading); what it measures:
+benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from harness import cli
 from harness.jobs import BUSY_HOST_CORES, host_busy_seconds, process_cpu_seconds
 from harness.worker import MLP, MarkedWindow, quiet_trainer, setup
-from lightning import LightningModule, Trainer
+from lightning import Callback, LightningModule, Trainer
 from torch.autograd import Variable
 
 OPTIONS = """
@@ -163,15 +164,28 @@ def _timed_allreduce_hook(state, bucket):  # unannotated: DDP's _check_comm_hook
     return allreduce_hook(None, bucket).then(done)
 
 
+class LossLog(Callback):
+    """Every step's training loss (this rank's)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, module: LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
 def make_strategy(name: str, options: dict[str, Any]) -> Any:
-    """Lightning's DDP or a HierSlicedStrategy (imported only then) with ``options``."""
+    """Lightning's DDP, or a HierSlicedStrategy or HierBSPStrategy (imported only then), with ``options``."""
     if name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(**options)
-    from lightning_hier import HierSlicedStrategy
+    import lightning_hier
 
-    return HierSlicedStrategy(devices_per_node=int(os.environ["LOCAL_WORLD_SIZE"]), **options)
+    strategy = {"hier_sliced": lightning_hier.HierSlicedStrategy, "hier_bsp": lightning_hier.HierBSPStrategy}[
+        name
+    ]
+    return strategy(devices_per_node=int(os.environ["LOCAL_WORLD_SIZE"]), **options)
 
 
 def main() -> None:
@@ -189,13 +203,14 @@ def main() -> None:
     model = MLP(config["hidden"], config["layers"], lr=config["lr"])
     # counted before fit: a strategy may lay the parameters out anew
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    losses = LossLog()
     trainer = quiet_trainer(
         devices=devices,
         num_nodes=world // devices,
         strategy=make_strategy(config["strategy"], config["strategy_options"]),
-        max_steps=first + steps + 1,
+        max_epochs=1,  # not max_steps, which hier_bsp refuses: its workers take different numbers of steps
         use_distributed_sampler=False,  # the same batch every step, on every rank its own
-        callbacks=[window],
+        callbacks=[window, losses],
     )
     t0 = time.perf_counter()
     trainer.fit(model, torch.utils.data.DataLoader([batch] * (first + steps + 1), batch_size=None))
@@ -203,6 +218,7 @@ def main() -> None:
         result = {**config, "strategy_class": type(trainer.strategy).__name__, "world_size": world}
         result.update(num_nodes=world // devices, devices_per_node=devices, grad_bytes=grad_bytes)
         result.update(fit_s=time.perf_counter() - t0, **window.summary())
+        result["losses"] = losses.losses[first : first + steps]
         args.out.write_text(json.dumps(result, indent=2))
 
 

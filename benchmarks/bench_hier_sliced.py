@@ -1,4 +1,5 @@
-"""Lightning ``ddp`` vs ``hier_sliced`` on an emulated 2-node x 2-device cluster: step time and link bytes.
+"""Lightning ``ddp`` vs ``hier_sliced`` (and ``hier_bsp``) on an emulated 2-node x 2-device cluster: step time
+and link bytes.
 
 Needs root and iproute2. What it sets up and measures, and the options: benchmarks/README.md.
 """
@@ -14,9 +15,9 @@ from harness import cli, jobs, report
 from harness.cluster import EmulatedCluster, StrategyRun, run_on_cluster, run_workers
 
 WORKER = jobs.BENCH_DIR / "_hier_sliced_worker.py"
-CONTENDER, REFERENCE = "hier_sliced", "ddp"
+CONTENDER, REFERENCE, BSP = "hier_sliced", "ddp", "hier_bsp"
 DEVICES_PER_NODE, BASE_PORT, LR = 2, 29540, 1e-3
-TARGET_STEP_RATIO, TARGET_BYTES_X_BOUND = 0.75, 1.1
+TARGET_STEP_RATIO, TARGET_BYTES_X_BOUND, TARGET_BSP_MEDIAN_RATIO = 0.75, 1.1, 0.5
 WORKER_OPTIONS = ("hidden", "layers", "batch_size", "warmup", "steps")
 OPTIONS = """
 --rate-mbit     float  200              egress limit per node (Mbit/s)
@@ -26,7 +27,9 @@ OPTIONS = """
 --layers        int    6                number of Linear(hidden, hidden) layers
 --batch-size    int    8                per-process batch size
 --bucket-cap-mb float  25.0             bucket cap for both strategies (MB)
---strategies    str    ddp,hier_sliced  comma-separated: ddp, hier_sliced
+--strategies    str    ddp,hier_sliced  comma-separated: ddp, hier_sliced, hier_bsp
+--superstep-steps int  4                hier_bsp: superstep_steps
+--max-staleness int    1                hier_bsp: max_staleness
 """
 
 
@@ -50,7 +53,10 @@ class Run(StrategyRun):
 
 def run_strategy(cluster: EmulatedCluster, args: argparse.Namespace, strategy: str, port: int) -> Run:
     """Run one strategy; the nodes' ``tx_bytes`` are read whenever rank 0 hands over."""
-    options = {"strategy_options": {"bucket_cap_mb": args.bucket_cap_mb}, "record": "handover", "lr": LR}
+    strategy_options: dict = {"bucket_cap_mb": args.bucket_cap_mb}
+    if strategy == BSP:
+        strategy_options.update(jobs.pick(args, "superstep_steps", "max_staleness"))
+    options = {"strategy_options": strategy_options, "record": "handover", "lr": LR}
     config = {"strategy": strategy, **options, **jobs.pick(args, *WORKER_OPTIONS)}
     argv = [sys.executable, str(WORKER), "--config", json.dumps(config)]
     tx: dict[str, list[int]] = {}
@@ -78,6 +84,31 @@ def table_row(r: Run, ddp: Run | None) -> str:
     return f"{r.strategy:<12} {r.step_s:>9.3f} {ratio:>7} {sizes} {nodes} {mbit:>12.1f}"
 
 
+def loss_drop(r: Run) -> tuple[float, float, float]:
+    """Rank 0's mean loss over the first and the last quarter of the window, and the drop per second."""
+    losses = r.worker["losses"]
+    k = max(1, len(losses) // 4)
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    return first, last, (first - last) / (r.worker["window_s"] * (len(losses) - k) / len(losses))
+
+
+def print_bsp_target(bsp: Run, ddp: Run) -> None:
+    """hier_bsp's median micro-step time against ddp's, and whether its loss still falls in the window."""
+    median = lambda r: r.worker["median_step_s"]
+    ratio = median(bsp) / median(ddp)
+    (first, last, rate), (_, _, ddp_rate) = loss_drop(bsp), loss_drop(ddp)
+    options = bsp.worker["strategy_options"]
+    print(
+        f"  hier_bsp (superstep_steps={options['superstep_steps']}, "
+        f"max_staleness={options['max_staleness']}): "
+        f"median step {median(bsp):.3f} s vs ddp {median(ddp):.3f} s = {ratio:.3f} x (target <= "
+        f"{TARGET_BSP_MEDIAN_RATIO}) -> {verdict(ratio, TARGET_BSP_MEDIAN_RATIO)}; mean step "
+        f"{bsp.step_s / ddp.step_s:.3f} x ddp's\n  rank 0 loss {first:.9f} -> {last:.9f} over the window "
+        f"({'falling' if last < first else 'NOT falling'}); loss drop per second {rate:.3g} "
+        f"(ddp {ddp_rate:.3g})"
+    )
+
+
 def print_report(args: argparse.Namespace, cluster: EmulatedCluster, results: list[Run]) -> None:
     """The set-up, the table, the targets and the errors; the JSON file with ``--json-out``."""
     done = {r.strategy: r for r in results if r.ok}
@@ -99,6 +130,8 @@ def print_report(args: argparse.Namespace, cluster: EmulatedCluster, results: li
     worst = max(hier.node_bytes) / hier.bound if hier else float("nan")
     print(f"  step-time ratio {ratio:.3f} -> {verdict(ratio, TARGET_STEP_RATIO)}")
     print(f"  bytes {worst:.3f} x bound (worst node) -> {verdict(worst, TARGET_BYTES_X_BOUND)}")
+    if BSP in done and ddp:
+        print_bsp_target(done[BSP], ddp)
     report.print_failures([(f"[{r.strategy}]", r.error) for r in results if not r.ok])
     payload = {"config": report.config(args), "results": [asdict(r) for r in results]}
     report.save_json(args.json_out, lambda: payload)
@@ -110,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, OPTIONS, run_options)
     args = p.parse_args(argv)
     args.strategies = cli.comma_list(args.strategies)
-    if not set(args.strategies) <= {REFERENCE, CONTENDER}:
-        p.error(f"--strategies: choose from {REFERENCE}, {CONTENDER}")
+    if not set(args.strategies) <= {REFERENCE, CONTENDER, BSP}:
+        p.error(f"--strategies: choose from {REFERENCE}, {CONTENDER}, {BSP}")
 
     def run_all(cluster: EmulatedCluster) -> bool:
         results = [run_strategy(cluster, args, s, BASE_PORT + i) for i, s in enumerate(args.strategies)]
