@@ -74,10 +74,10 @@ class Digits(DigitsClassifier):
 
 
 class Recorder(pl.Callback):
-    """Per epoch: seconds since training started, val_acc, samples so far; stops at the target."""
+    """Per epoch: seconds since training started, val_acc, samples so far; stops at the target if asked."""
 
-    def __init__(self, target_acc: float) -> None:
-        self.target_acc = target_acc
+    def __init__(self, target_acc: float, stop_at_target: bool) -> None:
+        self.target_acc, self.stop_at_target = target_acc, stop_at_target
         self.samples = 0
         self.epochs: list[dict[str, float]] = []
 
@@ -91,7 +91,7 @@ class Recorder(pl.Callback):
         acc = float(trainer.callback_metrics["val_acc"])  # synced over the ranks: the same decision on all
         elapsed = time.perf_counter() - self.start
         self.epochs.append({"time_s": elapsed, "val_acc": acc, "samples": self.samples})
-        trainer.should_stop = trainer.should_stop or acc >= self.target_acc
+        trainer.should_stop = trainer.should_stop or (self.stop_at_target and acc >= self.target_acc)
 
 
 def main(config: dict[str, Any], job_dir: Path) -> None:
@@ -101,7 +101,7 @@ def main(config: dict[str, Any], job_dir: Path) -> None:
     faulthandler.dump_traceback_later(config["hang_s"])
     setup()
     pl.seed_everything(config["seed"], verbose=False)
-    recorder = Recorder(config["target_acc"])
+    recorder = Recorder(config["target_acc"], config["stop_at_target"])
     trainer = quiet_trainer(
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=make_strategy(config),

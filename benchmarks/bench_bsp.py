@@ -2,7 +2,8 @@
 
 Four CPU processes, one ``torch.distributed.run`` job per contender and scenario, train the digits MLP
 (same seed, data, SGD and batch) until val_acc reaches ``--target-acc`` or ``--max-epochs``; scenarios
-``straggler`` (rank 3 at half speed) and ``even``. Contenders, measures and targets: benchmarks/README.md::
+``straggler`` (rank 3 at half speed; each run stops at the target) and ``even`` (``--even-epochs``
+epochs for every contender, final accuracies compared). Contenders, measures and targets: benchmarks/README.md::
 
     python benchmarks/bench_bsp.py [--scenarios straggler,even] [--target-acc 0.9] [--max-epochs 20]
 """
@@ -35,6 +36,7 @@ OPTIONS = """
 --contenders       str    hier_bsp,ddp,post_local_sgd  comma-separated: which of the three to run
 --target-acc       float  0.90  train until val_acc (checked every epoch) reaches this ...
 --max-epochs       int    20    ... or for this many epochs
+--even-epochs      int    8     the even scenario trains exactly this many epochs (final val_acc compared)
 --batch-size       int    32    per process
 --seed             int    42    model initialization (the same for every contender)
 --hidden           int    128   MLP width
@@ -83,6 +85,10 @@ def run_once(args: argparse.Namespace, contender: str, scenario: str, attempt: i
     config.update(jobs.pick(args, "averaging_period", "local_sgd_group"))
     straggler = STRAGGLER_RANK if scenario == "straggler" else None
     config.update(contender=contender, straggler=straggler, hang_s=max(args.timeout - 30, 10))
+    if scenario == "even":  # a fixed length: final accuracies after the same samples
+        config.update(max_epochs=args.even_epochs, stop_at_target=False)
+    else:
+        config.update(stop_at_target=True)
     with jobs.job_dir(f"lhbench-bsp-{contender}-", args.keep_logs, show=True) as workdir:
         before = jobs.cpu_snapshot()
         with jobs.torchrun(NPROC, WORKER, [json.dumps(config), str(workdir)], workdir) as proc:

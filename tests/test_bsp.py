@@ -122,6 +122,78 @@ def test_superstep_seconds_follow_the_controllers_clock_and_drains_flush() -> No
     assert decide([row(0, drain=True), row(0, drain=True)], settings, 0) == type(decision)(pause=True)
 
 
+def test_a_superstep_that_cannot_fill_up_closes_with_what_it_has() -> None:
+    # two workers ended their epoch (drained), the other two reached their quota of 2 with 3 folded in
+    # all: 4 are due, nobody can fold another before a new model, so it closes rather than waits forever
+    settings = BSPSettings(superstep_steps=1, max_staleness=1)
+    stuck = [
+        row(0, blocked=True, drain=True),
+        row(0, blocked=True, drain=True),
+        row(2, blocked=True),
+        row(1, blocked=True),
+    ]
+    assert decide(stuck, settings, version=2).close is True
+    stuck[3][BLOCKED] = 0  # that worker can still fold one: the superstep waits for it
+    assert decide(stuck, settings, version=2) == type(decide(stuck, settings, 2))()
+
+
+class CountingStore:
+    """The ``add`` of torch's key-value store, in one process."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.counts[key] = self.counts.get(key, 0) + amount
+        return self.counts[key]
+
+
+def test_shared_batches_cover_the_epoch_once_and_a_faster_worker_takes_more() -> None:
+    from lightning_hier.bsp.batch_claims import ClaimingSampler
+
+    store = CountingStore()
+    n, batch = 103, 8  # 13 chunks, the last one of 7
+    samplers = [ClaimingSampler(n, batch, False, "k", rank, 2, seed=5, store=store) for rank in range(2)]
+    for epoch in range(2):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        streams = [iter(s) for s in samplers]
+        taken: list[list[int]] = [[], []]
+        speed = (3, 1)  # rank 0 reads three batches for every one of rank 1's
+        while True:
+            moved = False
+            for rank, stream in enumerate(streams):
+                for _ in range(speed[rank] * batch):
+                    index = next(stream, None)
+                    if index is not None:
+                        taken[rank].append(index)
+                        moved = True
+            if not moved:
+                break
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(5 + epoch)).tolist()
+        assert sorted(taken[0] + taken[1]) == list(range(n))  # every sample exactly once, none padded
+        assert taken[1][:batch] == order[batch : 2 * batch]  # rank r starts with chunk r, no round trip
+        assert len(taken[0]) > 2 * len(taken[1])  # the fast worker took the larger share
+    # drop_last leaves out the short chunk; the epoch needs a batch per worker
+    assert ClaimingSampler(n, batch, True, "d", 0, 2, store=store).num_chunks == 12
+    with pytest.raises(ValueError, match="cannot be shared by 4 workers"):
+        ClaimingSampler(20, 8, False, "e", 0, 4, store=store)
+
+
+def test_only_lightnings_own_distributed_sampler_is_taken_over() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    from lightning_hier.bsp.batch_claims import why_not_claimed
+
+    data = TensorDataset(torch.arange(64.0))
+    ours = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=4, rank=1))
+    assert why_not_claimed(ours) is None
+    assert "SequentialSampler" in str(why_not_claimed(DataLoader(data, batch_size=4)))
+    tiny = DataLoader(data, batch_size=32, sampler=DistributedSampler(data, num_replicas=4, rank=1))
+    assert "fewer than the 4 workers" in str(why_not_claimed(tiny))
+
+
 # ---------------------------------------------------------------------- engine on plain processes
 @pytest.fixture(scope="module")
 def engine_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -203,10 +275,11 @@ def lightning_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results: dict) -> None:
+@pytest.mark.parametrize("scenario", ["straggler", "fixed_shards"])
+def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results: dict, scenario: str) -> None:
     import csv
 
-    result = lightning_results["straggler"]
+    result = lightning_results[scenario]
     with open(result["metrics_csv"]) as f:
         rows = [r for r in csv.DictReader(f) if r.get("bsp/micro_steps")]
     applied = [sum(int(float(r[f"bsp/micro_steps_rank{w}"])) for r in rows) for w in range(4)]
@@ -217,6 +290,10 @@ def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results:
     assert slow < 0.8 * min(fast), result["computed"]  # the others went on without it
     assert all(float(r["bsp/push_bytes"]) > 0 and float(r["bsp/pull_s"]) >= 0 for r in rows)
     assert result["same_model_everywhere"]
+    if scenario == "straggler":  # shared batches: the fast workers took the straggler's share
+        assert result["each_sample_once_per_epoch"], result["samples"]
+        assert sum(result["samples"]) == 2 * 512, result  # nobody idled at an epoch's end: no batch dropped
+        assert min(fast) > 2 * 512 / 4 / 8, result  # each fast worker trained on more than a quarter
 
 
 def test_plain_bsp_resume_equals_an_uninterrupted_run(lightning_results: dict) -> None:

@@ -50,6 +50,9 @@ def decide(rows: Sequence[Sequence[int]], settings: BSPSettings, version: int) -
         due = folded >= settings.superstep_steps * len(rows)
     else:
         due = bool(rows[0][DEADLINE]) and folded > 0
+    # no worker can fold more before a new model (some drained, e.g. their epoch ended first, and the
+    # rest reached their quota): the open superstep cannot fill up, so it closes with what it has
+    due = due or (folded > 0 and all(row[BLOCKED] for row in rows))
     if not due:
         return TickDecision()
     if safe_to_close(rows, version, settings.max_staleness):

@@ -20,12 +20,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 
+from lightning_hier.bsp.batch_claims import ClaimingSampler, why_not_claimed
 from lightning_hier.bsp.engine import BSPEngine
+from lightning_hier.bsp.liveness import new_run_key
 from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, resolve_backend, validate_layout
@@ -57,6 +63,11 @@ class HierBSPStrategy(DDPStrategy):
             bytes to the trainer's loggers (global rank 0).
         elementwise_optimizers: optimizer class names, beyond torch's elementwise ones, whose update
             you vouch is elementwise (the server shards it by flat slices).
+        share_batches: workers take the epoch's batches from one shared counter instead of a fixed
+            ``1/world_size`` each, so a faster worker trains on more of them and nobody idles at the
+            epoch's end (``None``: on when ``max_staleness >= 1``). The train loader is then unsized
+            (the progress bar shows no total, ``trainer.estimated_stepping_batches`` is infinite);
+            see ``lightning_hier.bsp.batch_claims``.
 
     With ``max_staleness >= 1`` workers run different numbers of steps, so the training length must be
     in epochs (``max_epochs``; an epoch ends for everyone when the first worker runs out of batches),
@@ -74,6 +85,7 @@ class HierBSPStrategy(DDPStrategy):
         bucket_cap_mb: float = 25.0,
         log_supersteps: bool = True,
         elementwise_optimizers: Sequence[str] = (),
+        share_batches: bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -102,6 +114,9 @@ class HierBSPStrategy(DDPStrategy):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.log_supersteps = log_supersteps
         self.elementwise_optimizers = tuple(elementwise_optimizers)
+        self.share_batches = self.settings.max_staleness > 0 if share_batches is None else bool(share_batches)
+        self._claiming = False  # the train loader now in use draws from a ClaimingSampler
+        self._loading_train_data = False
         self.topology: Topology | None = None
         self.engine: BSPEngine | None = None
         self._in_step = False
@@ -178,6 +193,7 @@ class HierBSPStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self._route_to_engine()
             _without_step_broadcast(trainer)
+            self._mark_train_loading(trainer)
             if self.settings.max_staleness > 0:
                 _validate_at_every_epoch_end(trainer)
 
@@ -210,12 +226,52 @@ class HierBSPStrategy(DDPStrategy):
 
         def clip_gradients(
             optimizer: Optimizer, clip_val: Any = None, gradient_clip_algorithm: Any = None
-        ) -> None:  # noqa: E501
+        ) -> None:
             if clip_val:
                 algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"
                 engine.set_clipping((str(algorithm), float(clip_val)))
 
         self.precision_plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ data
+    def _mark_train_loading(self, trainer: pl.Trainer) -> None:
+        """Lightning hands every loader to :meth:`process_dataloader` without saying which stage it is for;
+        the fit loop's ``setup_data`` loads the train loaders only, so mark that window."""
+        loop = trainer.fit_loop
+        original = type(loop).setup_data.__get__(loop)
+
+        def setup_data() -> None:
+            self._loading_train_data = True
+            try:
+                original()
+            finally:
+                self._loading_train_data = False
+
+        loop.setup_data = setup_data  # type: ignore[method-assign]
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The train loader draws its batches from a :class:`ClaimingSampler` when ``share_batches``."""
+        if not (self._loading_train_data and self.share_batches):
+            return dataloader
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        why_not = why_not_claimed(dataloader)
+        limit = trainer.limit_train_batches if trainer is not None else 1.0
+        if why_not is None and isinstance(limit, float) and limit != 1.0:
+            why_not = f"limit_train_batches={limit} needs a sized loader"
+        if why_not is not None:
+            rank_zero_warn(
+                f"HierBSPStrategy(share_batches=True) keeps the train loader's fixed shards: {why_not}."
+            )
+            self._claiming = False
+            return dataloader
+        assert isinstance(dataloader, DataLoader)
+        sampler = dataloader.sampler
+        assert isinstance(sampler, DistributedSampler)
+        claiming = ClaimingSampler.replacing(
+            sampler, dataloader.batch_size or 1, dataloader.drop_last, f"{new_run_key()}/batches"
+        )
+        self._claiming = True
+        return _update_dataloader(dataloader, claiming, mode=RunningStage.TRAINING)
 
     # ------------------------------------------------------------------ step
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -242,9 +298,10 @@ class HierBSPStrategy(DDPStrategy):
             self._in_step = False
         trainer = model.trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        if progress.is_last_batch or self.engine.epoch_should_end:
+        if progress.is_last_batch or (self.engine.epoch_should_end and not self._claiming):
             # another worker ran out of batches: this step ends the epoch here too (validation, epoch-end
-            # schedulers and checkpoints follow as at any epoch's last batch)
+            # schedulers and checkpoints follow as at any epoch's last batch); with shared batches every
+            # worker runs out within a batch of the others by itself
             progress.is_last_batch = True
             self.engine.drain(epoch_end=True)
         self._log_supersteps(trainer)
@@ -330,6 +387,7 @@ class HierBSPStrategy(DDPStrategy):
         if module is not None and module._trainer is not None:
             for patched in ("_broadcast_sigterm_tensor", "_should_check_val_fx"):
                 module.trainer.fit_loop.epoch_loop.__dict__.pop(patched, None)
+            module.trainer.fit_loop.__dict__.pop("setup_data", None)
         super().teardown()
 
     @classmethod

@@ -4,7 +4,9 @@
 
 - ``straggler``: ``superstep_steps=1, max_staleness=1``, rank 3 sleeps after every batch (about 4x
   slower), two epochs, a CSVLogger in ``OUT_DIR/logs``. Each rank reports the optimizer steps it
-  computed; the test reads the per-superstep metrics back from the CSV.
+  computed and the samples it trained on; the test reads the per-superstep metrics back from the CSV.
+  Batches are shared (the default): the straggler should take fewer. ``fixed_shards``: the same with
+  ``share_batches=False`` (each worker its own quarter; an epoch ends for all when one runs out).
 - ``resume``: plain BSP (``superstep_steps=1, max_staleness=0``), Adam: two epochs in one run against
   one epoch, a checkpoint, and the second epoch resumed from it; also the checkpoint loaded into
   a bare module.
@@ -31,10 +33,14 @@ from lightning_hier import HierBSPStrategy  # noqa: E402
 
 
 class SlowRank(pl.Callback):
+    """Rank ``rank`` sleeps 4x as long as the others after every batch; every rank notes its samples."""
+
     def __init__(self, rank: int, seconds: float) -> None:
         self.rank, self.seconds = rank, seconds
+        self.seen: list[float] = []  # the first feature of every sample trained on
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.seen.extend(batch[0][:, 0].tolist())
         time.sleep(self.seconds * (4 if trainer.global_rank == self.rank else 1))
 
 
@@ -45,17 +51,28 @@ def trainer(strategy: HierBSPStrategy, root: Path, **kwargs) -> pl.Trainer:  # n
     )  # fmt: skip
 
 
-def straggler(out: Path) -> dict:
+def straggler(out: Path, share_batches: bool = True, epochs: int = 2) -> dict:
     pl.seed_everything(7, verbose=False)
     model = EquivModel(optimizer="sgd")
-    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
+    strategy = HierBSPStrategy(
+        superstep_steps=1,
+        max_staleness=1,
+        devices_per_node=2,
+        bucket_cap_mb=0.002,
+        share_batches=share_batches,
+    )
+    slow = SlowRank(3, 0.01)
     run = trainer(
-        strategy, out, max_epochs=2, logger=CSVLogger(out / "logs", name="bsp"), enable_checkpointing=False,
-        callbacks=[SlowRank(3, 0.01)], log_every_n_steps=1,
+        strategy, out, max_epochs=epochs, logger=CSVLogger(out / "logs", name="bsp"),
+        enable_checkpointing=False, callbacks=[slow], log_every_n_steps=1,
     )  # fmt: skip
-    run.fit(model, train_dataloaders=loader(n=512))
+    data = loader(n=512)
+    run.fit(model, train_dataloaders=data)
     steps = [None] * dist.get_world_size()
     dist.all_gather_object(steps, run.global_step)
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, slow.seen)
+    every = sorted(x for x in data.dataset.tensors[0][:, 0].tolist() for _ in range(epochs))
     state = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     states = [torch.empty_like(state) for _ in steps]
     dist.all_gather(states, state)
@@ -64,6 +81,8 @@ def straggler(out: Path) -> dict:
         "computed": steps,
         "metrics_csv": str(metrics) if metrics else None,
         "same_model_everywhere": all(torch.equal(s, states[0]) for s in states),
+        "samples": [len(s) for s in seen],
+        "each_sample_once_per_epoch": sorted(x for s in seen for x in s) == every,
     }
 
 
@@ -94,7 +113,11 @@ def resume(out: Path) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    results = {"straggler": straggler(out / "straggler"), "resume": resume(out / "resume")}
+    results = {
+        "straggler": straggler(out / "straggler"),
+        "fixed_shards": straggler(out / "fixed", share_batches=False, epochs=1),
+        "resume": resume(out / "resume"),
+    }
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=2))
 
