@@ -3,7 +3,7 @@
 Four CPU processes, one ``torch.distributed.run`` job per contender and scenario, train the digits MLP
 (same seed, data, SGD and batch) until val_acc reaches ``--target-acc`` or ``--max-epochs``; scenarios
 ``straggler`` (rank 3 at half speed; each run stops at the target) and ``even`` (``--even-epochs``
-epochs for every contender, final accuracies compared). Contenders, measures and targets: benchmarks/README.md::
+epochs for every contender, final accuracies compared). Contenders, measures, targets: benchmarks/README.md::
 
     python benchmarks/bench_bsp.py [--scenarios straggler,even] [--target-acc 0.9] [--max-epochs 20]
 """

@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier.audit import install_from_env, register_emulated_nccl
 from lightning_hier.bucketing.size_plan import BucketPlan
-from lightning_hier.callbacks import GradientTimingProfiler, StageRebalancer
+from lightning_hier.callbacks import CommProfiler, GradientTimingProfiler, StageRebalancer
 from lightning_hier.sliced.engine import HierSlicedEngine
 from lightning_hier.sliced.sharded_checkpoint import consolidate_sharded_checkpoint
 from lightning_hier.sliced.slicing import SlicePlan
@@ -34,6 +34,7 @@ for _strategy in (HierSlicedStrategy, HierPipelineStrategy, HierBSPStrategy):
 
 __all__ = [
     "BucketPlan",
+    "CommProfiler",
     "GradientTimingProfiler",
     "HierBSPStrategy",
     "HierPipelineStrategy",

@@ -11,11 +11,13 @@ backend for (a CPU tensor on an NCCL-only group), which torch would refuse on a 
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ COLLECTIVES = (
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "send_object_list", "recv_object_list")
 SENDS = ("send", "isend", "send_object_list")
 OBJECT_OPS = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
+WRAPPED = (*COLLECTIVES, *POINT_TO_POINT, "batch_isend_irecv")
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _SELF = str(Path(__file__).resolve())
@@ -71,6 +74,52 @@ def _tensors_of(value: Any, found: list[torch.Tensor]) -> None:
             _tensors_of(item, found)
 
 
+def group_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.ProcessGroup | None:
+    """The process group a ``torch.distributed`` call names (``None``: the default group)."""
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    return group
+
+
+def p2p_op_name(op: dist.P2POp) -> str:
+    """``"isend"`` or ``"irecv"`` for an op of ``batch_isend_irecv``, whatever wraps its function."""
+    return "isend" if inspect.unwrap(op.op).__name__ == "isend" else "irecv"
+
+
+Wrapper = Callable[..., Any]
+
+
+def patch_distributed(make_wrapper: Callable[[str, Wrapper], Wrapper]) -> dict[tuple[Any, str], Any]:
+    """Replace every function named in :data:`WRAPPED` in ``torch.distributed`` and ``distributed_c10d``
+    by ``make_wrapper(name, original)``; returns what :func:`restore_distributed` puts back.
+
+    Wrappers stack (an audit and a profiler at once): each sees the function it replaced as
+    ``original``, and ``__wrapped__`` leads back to torch's own.
+    """
+    originals: dict[tuple[Any, str], Any] = {}
+    for name in WRAPPED:
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
+        wrapped = make_wrapper(name, original)
+        wrapped.__wrapped__ = original  # type: ignore[attr-defined]
+        for module in (c10d, dist):
+            if getattr(module, name, None) is original:
+                originals[(module, name)] = (original, wrapped)
+                setattr(module, name, wrapped)
+    return originals
+
+
+def restore_distributed(originals: dict[tuple[Any, str], Any]) -> None:
+    """Undo :func:`patch_distributed` where its wrapper is still the installed function (a wrapper
+    installed later on top stays; it calls through to the original)."""
+    for (module, name), (original, wrapped) in originals.items():
+        if getattr(module, name, None) is wrapped:
+            setattr(module, name, original)
+    originals.clear()
+
+
 def _caller() -> tuple[str, bool]:
     for frame, line in traceback.walk_stack(sys._getframe(2)):
         path = str(Path(frame.f_code.co_filename).resolve()) if frame.f_code.co_filename[0] != "<" else ""
@@ -96,6 +145,7 @@ class CollectiveAudit:
         self._local = threading.local()
         self._batches = 0
         self._lock = threading.Lock()
+        self._active = False
 
     # ------------------------------------------------------------------ patching
     def __enter__(self) -> CollectiveAudit:
@@ -106,24 +156,16 @@ class CollectiveAudit:
         self.stop()
 
     def start(self) -> None:
-        for name in (*COLLECTIVES, *POINT_TO_POINT, "batch_isend_irecv"):
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            wrapped = self._wrap(name, original)
-            for module in (c10d, dist):
-                if getattr(module, name, None) is original:
-                    self._originals[(module, name)] = original
-                    setattr(module, name, wrapped)
+        self._active = True
+        self._originals = patch_distributed(self._wrap)
 
     def stop(self) -> None:
-        for (module, name), original in self._originals.items():
-            setattr(module, name, original)
-        self._originals.clear()
+        self._active = False
+        restore_distributed(self._originals)
 
     def _wrap(self, name: str, original: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self._local, "depth", 0):
+            if getattr(self._local, "depth", 0) or not self._active:
                 return original(*args, **kwargs)
             self._local.depth = 1
             try:
@@ -135,14 +177,11 @@ class CollectiveAudit:
             finally:
                 self._local.depth = 0
 
-        wrapped.__wrapped__ = original  # type: ignore[attr-defined]
         return wrapped
 
     # ------------------------------------------------------------------ recording
     def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        group = kwargs.get("group")
-        if group is None:
-            group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+        group = group_in(args, kwargs)
         tensors: list[torch.Tensor] = []
         if name not in OBJECT_OPS and name not in ("send_object_list", "recv_object_list"):
             _tensors_of(list(args) + [v for k, v in kwargs.items() if k != "group"], tensors)
@@ -168,9 +207,7 @@ class CollectiveAudit:
             self._batches += 1
             batch = self._batches
         for op in ops:
-            inner = getattr(op.op, "__wrapped__", op.op)
-            name = "isend" if inner in (c10d.isend, self._originals.get((c10d, "isend"))) else "irecv"
-            self._append(name, op.group, [op.tensor], op.peer, batch, None)
+            self._append(p2p_op_name(op), op.group, [op.tensor], op.peer, batch, None)
 
     def _append(
         self,

@@ -1,0 +1,218 @@
+"""``CommProfiler``: bytes, collectives, time and hidden time per training step and per link kind.
+
+``Trainer(callbacks=[CommProfiler()])`` with ``hier_sliced``, ``hier_pipeline``, ``hier_bsp`` or
+Lightning's ``ddp``. While training runs (``on_train_start`` to ``on_train_end``) it wraps the
+``torch.distributed`` functions (:class:`lightning_hier.profiling.CommStats`; nothing is wrapped when
+the callback is absent, and everything is unwrapped at the end, at teardown and on exceptions), and
+
+- logs per step and kind ``comm/<kind>/bytes``, ``count``, ``time_ms``, ``exposed_ms``,
+  ``hidden_ms`` and ``comm/step_ms``, ``comm/compute_ms``, ``comm/exposed_ms`` to the Trainer's
+  loggers every ``log_every_n_steps`` steps (rank 0's values);
+- writes ``comm_profile.csv`` (every rank's rows, gathered at the end of training) into the log
+  directory, prints a summary table and saves ``comm_profile.png`` there (rank 0).
+
+Kinds: ``intra`` / ``inter`` (the strategy's :class:`~lightning_hier.topology.Topology` groups),
+``p2p`` (pipeline sends and receives), ``ps_push`` / ``ps_pull`` (``hier_bsp``'s parameter server),
+``world`` (all-rank groups, Lightning's ``ddp`` gradient buckets) and ``other``. Under ``ddp`` the
+gradient all-reduce happens in DDP's C++ reducer, out of Python's sight: the callback registers
+torch's default all-reduce comm hook (the same arithmetic) so that it goes through
+``torch.distributed.all_reduce``; a user's own comm hook is kept and those bytes are then not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_hier.profiling.comm_stats import PS, CommStats, StepStats
+from lightning_hier.profiling.report import save_figure, step_rows, summary_table, write_csv
+
+log = logging.getLogger(__name__)
+
+
+class CommProfiler(Callback):
+    """Measures every rank's communication per training step and link kind; logs, tabulates, draws it.
+
+    Args:
+        log_every_n_steps: log to the Trainer's loggers every N training steps (default: the
+            Trainer's ``log_every_n_steps``).
+        output_dir: where the CSV and figure go (default: the first logger's ``log_dir``, else the
+            Trainer's ``default_root_dir``).
+        filename: stem of the CSV and PNG files.
+        save_figure: draw the PNG (matplotlib, Agg backend).
+        print_summary: print the table at the end of training (rank 0).
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        output_dir: str | None = None,
+        filename: str = "comm_profile",
+        save_figure: bool = True,
+        print_summary: bool = True,
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1 or None, got {log_every_n_steps!r}.")
+        self.log_every_n_steps = log_every_n_steps
+        self.output_dir = output_dir
+        self.filename = filename
+        self.save_figure = save_figure
+        self.print_summary = print_summary
+        self.stats: CommStats | None = None
+        self.rows: list[dict[str, Any]] = []  # every rank's, on rank 0 after training
+        self.csv_path: Path | None = None
+        self.figure_path: Path | None = None
+        self.summary: str = ""
+        self._batches = 0
+        self._ddp = False
+        self._backward_start = 0.0
+
+    # ------------------------------------------------------------------ start
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop()
+        stats = CommStats()
+        self._register_groups(stats, trainer.strategy)
+        self._ddp = self._install_ddp_hook(trainer.strategy)
+        self.stats, self.rows, self._batches = stats, [], 0
+        stats.start()
+
+    @staticmethod
+    def _register_groups(stats: CommStats, strategy: Any) -> None:
+        from lightning_hier.strategies.hier_bsp import HierBSPStrategy
+        from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
+        from lightning_hier.strategies.hier_sliced import HierSlicedStrategy
+
+        engine = getattr(strategy, "engine", None)
+        if isinstance(strategy, HierSlicedStrategy) and strategy.topology is not None:
+            topology = strategy.topology
+            stats.register_group(topology.world_group, "world")
+            stats.register_group(topology.intra_group, "intra")
+            stats.register_group(topology.inter_group, "inter")
+            if engine is not None:  # the main thread waits there for the reducer's collectives
+                stats.watch(engine, "finish_backward")
+        elif isinstance(strategy, HierBSPStrategy) and engine is not None:
+            stats.register_group(engine.topology.world_group, "world")  # the BSP thread's ticks
+            stats.register_group(engine.topology.intra_group, PS)
+            stats.register_group(engine.topology.inter_group, PS)
+            stats.watch(engine.memory, "wait")  # a worker waiting for the server's model
+        elif isinstance(strategy, HierPipelineStrategy) and engine is not None:
+            stats.register_group(engine.group, "world")  # sends and receives on it are "p2p"
+
+    @staticmethod
+    def _install_ddp_hook(strategy: Any) -> bool:
+        """Route DDP's bucket all-reduce through Python (torch's default hook: the same arithmetic)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = getattr(strategy, "model", None)
+        if not isinstance(model, DistributedDataParallel):
+            return False
+        if getattr(model, "_comm_hooks", None):
+            log.warning("CommProfiler: DDP already has a comm hook; its gradient buckets are not counted.")
+            return False
+        if getattr(model, "_profiled_by_comm_profiler", False):
+            return True
+        try:
+            model.register_comm_hook(None, allreduce_hook)
+        except RuntimeError as error:
+            log.warning("CommProfiler: cannot count DDP's gradient buckets (%s).", error)
+            return False
+        model._profiled_by_comm_profiler = True
+        return True
+
+    # ------------------------------------------------------------------ per step
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.stats is not None:
+            self.stats.begin_step(self._batches)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        if self.stats is not None and self._ddp:
+            self._backward_start = self.stats.clock.host()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # DDP waits for its buckets in C++ at the end of backward: from the last bucket's launch (the
+        # end of the gradient computation) until backward returns, the training thread is blocked
+        stats = self.stats
+        if stats is not None and self._ddp and stats.last_training_issue > self._backward_start:
+            stats.mark_blocked(stats.last_training_issue, stats.clock.host())
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.stats is None:
+            return
+        step = self.stats.end_step()
+        self._batches += 1
+        every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+        if step is not None and (step.index + 1) % every == 0 and trainer.loggers:
+            metrics = _metrics(step)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ------------------------------------------------------------------ end
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stats = self.stats
+        if stats is None:
+            return
+        self._stop()
+        rank = trainer.global_rank
+        mine = step_rows(stats.steps, rank)
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            from lightning_hier.topology import control_group
+
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine, group=control_group())
+            rows = [row for part in gathered for row in part]
+        else:
+            rows = mine
+        if rank != 0:
+            return
+        self.rows = rows
+        directory = self._directory(trainer)
+        self.csv_path = write_csv(rows, directory / f"{self.filename}.csv")
+        self.summary = summary_table(rows)
+        if self.print_summary:
+            print(self.summary, flush=True)
+        if self.save_figure:
+            self.figure_path = save_figure(rows, directory / f"{self.filename}.png")
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._stop()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.stats is not None:
+            self.stats.stop()
+
+    def _directory(self, trainer: pl.Trainer) -> Path:
+        # not trainer.log_dir: it broadcasts (a collective) and this runs on rank 0 only
+        logger_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+        path = Path(self.output_dir or logger_dir or trainer.default_root_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def _metrics(step: StepStats) -> dict[str, float]:
+    metrics = {
+        "comm/step_ms": step.step_s * 1e3,
+        "comm/compute_ms": step.compute_s * 1e3,
+        "comm/exposed_ms": step.exposed_s * 1e3,
+    }
+    for kind, stats in step.kinds.items():
+        metrics[f"comm/{kind}/bytes"] = float(stats.nbytes)
+        metrics[f"comm/{kind}/count"] = float(stats.count)
+        metrics[f"comm/{kind}/time_ms"] = stats.time_s * 1e3
+        metrics[f"comm/{kind}/exposed_ms"] = stats.exposed_s * 1e3
+        metrics[f"comm/{kind}/hidden_ms"] = stats.hidden_s * 1e3
+    return metrics

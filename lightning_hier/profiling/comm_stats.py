@@ -1,0 +1,558 @@
+"""Per-step communication statistics of one process: bytes, collectives, time, exposed and hidden time.
+
+:class:`CommStats` wraps the ``torch.distributed`` functions while active (the wrapping of
+:mod:`lightning_hier.audit.recorder`, shared through its ``patch_distributed``), and
+``torch.distributed.Work.wait``. Only the outermost call counts (``broadcast_object_list`` is one
+operation, not the broadcasts it is made of). Every operation becomes a :class:`CommEvent`:
+
+- **kind**: the group's kind, from :meth:`CommStats.register_group` (the strategies' topology:
+  ``intra``, ``inter``; the parameter server's groups: ``ps_push`` for its reductions, ``ps_pull``
+  for its gathers and broadcasts); point-to-point operations are ``p2p``; an unregistered group that
+  spans every rank is ``world``, any other ``other``.
+- **bytes**: what this rank contributes or sends (:func:`sent_bytes`); ``wire_bytes`` what a ring
+  algorithm makes it put on the link (``2(N-1)/N`` of an all-reduce).
+- **active interval**: from the call to completion. A blocking call completes when it returns; an
+  asynchronous one (``async_op=True``, ``isend``, ``batch_isend_irecv``) when its future completes
+  (host clock) or, for CUDA tensors, when the training thread waits on it (CUDA events on the
+  current stream, DESIGN principle 7).
+- **blocked intervals** of the training thread (the thread that called :meth:`start`): inside a
+  blocking call, inside ``Work.wait``, inside a method registered with :meth:`watch`, or a span
+  given to :meth:`mark_blocked` (DDP's wait at the end of backward, which happens in C++).
+
+At :meth:`end_step` the operations finished since the last step are accounted: per kind, the time
+is the union of the active intervals (the link's busy time), and the **exposed** time is the part of
+the training thread's blocked time during which that kind's communication was active (shared equally
+among kinds active at once); **hidden** = time - exposed. Operations still running at a step's end
+count in the step in which they finish; operations the training thread issues between steps
+(validation, checkpoints) go to :attr:`CommStats.outside`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_hier.audit.recorder import (
+    OBJECT_OPS,
+    group_in,
+    p2p_op_name,
+    patch_distributed,
+    restore_distributed,
+)
+
+KINDS = ("intra", "inter", "p2p", "ps_push", "ps_pull", "world", "other")
+PS = "ps"  # a registered parameter-server group: reductions are pushes, gathers and broadcasts pulls
+_PULL_OPS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced", "broadcast")
+_P2P = ("send", "recv", "isend", "irecv", "send_object_list", "recv_object_list")
+_SENDS = ("send", "isend")
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def sent_bytes(name: str, bound: dict[str, Any], size: int, root: bool) -> tuple[int, int]:
+    """``(bytes, wire_bytes)`` this rank sends in operation ``name`` with arguments ``bound`` (by name).
+
+    ``bytes``: the tensors this rank contributes: all-reduce and reduce of ``S`` bytes count ``S``;
+    reduce-scatter counts its whole input; all-gather and gather the local input; all-to-all the
+    input; broadcast and scatter count on the source rank only; send counts the tensor, receive 0.
+    Object collectives and barriers count 0 (control traffic of unknown pickled size).
+    ``wire_bytes``: what a ring puts on this rank's outgoing link for a group of ``size``:
+    all-reduce ``2(N-1)/N S``, reduce-scatter and all-to-all ``(N-1)/N S``, all-gather ``(N-1) S``;
+    the others as ``bytes``.
+    """
+    if name in OBJECT_OPS or name in ("barrier", "monitored_barrier", "send_object_list", "recv_object_list"):
+        return 0, 0
+    if name in ("recv", "irecv"):
+        return 0, 0
+    if name in ("all_reduce", "reduce"):
+        n = _nbytes(bound.get("tensor"))
+        return n, (2 * (size - 1) * n // size if name == "all_reduce" else n)
+    if name == "all_reduce_coalesced":
+        n = _nbytes(bound.get("tensors"))
+        return n, 2 * (size - 1) * n // size
+    if name == "reduce_scatter":
+        n = _nbytes(bound.get("input_list"))
+        return n, (size - 1) * n // size
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        n = _nbytes(bound.get("input"))
+        return n, (size - 1) * n // size
+    if name == "all_gather":
+        n = _nbytes(bound.get("tensor"))
+        return n, (size - 1) * n
+    if name in ("all_gather_into_tensor", "all_gather_single"):
+        n = _nbytes(bound.get("input_tensor"))
+        return n, (size - 1) * n
+    if name == "all_gather_coalesced":
+        n = _nbytes(bound.get("input_tensor_list"))
+        return n, (size - 1) * n
+    if name == "gather":
+        n = _nbytes(bound.get("tensor"))
+        return n, n
+    if name in ("broadcast", "scatter"):
+        n = _nbytes(bound.get("tensor" if name == "broadcast" else "scatter_list")) if root else 0
+        return n, n
+    if name in ("all_to_all", "all_to_all_single"):
+        n = _nbytes(bound.get("input_tensor_list" if name == "all_to_all" else "input"))
+        return n, (size - 1) * n // size
+    if name in _SENDS:
+        n = _nbytes(bound.get("tensor"))
+        return n, n
+    return 0, 0
+
+
+# ---------------------------------------------------------------------- clocks
+class _Clock:
+    """Host clock for host tensors; CUDA events (on the current stream) for CUDA tensors.
+
+    A stamp is a float (``time.perf_counter()``) or a recorded ``torch.cuda.Event``;
+    :meth:`seconds` places either on one timeline (seconds since :meth:`reset`).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._origin_host = time.perf_counter()
+        self._origin_event: Any = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._origin_event = torch.cuda.Event(enable_timing=True)
+            self._origin_event.record()
+
+    @staticmethod
+    def host() -> float:
+        return time.perf_counter()
+
+    def stamp(self, cuda: bool) -> Any:
+        if cuda and self._origin_event is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, stamp: Any) -> float:
+        if isinstance(stamp, float):
+            return stamp - self._origin_host
+        stamp.synchronize()
+        return self._origin_event.elapsed_time(stamp) / 1000.0
+
+
+# ---------------------------------------------------------------------- records
+@dataclass
+class CommEvent:
+    """One operation as this rank issued it (stamps: see :class:`_Clock`)."""
+
+    op: str
+    kind: str
+    nbytes: int
+    wire_bytes: int
+    training_thread: bool
+    cuda: bool
+    issued: Any
+    done: Any = None  # completion stamp; None while in flight
+
+
+@dataclass
+class KindStats:
+    """One step's communication over one kind of group, on one rank."""
+
+    count: int = 0
+    nbytes: int = 0
+    wire_bytes: int = 0
+    time_s: float = 0.0  # union of the operations' active intervals
+    exposed_s: float = 0.0  # the part of it the training thread was blocked on
+
+    @property
+    def hidden_s(self) -> float:
+        return max(0.0, self.time_s - self.exposed_s)
+
+    def add(self, other: KindStats) -> None:
+        self.count += other.count
+        self.nbytes += other.nbytes
+        self.wire_bytes += other.wire_bytes
+        self.time_s += other.time_s
+        self.exposed_s += other.exposed_s
+
+
+@dataclass
+class StepStats:
+    """One training step of one rank."""
+
+    index: int
+    step_s: float  # wall time from begin_step to end_step
+    exposed_s: float  # blocked time with any communication active
+    kinds: dict[str, KindStats] = field(default_factory=dict)
+
+    @property
+    def compute_s(self) -> float:
+        return max(0.0, self.step_s - self.exposed_s)
+
+
+# ---------------------------------------------------------------------- the profiler
+class CommStats:
+    """Measures this process's ``torch.distributed`` traffic while active (``with CommStats() as s``)."""
+
+    def __init__(self) -> None:
+        self.clock = _Clock()
+        self.steps: list[StepStats] = []
+        self.outside: dict[str, KindStats] = {}  # issued by the training thread between steps
+        self._kinds: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, registered kind)
+        self._groups: dict[int, tuple[Any, str, int, int]] = {}  # id(group) -> (group, kind, size, rank)
+        self._events: list[CommEvent] = []
+        self._blocked: list[tuple[Any, Any]] = []
+        self._pending: dict[int, tuple[dist.Work, list[CommEvent]]] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._active = False
+        self._originals: dict[tuple[Any, str], Any] = {}
+        self._watched: list[tuple[Any, str, Any]] = []
+        self._work_wait: Any = None
+        self._thread = threading.get_ident()
+        self._window: int | None = None
+        self._window_start: float = 0.0
+        self._rank = 0
+        self._world = 1
+        self._params: dict[str, list[str]] = {}
+        self.last_training_issue: float = float("-inf")  # host time of the training thread's latest issue
+
+    # ------------------------------------------------------------------ setup
+    def register_group(self, group: dist.ProcessGroup | None, kind: str) -> None:
+        """Name the kind of ``group`` (``"intra"``, ``"inter"``, ``"world"``, ``"ps"`` for a parameter
+        server's group, or any label); unregistered groups are ``world`` or ``other``."""
+        if group is not None:
+            self._kinds[id(group)] = (group, kind)
+            self._groups.pop(id(group), None)
+
+    def watch(self, obj: Any, name: str) -> None:
+        """Count time the training thread spends in ``obj.name(...)`` as blocked on communication (a
+        method that waits for another thread's collectives); undone by :meth:`stop`."""
+        original = getattr(obj, name)
+        had_own = name in getattr(obj, "__dict__", {})
+
+        def waiting(*args: Any, **kwargs: Any) -> Any:
+            if not self._active or threading.get_ident() != self._thread:
+                return original(*args, **kwargs)
+            start = self.clock.host()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._add_blocked(start, self.clock.host())
+
+        setattr(obj, name, waiting)
+        self._watched.append((obj, name, original if had_own else None))
+
+    def mark_blocked(self, start: float, end: float) -> None:
+        """Count host-clock span ``[start, end]`` as the training thread blocked on communication."""
+        if end > start:
+            self._add_blocked(start, end)
+
+    # ------------------------------------------------------------------ start / stop
+    def __enter__(self) -> CommStats:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def start(self) -> None:
+        """Wrap the ``torch.distributed`` functions and ``Work.wait``; the caller is the training thread."""
+        if self._active:
+            return
+        self._thread = threading.get_ident()
+        if dist.is_available() and dist.is_initialized():
+            self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        self.clock.reset()
+        self._active = True
+        self._originals = patch_distributed(self._wrap)
+        self._work_wait = dist.Work.wait
+        dist.Work.wait = self._wrap_wait(self._work_wait)  # type: ignore[method-assign]
+
+    def stop(self) -> None:
+        """Undo every wrapping (idempotent); what is still in flight is accounted as outside steps."""
+        if not self._active and not self._originals and self._work_wait is None:
+            return
+        self._active = False
+        restore_distributed(self._originals)
+        if self._work_wait is not None:
+            dist.Work.wait = self._work_wait  # type: ignore[method-assign]
+            self._work_wait = None
+        for obj, name, original in reversed(self._watched):
+            if original is None:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, name)
+            else:
+                setattr(obj, name, original)
+        self._watched.clear()
+        with self._lock:
+            leftover, self._events, self._blocked = self._events, [], []
+            self._pending.clear()
+            self._window = None
+        for event in leftover:
+            self._tally_outside(event)
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, index: int) -> None:
+        """A training step starts on the training thread."""
+        with self._lock:
+            self._window = index
+            self._window_start = self.clock.host()
+            self._blocked = []
+
+    def end_step(self) -> StepStats | None:
+        """Account the step that :meth:`begin_step` opened; ``None`` when none is open."""
+        end = self.clock.host()
+        with self._lock:
+            if self._window is None:
+                return None
+            index, start = self._window, self._window_start
+            self._window = None
+            for work, events in list(self._pending.values()):
+                for event in events:
+                    if event.done is None and _completed(work):
+                        event.done = event.issued if event.cuda else end  # finished, moment unknown
+            finished = [e for e in self._events if e.done is not None]
+            self._events = [e for e in self._events if e.done is None]
+            self._pending = {k: v for k, v in self._pending.items() if any(e.done is None for e in v[1])}
+            blocked, self._blocked = self._blocked, []
+        stats = self._account(index, finished, blocked, start, end)
+        self.steps.append(stats)
+        return stats
+
+    def _account(
+        self, index: int, events: list[CommEvent], blocked: list[tuple[Any, Any]], start: float, end: float
+    ) -> StepStats:
+        seconds = self.clock.seconds
+        t0, t1 = seconds(start), seconds(end)
+        kinds: dict[str, KindStats] = {}
+        marks: list[tuple[float, int, str | None]] = []  # (time, +1 / -1, kind; None: blocked)
+        for event in events:
+            stats = kinds.setdefault(event.kind, KindStats())
+            stats.count += 1
+            stats.nbytes += event.nbytes
+            stats.wire_bytes += event.wire_bytes
+            a, b = seconds(event.issued), seconds(event.done)
+            if b > a:
+                marks += [(a, 1, event.kind), (b, -1, event.kind)]
+        for a_stamp, b_stamp in blocked:
+            a, b = max(seconds(a_stamp), t0), min(seconds(b_stamp), t1)
+            if b > a:
+                marks += [(a, 1, None), (b, -1, None)]
+        marks.sort(key=lambda m: (m[0], m[1]))
+        active: dict[str, int] = {}
+        blocked_depth = 0
+        exposed_total = 0.0
+        previous = marks[0][0] if marks else 0.0
+        for moment, delta, kind in marks:
+            span = moment - previous
+            if span > 0:
+                running = [k for k, n in active.items() if n > 0]
+                for k in running:
+                    kinds[k].time_s += span
+                if blocked_depth > 0 and running:
+                    exposed_total += span
+                    for k in running:
+                        kinds[k].exposed_s += span / len(running)
+            previous = moment
+            if kind is None:
+                blocked_depth += delta
+            else:
+                active[kind] = active.get(kind, 0) + delta
+        return StepStats(index, t1 - t0, exposed_total, kinds)
+
+    def _tally_outside(self, event: CommEvent) -> None:
+        stats = self.outside.setdefault(event.kind, KindStats())
+        stats.count += 1
+        stats.nbytes += event.nbytes
+        stats.wire_bytes += event.wire_bytes
+
+    # ------------------------------------------------------------------ wrapping
+    def _group_info(self, group: Any) -> tuple[Any, str, int, int]:
+        info = self._groups.get(id(group))
+        if info is None:
+            registered = self._kinds.get(id(group))
+            size = group.size()
+            if registered is not None:
+                kind = registered[1]
+            elif group is dist.group.WORLD or size == self._world:
+                kind = "world"
+            else:
+                kind = "other"
+            info = (group, kind, size, group.rank())
+            self._groups[id(group)] = info
+        return info
+
+    def _bind(
+        self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        params = self._params.get(name)
+        if params is None:
+            params = self._params[name] = list(inspect.signature(original).parameters)
+        bound = dict(zip(params, args))
+        bound.update(kwargs)
+        return bound
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            local = self._local
+            if not self._active or getattr(local, "depth", 0):
+                return original(*args, **kwargs)
+            local.depth = 1
+            try:
+                if name == "batch_isend_irecv":
+                    return self._batch(original, args, kwargs)
+                return self._call(name, original, args, kwargs)
+            finally:
+                local.depth = 0
+
+        return wrapped
+
+    def _call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bound = self._bind(name, original, args, kwargs)
+        group = group_in(args, kwargs) or dist.group.WORLD
+        _, registered, size, rank = self._group_info(group)
+        kind = _kind_of(name, registered)
+        root = False
+        if name in ("broadcast", "scatter"):
+            src, group_src = bound.get("src"), bound.get("group_src")
+            root = (src == self._rank) if src is not None else (group_src == rank)
+        nbytes, wire = sent_bytes(name, bound, size, root)
+        cuda = _on_cuda(bound)
+        event = self._issue(name, kind, nbytes, wire, cuda)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            event.done = self.clock.stamp(event.cuda)
+            raise
+        returned = self.clock.stamp(cuda)
+        if isinstance(result, dist.Work):
+            self._track(result, [event])
+        else:
+            event.done = returned
+        if event.training_thread:
+            self._add_blocked(event.issued, returned)
+        return result
+
+    def _batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ops = args[0] if args else kwargs["p2p_op_list"]
+        events = []
+        for op in ops:
+            name = p2p_op_name(op)
+            nbytes = _nbytes(op.tensor) if name == "isend" else 0
+            events.append(self._issue(name, "p2p", nbytes, nbytes, op.tensor.is_cuda))
+        works = original(*args, **kwargs)
+        returned = self.clock.stamp(bool(events) and events[0].cuda)
+        works_list = list(works or [])
+        if len(works_list) == len(events):
+            for work, event in zip(works_list, events):
+                self._track(work, [event])
+        elif works_list:  # coalesced: one handle for all of them
+            self._track(works_list[-1], events)
+        else:
+            for event in events:
+                event.done = returned
+        if events and events[0].training_thread:
+            self._add_blocked(events[0].issued, returned)
+        return works
+
+    def _issue(self, name: str, kind: str, nbytes: int, wire: int, cuda: bool) -> CommEvent:
+        training = threading.get_ident() == self._thread
+        issued = self.clock.stamp(cuda)
+        event = CommEvent(name, kind, nbytes, wire, training, cuda, issued)
+        with self._lock:
+            if training and self._window is None:
+                outside = True
+            else:
+                outside = False
+                self._events.append(event)
+        if outside:
+            self._tally_outside(event)
+            event.done = issued  # not tracked further
+        if training:
+            self.last_training_issue = self.clock.host()
+        return event
+
+    def _track(self, work: dist.Work, events: list[CommEvent]) -> None:
+        """Completion of an asynchronous operation: its future (host clock) or a wait (CUDA)."""
+        key = id(work)
+        with self._lock:
+            self._pending[key] = (work, events)
+        if events[0].cuda:
+            return
+        try:
+            future = work.get_future()
+        except Exception:  # noqa: BLE001 - some works have no future; a wait or end_step completes them
+            return
+
+        def completed(_: Any) -> None:
+            now = self.clock.host()
+            for event in events:
+                if event.done is None:
+                    event.done = now
+
+        future.add_done_callback(completed)
+
+    def _wrap_wait(self, original: Any) -> Any:
+        def wait(work: dist.Work, *args: Any, **kwargs: Any) -> Any:
+            if not self._active:
+                return original(work, *args, **kwargs)
+            entry = self._pending.get(id(work))
+            events = entry[1] if entry is not None and entry[0] is work else []
+            cuda = bool(events) and events[0].cuda
+            before = self.clock.stamp(cuda)
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                after = self.clock.stamp(cuda)
+                for event in events:
+                    if event.done is None:
+                        event.done = after
+                if threading.get_ident() == self._thread:
+                    self._add_blocked(before, after)
+
+        wait.__wrapped__ = original  # type: ignore[attr-defined]
+        return wait
+
+    def _add_blocked(self, start: Any, end: Any) -> None:
+        with self._lock:
+            if self._window is not None:
+                self._blocked.append((start, end))
+
+
+def _kind_of(name: str, registered: str) -> str:
+    if name in _P2P:
+        return "p2p"
+    if registered == PS:
+        return "ps_pull" if name in _PULL_OPS else "ps_push"
+    return registered
+
+
+def _on_cuda(bound: dict[str, Any]) -> bool:
+    for value in bound.values():
+        if isinstance(value, torch.Tensor):
+            return value.is_cuda
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return value[0].is_cuda
+    return False
+
+
+def _completed(work: dist.Work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a work that cannot say: treat as finished
+        return True

@@ -1,0 +1,306 @@
+"""CommProfiler: byte counts equal what the strategies send, files and metrics appear, nothing stays wrapped.
+
+The distributed part is this file run under torchrun (4 CPU processes, gloo): one launch trains
+``ddp``, ``hier_sliced`` (2 virtual nodes x 2), ``hier_pipeline`` (4 stages) and ``hier_bsp`` (2 x 2)
+in turn, each with a CommProfiler, and every rank writes what the profiler measured next to what
+the test counted on its own (parameter counts and slice layouts by hand, the pipeline link's own
+byte counter, the parameter server's superstep records).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from lightning_hier.profiling import CommStats, KindStats, read_csv, sent_bytes, summary_table
+from lightning_hier.profiling.comm_stats import CommEvent
+from lightning_hier.profiling.report import step_rows
+
+STRATEGIES = ("ddp", "hier_sliced", "hier_pipeline", "hier_bsp")
+STEPS = 6
+WATCHED = ("all_reduce", "reduce_scatter", "all_gather_single", "broadcast", "isend", "batch_isend_irecv")
+
+
+# ---------------------------------------------------------------------- unit tests (no processes)
+def test_bytes_sent_per_collective_kind() -> None:
+    s = torch.zeros(10, dtype=torch.float32)  # 40 bytes
+    assert sent_bytes("all_reduce", {"tensor": s}, 4, False) == (40, 60)  # 2(N-1)/N S
+    assert sent_bytes("reduce_scatter", {"input_list": [s, s, s, s]}, 4, False) == (160, 120)
+    assert sent_bytes("reduce_scatter_single", {"input": torch.zeros(8)}, 2, False) == (32, 16)
+    assert sent_bytes("all_gather_single", {"input_tensor": s}, 4, False) == (40, 120)  # (N-1) S
+    assert sent_bytes("all_gather", {"tensor": s, "tensor_list": [s] * 4}, 4, False) == (40, 120)
+    assert sent_bytes("broadcast", {"tensor": s}, 4, True) == (40, 40)
+    assert sent_bytes("broadcast", {"tensor": s}, 4, False) == (0, 0)  # only the source sends
+    assert sent_bytes("isend", {"tensor": torch.zeros(3, dtype=torch.int64)}, 2, False) == (24, 24)
+    assert sent_bytes("recv", {"tensor": s}, 2, False) == (0, 0)
+    assert sent_bytes("broadcast_object_list", {"object_list": [1]}, 4, True) == (0, 0)
+
+
+def _event(kind: str, start: float, end: float, nbytes: int = 8) -> CommEvent:
+    return CommEvent("all_reduce", kind, nbytes, nbytes, False, False, start, end)
+
+
+def test_exposed_is_blocked_time_while_communication_runs() -> None:
+    stats = CommStats()
+    origin = stats.clock._origin_host
+    events = [
+        _event("intra", origin + 1.0, origin + 3.0),  # 2 s; blocked 2.5..3.0 shared with inter: 0.25 s
+        _event("inter", origin + 2.0, origin + 6.0, 16),  # 4 s; blocked 2.5..3 shared, 3..3.5 and 5..6 alone
+        _event("inter", origin + 4.0, origin + 5.0),  # inside the first inter: the union stays 4 s
+    ]
+    blocked = [(origin + 2.5, origin + 3.5), (origin + 5.0, origin + 7.0)]  # 6..7: no comm, not exposed
+    step = stats._account(0, events, blocked, origin + 0.0, origin + 10.0)
+    assert step.step_s == pytest.approx(10.0)
+    assert step.kinds["intra"].time_s == pytest.approx(2.0)
+    assert step.kinds["inter"].time_s == pytest.approx(4.0)
+    assert step.kinds["intra"].exposed_s == pytest.approx(0.25)
+    assert step.kinds["inter"].exposed_s == pytest.approx(0.25 + 0.5 + 1.0)
+    assert step.kinds["inter"].hidden_s == pytest.approx(4.0 - 1.75)
+    assert step.exposed_s == pytest.approx(1.0 + 1.0)  # blocked with any communication active
+    assert step.compute_s == pytest.approx(8.0)
+    assert (step.kinds["inter"].count, step.kinds["inter"].nbytes) == (2, 24)
+    rows = step_rows([step], rank=3)
+    assert [(r["kind"], r["bytes"]) for r in rows] == [("intra", 8), ("inter", 24)]
+    assert "inter" in summary_table(rows)
+
+
+def test_start_and_stop_restore_every_function() -> None:
+    before = {name: getattr(dist, name) for name in WATCHED}
+    wait = dist.Work.wait
+    stats = CommStats()
+    watched = KindStats()
+    stats.watch(watched, "add")
+    with stats:
+        assert all(getattr(dist, name) is not before[name] for name in WATCHED)
+        assert c10d.all_reduce is dist.all_reduce
+        assert dist.Work.wait is not wait and "add" in vars(watched)
+    assert all(getattr(dist, name) is before[name] for name in WATCHED)
+    assert all(getattr(c10d, name) is before[name] for name in WATCHED)
+    assert dist.Work.wait is wait and "add" not in vars(watched)
+
+
+# ---------------------------------------------------------------------- the 4-process run
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from helpers import run_torchrun
+
+    out = tmp_path_factory.mktemp("comm_profiler")
+    run_torchrun(str(Path(__file__).resolve()), 4, str(out), timeout=400)
+    results: dict[str, Any] = {}
+    for name in (*STRATEGIES, "ddp_raises"):
+        results[name] = [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(4)]
+    return results
+
+
+def _per_step(result: dict, kind: str) -> list[int]:
+    return [step.get(kind, [0, 0])[1] for step in result["steps"]]
+
+
+def test_ddp_bytes_are_the_gradient_bytes(measured: dict) -> None:
+    for result in measured["ddp"]:
+        assert len(result["steps"]) == STEPS
+        # every step all-reduces each trainable parameter's gradient once, in DDP's buckets
+        assert _per_step(result, "world") == [result["expected"]["param_bytes"]] * STEPS
+        assert all(step["world"][0] >= 1 for step in result["steps"])
+
+
+def test_hier_sliced_bytes_follow_the_slice_layout(measured: dict) -> None:
+    for result in measured["hier_sliced"]:
+        params = result["expected"]["params"]  # one bucket (25 MB cap), float32
+        padded = -(-params // 2) * 2  # equal slices: padded to a multiple of the 2 devices per node
+        my_slice = padded // 2
+        # reduce-scatter sends the whole bucket, the all-gather this rank's slice (intra); the
+        # all-reduce across the 2 nodes sends this rank's slice (inter)
+        assert _per_step(result, "intra") == [4 * (padded + my_slice)] * STEPS
+        assert _per_step(result, "inter") == [4 * my_slice] * STEPS
+        assert [step["intra"][0] for step in result["steps"]] == [2] * STEPS
+
+
+def test_hier_pipeline_bytes_are_the_links_sends(measured: dict) -> None:
+    sends = 0
+    for result in measured["hier_pipeline"]:
+        assert _per_step(result, "p2p") == result["expected"]["p2p_per_step"]
+        sends += sum(result["expected"]["p2p_per_step"])
+    assert sends > 0
+
+
+def test_hier_bsp_push_and_pull_bytes_per_superstep(measured: dict) -> None:
+    for result in measured["hier_bsp"]:
+        params = result["expected"]["params"]
+        padded = -(-params // 2) * 2
+        push_per, pull_per = 4 * (padded + padded // 2), 4 * (padded // 2)
+        push = sum(_per_step(result, "ps_push")) + result["outside"].get("ps_push", [0, 0])[1]
+        pull = sum(_per_step(result, "ps_pull")) + result["outside"].get("ps_pull", [0, 0])[1]
+        supersteps = result["expected"]["supersteps"]
+        # the profiler stops at the end of training, possibly between a superstep's reduce-scatter
+        # (the whole bucket) and its all-reduce, or between its push and its pull; the drain after
+        # training ends (the last superstep) may fall after it stopped
+        full, rest = divmod(push, push_per)
+        assert rest in (0, 4 * padded), (push, push_per)
+        assert pull % pull_per == 0 and full - 1 <= pull // pull_per <= full, (pull, pull_per, full)
+        assert STEPS - 1 <= full <= supersteps, (full, supersteps)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_csv_figure_and_logged_metrics(measured: dict, name: str) -> None:
+    rank0 = measured[name][0]
+    rows = read_csv(rank0["csv_path"])
+    assert {r["rank"] for r in rows} == {0, 1, 2, 3}
+    assert {r["step"] for r in rows} == set(range(STEPS))
+    for result in measured[name]:  # the file holds what each rank measured
+        for index, step in enumerate(result["steps"]):
+            for kind, (count, nbytes) in step.items():
+                (row,) = [
+                    r for r in rows if (r["rank"], r["step"], r["kind"]) == (result["rank"], index, kind)
+                ]
+                assert (row["count"], row["bytes"]) == (count, nbytes)
+                assert row["exposed_ms"] <= row["time_ms"] + 1e-6
+    assert Path(rank0["figure_path"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "exposed" in rank0["summary"]
+    with open(Path(rank0["log_dir"]) / "metrics.csv") as handle:
+        logged = [r for r in csv.DictReader(handle) if r.get("comm/step_ms")]
+    assert len(logged) == STEPS
+    kind = {"ddp": "world", "hier_sliced": "inter", "hier_pipeline": "p2p", "hier_bsp": "ps_push"}[name]
+    logged_bytes = [int(float(r[f"comm/{kind}/bytes"])) for r in logged if r.get(f"comm/{kind}/bytes")]
+    assert logged_bytes == [b for b in _per_step(rank0, kind) if b] and logged_bytes  # rank 0's values
+
+
+@pytest.mark.parametrize("name", (*STRATEGIES, "ddp_raises"))
+def test_nothing_stays_wrapped_after_fit(measured: dict, name: str) -> None:
+    for result in measured[name]:
+        assert result["wrapped_during_training"]  # the check below can fail: it was installed
+        assert result["unwrapped_after_fit"], result["still_wrapped"]
+    if name == "ddp_raises":  # unwrapped on the exception that ended fit
+        assert all(r["raised"] for r in measured[name])
+
+
+# ---------------------------------------------------------------------- worker (under torchrun)
+def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun processes
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loggers import CSVLogger
+    from models import EquivModel, loader
+    from pipeline_models import SkewedNet
+    from pipeline_models import loader as pipeline_loader
+
+    from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy
+    from lightning_hier.pipeline.schedule import _HEADER
+
+    originals = {name: getattr(dist, name) for name in WATCHED}
+    original_wait = dist.Work.wait
+
+    def still_wrapped() -> list[str]:
+        names = [
+            n for n in WATCHED if getattr(dist, n) is not originals[n] or getattr(c10d, n) is not originals[n]
+        ]
+        return names + (["Work.wait"] if dist.Work.wait is not original_wait else [])
+
+    class Independent(Callback):
+        """What the test counts on its own, per training step."""
+
+        def __init__(self) -> None:
+            self.wrapped = False
+            self.p2p: list[int] = []
+            self._sent = 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            self.wrapped = self.wrapped or bool(still_wrapped())
+            engine = getattr(trainer.strategy, "engine", None)
+            self._sent = getattr(getattr(engine, "link", None), "bytes_sent", 0)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            strategy = trainer.strategy
+            if isinstance(strategy, HierPipelineStrategy):
+                headers = (
+                    0 if strategy.stage == strategy.num_stages - 1 else 8 * _HEADER * 2
+                )  # 2 micro-batches
+                self.p2p.append(strategy.engine.link.bytes_sent - self._sent + headers)
+
+    class Raises(EquivModel):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            if batch_idx == 2:
+                raise RuntimeError("raised on purpose at batch 2")
+            return super().training_step(batch, batch_idx)
+
+    for name in (*STRATEGIES, "ddp_raises"):
+        pl.seed_everything(0, verbose=False)
+        if name == "ddp_raises":
+            independent, profiler = Independent(), CommProfiler()
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=4, strategy="ddp", max_steps=STEPS,
+                callbacks=[independent, profiler], logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False,
+            )  # fmt: skip
+            try:
+                trainer.fit(Raises(hidden=64), train_dataloaders=loader(n=256))
+                raised = False
+            except RuntimeError as error:
+                raised = "on purpose" in str(error)
+            result = {
+                "raised": raised, "wrapped_during_training": independent.wrapped,
+                "still_wrapped": still_wrapped(), "unwrapped_after_fit": not still_wrapped(),
+            }  # fmt: skip
+            (out / f"{name}_rank{dist.get_rank()}.json").write_text(json.dumps(result))
+            continue
+        if name == "ddp":
+            strategy: Any = "ddp"
+        elif name == "hier_sliced":
+            strategy = HierSlicedStrategy(devices_per_node=2)
+        elif name == "hier_pipeline":
+            strategy = HierPipelineStrategy(partition="uniform", rebalance="never", micro_batches=2)
+        else:
+            strategy = HierBSPStrategy(devices_per_node=2, superstep_steps=1, max_staleness=0)
+        if name == "hier_pipeline":
+            model: pl.LightningModule = SkewedNet(widths=(32, 32, 32, 32))
+            data = pipeline_loader()
+        else:
+            model, data = EquivModel(hidden=64), loader(n=256)
+        independent, profiler = Independent(), CommProfiler(log_every_n_steps=1)
+        logger = CSVLogger(str(out), name=name)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS,
+            callbacks=[independent, profiler], logger=logger, log_every_n_steps=1,
+            enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(model, train_dataloaders=data)
+        rank = dist.get_rank()
+        assert profiler.stats is not None
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        expected: dict[str, Any] = {
+            "params": sum(p.numel() for p in trainable),
+            "param_bytes": sum(p.numel() * p.element_size() for p in trainable),
+        }
+        if name == "hier_pipeline":
+            expected["p2p_per_step"] = independent.p2p
+        if name == "hier_bsp":
+            expected["supersteps"] = len(trainer.strategy.engine.records)
+        result = {
+            "rank": rank,
+            "steps": [
+                {kind: [s.count, s.nbytes] for kind, s in step.kinds.items()} for step in profiler.stats.steps
+            ],
+            "outside": {kind: [s.count, s.nbytes] for kind, s in profiler.stats.outside.items()},
+            "expected": expected,
+            "wrapped_during_training": independent.wrapped,
+            "still_wrapped": still_wrapped(),
+            "unwrapped_after_fit": not still_wrapped(),
+            "csv_path": str(profiler.csv_path),
+            "figure_path": str(profiler.figure_path),
+            "summary": profiler.summary,
+            "log_dir": logger.log_dir,
+        }
+        (out / f"{name}_rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
