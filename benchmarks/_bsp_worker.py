@@ -80,12 +80,14 @@ class Recorder(pl.Callback):
         self.target_acc, self.stop_at_target = target_acc, stop_at_target
         self.samples = 0
         self.epochs: list[dict[str, float]] = []
+        self.batch_ends: list[float] = []  # seconds since training started, per batch of this rank
 
     def on_train_start(self, *args: Any) -> None:
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
         self.samples += len(batch[0])
+        self.batch_ends.append(time.perf_counter() - self.start)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         acc = float(trainer.callback_metrics["val_acc"])  # synced over the ranks: the same decision on all
@@ -115,7 +117,7 @@ def main(config: dict[str, Any], job_dir: Path) -> None:
     engine = getattr(trainer.strategy, "engine", None)
     supersteps = [r.to_dict() for r in engine.records] if engine is not None else []
     (job_dir / f"rank{rank}.json").write_text(
-        json.dumps({"epochs": recorder.epochs, "supersteps": supersteps})
+        json.dumps({"epochs": recorder.epochs, "supersteps": supersteps, "batch_ends": recorder.batch_ends})
     )
 
 
