@@ -17,12 +17,19 @@ ACK_TIMEOUT_S = 300.0
 
 
 def setup(interop_threads: bool = False) -> None:
-    """One compute thread (and one inter-op thread), no warnings, seed 0."""
+    """One compute thread (and one inter-op thread), no warnings, seed 0, Python's ABC cache warm."""
     torch.set_num_threads(1)
     if interop_threads:
         torch.set_num_interop_threads(1)
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
+    # torchmetrics' Metric is an ABC with hundreds of subclasses: the first isinstance(tensor, Metric),
+    # made by the first self.log of a run, walks them all (~0.45 s once on the 2-core host). Pay it here,
+    # before any clock starts, for every contender alike (otherwise it lands in whichever first step
+    # happens to make that check first).
+    from torchmetrics import Metric
+
+    isinstance(torch.zeros(1), Metric)
 
 
 def quiet_trainer(**kwargs: Any) -> Trainer:

@@ -3,9 +3,11 @@ long it takes on a cluster, before a job runs (no Lightning here).
 
 Entry point: :func:`lightning_hier.plan.cost_model.plan`, returning a :class:`~.cost_model.Plan` of
 :class:`~.cost_model.Estimate` dataclasses; ``python -m lightning_hier plan ...`` prints it
-(:mod:`.cli`). Formulas: ``docs/cost_model.md``.
+(:mod:`.cli`). Formulas: ``docs/cost_model.md``. :func:`~.calibrate.calibrate_from_csv` fits the
+model's bandwidths and latency to a CommProfiler CSV (``plan --calibrate-from``).
 """
 
+from lightning_hier.plan.calibrate import Calibration, LinkFit, calibrate_from_csv
 from lightning_hier.plan.cost_model import Cluster, Estimate, Plan, plan
 
-__all__ = ["Cluster", "Estimate", "Plan", "plan"]
+__all__ = ["Calibration", "Cluster", "Estimate", "LinkFit", "Plan", "calibrate_from_csv", "plan"]

@@ -7,6 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from lightning_hier.plan.calibrate import calibrate_from_csv
 from lightning_hier.plan.cost_model import DTYPE_BYTES, Cluster, Plan, plan
 
 _RATE_UNITS = {
@@ -52,6 +53,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", type=duration, default=None, help="backward time per step, e.g. 120ms")
     p.add_argument("--slice-weights", type=float, nargs="+", default=None)
     p.add_argument("--superstep-steps", type=int, default=4)
+    p.add_argument(
+        "--calibrate-from", nargs="+", default=None, metavar="CSV",
+        help="CommProfiler comm_profile.csv of a measured run (one or more of one layout): the fitted "
+        "intra/inter bandwidth and latency replace the values above (what cannot be fitted is kept)",
+    )  # fmt: skip
+    p.add_argument(
+        "--calibrate-devices-per-node", type=int, default=None,
+        help="devices per node of the measured run (default: inferred from its inter-node rows)",
+    )  # fmt: skip
     return p
 
 
@@ -89,6 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = Cluster(
             nodes, args.devices_per_node, args.intra_bandwidth, args.inter_bandwidth, args.latency
         )
+        if args.calibrate_from:
+            calibration = calibrate_from_csv(
+                args.calibrate_from, latency=args.latency, devices_per_node=args.calibrate_devices_per_node
+            )
+            print(calibration.table(cluster))
+            print()
+            cluster = calibration.apply(cluster)
         result = plan(
             cluster, args.params, args.dtype, args.bucket_mb, args.backward, args.slice_weights,
             args.superstep_steps,
