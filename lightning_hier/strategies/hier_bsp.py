@@ -296,6 +296,9 @@ class HierBSPStrategy(DDPStrategy):
         if self._in_step:
             self.engine.end_step(computed=result is not None)
             self._in_step = False
+        # the server's copy steps for this optimizer; torch's LR schedulers read this flag (set by the
+        # step wrapper they install) to warn about a scheduler stepped before its optimizer
+        optimizer._opt_called = True  # type: ignore[attr-defined]
         trainer = model.trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress
         if progress.is_last_batch or (self.engine.epoch_should_end and not self._claiming):
@@ -357,8 +360,7 @@ class HierBSPStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.engine is None:
             return super().optimizer_state(optimizer)
-        self.engine.drain()
-        return self.engine.optimizer_state_dict()
+        return self.engine.optimizer_state_dict()  # drains first
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)

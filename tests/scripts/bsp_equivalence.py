@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -44,12 +45,17 @@ def main() -> None:
         steps = 6
         reference = train(DDPStrategy(), spec["model"], trainer_kwargs, steps)
         strategy = HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **spec["bsp"])
-        state = train(strategy, spec["model"], trainer_kwargs, steps)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = train(strategy, spec["model"], trainer_kwargs, steps)
         results[name] = {
             "max_rel_diff": max_rel_diff(reference, state),
             "reference_moved": max_rel_diff(reference, initial_state(spec["model"])),
             "supersteps": len(strategy.engine.records),
             "micro_steps": [r.micro_steps for r in strategy.engine.records],
+            "scheduler_before_optimizer_warnings": sum(
+                "before `optimizer.step()`" in str(w.message) for w in caught
+            ),
         }
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=2))
