@@ -73,6 +73,14 @@ def test_aggregate_sums_counts_and_double_buffers() -> None:
     assert out.staleness(applied_at=2) == [1, 0]
 
 
+def test_aggregate_knows_which_parameters_any_micro_step_used() -> None:
+    aggregate = GradientAggregate([torch.zeros(2)], num_params=3)
+    aggregate.fold([torch.ones(2)], version=0, used=[True, False, False])
+    aggregate.fold([torch.ones(2)], version=0, used=[False, False, True])
+    assert aggregate.read_out().used == [1, 0, 1]  # parameter 1: left untouched by the server's step
+    assert aggregate.read_out().used == [0, 0, 0]  # a fresh superstep starts with none used
+
+
 def test_weighted_mean_counts_micro_steps_not_workers() -> None:
     # worker A folded 3 micro-steps of gradient 1.0, worker B one of gradient 5.0: the mean gradient
     # per micro-step is (3 + 5) / 4 = 2, not the per-worker average (1 + 5) / 2 = 3

@@ -10,7 +10,7 @@ and a superstep of one micro-step per worker is exactly data parallel averaging.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ class ReadOut:
     sums: list[torch.Tensor]
     count: int
     versions: list[int]  # the model version each folded micro-step was computed from
+    used: list[int] = field(default_factory=list)  # per parameter: 1 if a micro-step gave it a gradient
 
     def staleness(self, applied_at: int) -> list[int]:
         """Supersteps between each micro-step's model and the superstep ``applied_at`` that applies it
@@ -32,26 +33,33 @@ class ReadOut:
 class GradientAggregate:
     """Double-buffered gradient sums shaped like ``like`` (one flat tensor per bucket)."""
 
-    def __init__(self, like: Sequence[torch.Tensor]) -> None:
+    def __init__(self, like: Sequence[torch.Tensor], num_params: int = 0) -> None:
         self._sums = [torch.zeros_like(t) for t in like]
         self._spare = [torch.zeros_like(t) for t in like]
         self.count = 0
         self.versions: list[int] = []
+        self.num_params = num_params
+        self.used = [0] * num_params
 
     @torch.no_grad()
-    def fold(self, grads: Sequence[torch.Tensor], version: int) -> None:
-        """Add one micro-step's gradients, computed from model ``version``."""
+    def fold(self, grads: Sequence[torch.Tensor], version: int, used: Sequence[bool] | None = None) -> None:
+        """Add one micro-step's gradients, computed from model ``version``; ``used``: which parameters
+        got a gradient in it (``None``: all)."""
         for total, grad in zip(self._sums, grads, strict=True):
             total.add_(grad)
         self.count += 1
         self.versions.append(version)
+        if used is None:
+            self.used = [1] * self.num_params
+        else:
+            self.used = [int(a or b) for a, b in zip(self.used, used, strict=True)]
 
     def read_out(self) -> ReadOut:
         """Everything folded so far; folding goes on into zeroed buffers. Hand the sums back with
         :meth:`recycle` once they are pushed."""
-        out = ReadOut(self._sums, self.count, self.versions)
+        out = ReadOut(self._sums, self.count, self.versions, self.used)
         self._sums, self._spare = self._spare, []
-        self.count, self.versions = 0, []
+        self.count, self.versions, self.used = 0, [], [0] * self.num_params
         return out
 
     @torch.no_grad()

@@ -14,6 +14,7 @@ parameters (epoch ends, validation, checkpoints, exit: the same model on every r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -70,9 +71,19 @@ class BSPEngine:
         self.buckets: list[FlatBucket] = build_flat_buckets(
             self.params, plan, slice_plan, topology.local_rank
         )
-        self.memory = SharedModelMemory([b.params for b in self.buckets], settings)
+        self.memory = SharedModelMemory([b.params for b in self.buckets], settings, len(self.params))
+        # which parameters got a gradient in the current micro-step (a parameter no worker used in a
+        # superstep is left untouched by the server's step, as ddp leaves it)
+        self._used = [False] * len(self.params)
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(partial(self._mark_used, index))
+            for index, param in enumerate(self.params)
+        ]
         self.module = LocalBSPModule(self.memory, self.server, topology, settings, timeout_s)
         self.module.start()
+
+    def _mark_used(self, index: int, param: torch.Tensor) -> None:
+        self._used[index] = True
 
     # ------------------------------------------------------------------ worker
     @torch.no_grad()
@@ -100,7 +111,7 @@ class BSPEngine:
         self._collect_grads()
         with memory.cond:
             if computed:
-                memory.aggregate.fold([b.grads for b in self.buckets], memory.in_flight)
+                memory.aggregate.fold([b.grads for b in self.buckets], memory.in_flight, self._used)
                 # the settings this step was taken with (an LR scheduler may change them before the close)
                 memory.hyper = [
                     {k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups
@@ -111,6 +122,7 @@ class BSPEngine:
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Zero the worker's gradients; every parameter's ``.grad`` is (again) a view into its bucket."""
+        self._used = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.grads.zero_()
             for slot in bucket.slots:
@@ -171,6 +183,9 @@ class BSPEngine:
             self.memory.stopping = True
             self.memory.cond.notify_all()
         self.module.join(timeout=10.0)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state_dict(self) -> dict[str, Any]:

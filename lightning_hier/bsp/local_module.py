@@ -128,11 +128,15 @@ class LocalBSPModule(threading.Thread):
         hyper_changed = self.topology.rank == 0 and _changed(hyper, self._sent_hyper)
         # one gather for what every rank needs before the push: counts (the mean's weights), the worst
         # staleness, and whether the controller's optimizer settings changed since it last sent them
-        mine = torch.tensor([out.count, max(staleness, default=0), int(hyper_changed)], dtype=torch.int64)
+        # and which parameters got a gradient (one that none did is left as it was)
+        row = [out.count, max(staleness, default=0), int(hyper_changed), *out.used]
+        mine = torch.tensor(row, dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
         dist.all_gather(gathered, mine, group=world)
         per_worker = tuple(int(g[0]) for g in gathered)
         worst = max(int(g[1]) for g in gathered)
+        used_anywhere = torch.stack(gathered)[:, 3:].amax(dim=0)
+        unused = torch.nonzero(used_anywhere == 0).flatten().tolist()
         push_bytes = self.server.push(out.sums, 1.0 / sum(per_worker))
         _sync(out.sums)
         pushed = time.perf_counter()
@@ -142,7 +146,7 @@ class LocalBSPModule(threading.Thread):
             shared = [hyper]
             dist.broadcast_object_list(shared, src=0, group=world)  # the controller's optimizer settings
             self._sent_hyper = shared[0]
-        self.server.step(clip, self._sent_hyper)
+        self.server.step(clip, self._sent_hyper, unused)
         stepped = time.perf_counter()
         pull_bytes = self.server.pull()
         _sync(self.server.flat_params())

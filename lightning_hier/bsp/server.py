@@ -26,6 +26,7 @@ from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
 from lightning_hier.sliced.reducer import all_gather_slices, reduce_scatter_into
 from lightning_hier.sliced.sharded_optim import OptimizerSharding
 from lightning_hier.sliced.slicing import SlicePlan
+from lightning_hier.sliced.unused import snapshot_unused
 from lightning_hier.topology import Topology
 
 
@@ -62,6 +63,7 @@ class ShardedParameterServer:
             optimizer, self.buckets, bucket_group, original_groups, params, topology.intra_group
         )
         self._slice_grads = [bucket.grads[slice(*bucket.owned_range)] for bucket in self.buckets]
+        self._where = {s.index: (b, s) for b, bucket in enumerate(self.buckets) for s in bucket.slots}
         for shard, grad in zip(self.sharding.shards, self._slice_grads):
             shard.grad = grad
 
@@ -86,9 +88,15 @@ class ShardedParameterServer:
         return sent
 
     @torch.no_grad()
-    def step(self, clip: tuple[str, float] | None = None, hyper: list[dict] | None = None) -> None:
+    def step(
+        self,
+        clip: tuple[str, float] | None = None,
+        hyper: list[dict] | None = None,
+        unused: Sequence[int] = (),
+    ) -> None:
         """Clip (``("norm", max_norm)`` by the global norm, ``("value", v)`` elementwise), then the user's
-        optimizer on this rank's slices, with ``hyper`` (per param group: lr, ...) when given."""
+        optimizer on this rank's slices, with ``hyper`` (per param group: lr, ...) when given. Parameters
+        ``unused`` (indices) by every worker in the superstep are left as they were, as under ``ddp``."""
         for shard, grad in zip(self.sharding.shards, self._slice_grads):
             shard.grad = grad
         if hyper is not None:
@@ -101,7 +109,9 @@ class ShardedParameterServer:
             else:
                 for grad in self._slice_grads:
                     grad.clamp_(-value, value)
+        snapshot = snapshot_unused(unused, self._where, self.buckets, self.sharding.shards, self.optimizer)
         self.optimizer.step()
+        snapshot.restore(self.sharding.shards, self.optimizer)
 
     @torch.no_grad()
     def pull(self) -> int:

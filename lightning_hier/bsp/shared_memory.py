@@ -28,12 +28,14 @@ class BSPStopped(RuntimeError):
 class SharedModelMemory:
     """Model, aggregate and flags shared by one worker and its local BSP module (all under one lock)."""
 
-    def __init__(self, flat_params: Sequence[torch.Tensor], settings: BSPSettings) -> None:
+    def __init__(
+        self, flat_params: Sequence[torch.Tensor], settings: BSPSettings, num_params: int = 0
+    ) -> None:
         self.settings = settings
         self.cond = threading.Condition()
         self.published = [t.detach().clone() for t in flat_params]
         self.version = 0  # models announced so far (the initial one is version 0)
-        self.aggregate = GradientAggregate(flat_params)
+        self.aggregate = GradientAggregate(flat_params, num_params)
         self.in_flight = -1  # version the worker computes from, -1 between micro-steps
         self.started_since_pickup = 0
         self.picked_up = 0  # version the worker last copied

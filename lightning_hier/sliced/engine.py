@@ -43,8 +43,9 @@ from lightning_hier.bucketing.time_bucketing import (
 from lightning_hier.bucketing.time_plan import TimePlan, plan_misfit
 from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
 from lightning_hier.sliced.reducer import ReduceJob, all_gather_slices, make_reducer
-from lightning_hier.sliced.sharded_optim import OptimizerSharding, check_optimizer, is_elementwise_state
+from lightning_hier.sliced.sharded_optim import OptimizerSharding, check_optimizer
 from lightning_hier.sliced.slicing import SlicePlan
+from lightning_hier.sliced.unused import UnusedSnapshot, snapshot_unused
 from lightning_hier.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class HierSlicedEngine:
         # per-tensor step count (bias correction, lr decay) that a shared slice cannot keep per parameter
         self._step_counted = type(optimizer).__name__ != "SGD"
         self._sync = True
-        self._unused_snapshot: list[tuple[int, int, int, dict[str, torch.Tensor]]] = []
+        self._unused_snapshot = UnusedSnapshot()
         self._end_callback_queued = False
         self.last_timeline: StepTimeline | None = None
         self.sharding: OptimizerSharding | None = None
@@ -399,20 +400,10 @@ class HierSlicedEngine:
         self._globally_used = frozenset(torch.nonzero(used).flatten().tolist())
         for index in self._globally_used:
             self._used_steps[index] += 1
-        self._unused_snapshot = []
-        for index in torch.nonzero(used == 0).flatten().tolist():
-            bucket_index, slot = self._where[index]
-            bucket = self.buckets[bucket_index]
-            shard = self.sharding.shards[bucket_index]
-            start, end = bucket.owned_range
-            lo, hi = max(start, slot.offset) - start, min(end, slot.offset + slot.numel) - start
-            if lo >= hi:
-                continue
-            saved = {"__param__": shard.detach()[lo:hi].clone()}
-            for key, value in self.optimizer.state.get(shard, {}).items():
-                if is_elementwise_state(key, value, shard.shape):
-                    saved[key] = value[lo:hi].clone()
-            self._unused_snapshot.append((bucket_index, lo, hi, saved))
+        unused = torch.nonzero(used == 0).flatten().tolist()
+        self._unused_snapshot = snapshot_unused(
+            unused, self._where, self.buckets, self.sharding.shards, self.optimizer
+        )
 
     def _check_unchanged(self) -> None:
         """Refuse parameter changes made after setup that the flat buckets cannot follow.
@@ -499,15 +490,7 @@ class HierSlicedEngine:
 
         With ``bucketing="time"`` this is also where a new plan, once decided, takes effect.
         """
-        for b, lo, hi, saved in self._unused_snapshot:
-            shard = self.sharding.shards[b]
-            shard.data[lo:hi].copy_(saved["__param__"])
-            for key, value in self.optimizer.state.get(shard, {}).items():
-                if key in saved:
-                    value[lo:hi].copy_(saved[key])
-                elif is_elementwise_state(key, value, shard.shape):
-                    value[lo:hi].zero_()  # state first made by this step: as fresh as DDP's would be
-        self._unused_snapshot = []
+        self._unused_snapshot.restore(self.sharding.shards, self.optimizer)
         self.gather_params()
         self.zero_grad()
         plan = None

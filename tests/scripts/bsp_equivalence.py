@@ -29,6 +29,12 @@ SCENARIOS: dict[str, dict] = {
         bsp=dict(devices_per_node=2),
         trainer=dict(gradient_clip_val=0.05, accumulate_grad_batches=2),
     ),
+    # a never-used Linear, a frozen one and a tied pair; SGD's weight decay would move the unused one
+    "sgd_weight_decay_frozen_tied_unused": dict(
+        model=dict(optimizer="sgd", quirks=True),
+        bsp=dict(devices_per_node=2),
+        ddp=dict(find_unused_parameters=True),
+    ),
     "sgd_clip_value": dict(
         model=dict(optimizer="sgd"),
         bsp=dict(devices_per_node=2),
@@ -43,7 +49,7 @@ def main() -> None:
     for name, spec in SCENARIOS.items():
         trainer_kwargs = spec.get("trainer", {})
         steps = 6
-        reference = train(DDPStrategy(), spec["model"], trainer_kwargs, steps)
+        reference = train(DDPStrategy(**spec.get("ddp", {})), spec["model"], trainer_kwargs, steps)
         strategy = HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **spec["bsp"])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
