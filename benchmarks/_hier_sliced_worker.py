@@ -190,7 +190,9 @@ def make_strategy(name: str, options: dict[str, Any]) -> Any:
 
 def main() -> None:
     """Train with ``--config`` (``strategy``, ``strategy_options``, ``record``: ``handover`` or ``buckets``,
-    ``hidden``, ``layers``, ``batch_size``, ``lr``, ``warmup``, ``steps``); rank 0 writes the timings."""
+    ``hidden``, ``layers``, ``batch_size``, ``lr``, ``warmup``, ``steps``, optional ``comm_profiler``: true
+    adds a CommProfiler whose rows, every rank's, go into the JSON as ``comm_profile``); rank 0 writes the
+    timings."""
     args = cli.parser(__doc__, OPTIONS).parse_args()
     config = json.loads(args.config)
     setup(interop_threads=True)
@@ -204,13 +206,18 @@ def main() -> None:
     # counted before fit: a strategy may lay the parameters out anew
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     losses = LossLog()
+    callbacks: list[Callback] = [window, losses]
+    if config.get("comm_profiler"):  # after the window: its hand-over barriers fall between profiled steps
+        from lightning_hier import CommProfiler
+
+        callbacks.append(CommProfiler(output_dir=str(args.job_dir), save_figure=False, print_summary=False))
     trainer = quiet_trainer(
         devices=devices,
         num_nodes=world // devices,
         strategy=make_strategy(config["strategy"], config["strategy_options"]),
         max_epochs=1,  # not max_steps, which hier_bsp refuses: its workers take different numbers of steps
         use_distributed_sampler=False,  # the same batch every step, on every rank its own
-        callbacks=[window, losses],
+        callbacks=callbacks,
     )
     t0 = time.perf_counter()
     trainer.fit(model, torch.utils.data.DataLoader([batch] * (first + steps + 1), batch_size=None))
@@ -219,6 +226,8 @@ def main() -> None:
         result.update(num_nodes=world // devices, devices_per_node=devices, grad_bytes=grad_bytes)
         result.update(fit_s=time.perf_counter() - t0, **window.summary())
         result["losses"] = losses.losses[first : first + steps]
+        if config.get("comm_profiler"):
+            result["comm_profile"] = callbacks[-1].rows
         args.out.write_text(json.dumps(result, indent=2))
 
 
