@@ -1,0 +1,57 @@
+"""One ``torch.distributed.run`` job of ``bench_comm_profiler.py``: the same fit with and without
+``CommProfiler``, interleaved, per strategy; rank 0 writes ``JOB_DIR/result.json``.
+
+``_comm_profiler_worker.py CONFIG_JSON JOB_DIR``; CONFIG_JSON holds strategies, rounds, hidden,
+layers, batch_size, warmup, steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from harness.worker import MLP, MarkedWindow, quiet_trainer, setup
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hier import CommProfiler, HierSlicedStrategy
+
+
+def fit_once(config: dict[str, Any], strategy: str, profiled: bool) -> float:
+    """Median step time of the measured window of one fit."""
+    torch.manual_seed(0)
+    hidden, batch = config["hidden"], config["batch_size"]
+    steps = config["warmup"] + config["steps"] + 1
+    data = TensorDataset(torch.randn(steps * batch * 4, hidden), torch.randn(steps * batch * 4, hidden))
+    window = MarkedWindow(config["warmup"], config["steps"], signal_dir=None)
+    callbacks: list[Any] = [window]
+    if profiled:
+        out = tempfile.mkdtemp(prefix="lhbench-commprof-")
+        callbacks.append(CommProfiler(output_dir=out, save_figure=False, print_summary=False))
+    chosen = HierSlicedStrategy(devices_per_node=2) if strategy == "hier_sliced" else "ddp"
+    trainer = quiet_trainer(devices=4, strategy=chosen, max_steps=steps, callbacks=callbacks)
+    trainer.fit(MLP(hidden, config["layers"], 1e-3), DataLoader(data, batch_size=batch))
+    return window.summary()["median_step_s"]
+
+
+def main(config: dict[str, Any], job_dir: Path) -> None:
+    setup()
+    results: dict[str, dict[str, list[float]]] = {}
+    for strategy in config["strategies"]:
+        times: dict[str, list[float]] = {"without": [], "with": []}
+        for round_index in range(config["rounds"]):
+            order = (False, True) if round_index % 2 == 0 else (True, False)  # alternate who goes first
+            for profiled in order:
+                times["with" if profiled else "without"].append(fit_once(config, strategy, profiled))
+        results[strategy] = times
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    (job_dir / "result.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]), Path(sys.argv[2]))

@@ -1,0 +1,76 @@
+"""``CommProfiler``'s overhead: step time with and without it, per strategy, in one job.
+
+Four CPU processes train the harness MLP under Lightning ``ddp`` and ``hier_sliced`` (2 x 2), each fit
+done ``--rounds`` times without and with ``CommProfiler`` (interleaved, alternating who goes first);
+the ratio of the medians of the per-fit median step times is the overhead (target <= 1.03)::
+
+    python benchmarks/bench_comm_profiler.py [--rounds 5] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+from typing import Any
+
+from harness import cli, jobs, report
+
+WORKER = jobs.BENCH_DIR / "_comm_profiler_worker.py"
+TARGET = 1.03
+OPTIONS = """
+--strategies str   ddp,hier_sliced  comma-separated: ddp, hier_sliced
+--rounds     int   5                fits per strategy with and (as many) without the profiler
+--warmup     int   3                steps before the measured window of each fit
+--steps      int   20               measured steps per fit
+--hidden     int   512              MLP width
+--layers     int   4                Linear(hidden, hidden) layers
+--batch-size int   16               per process
+"""
+
+
+def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians with and without, their ratio and the per-round ratios' range."""
+    without, with_ = statistics.median(times["without"]), statistics.median(times["with"])
+    rounds = [w / o for w, o in zip(times["with"], times["without"])]
+    return {"median_without_s": without, "median_with_s": with_, "ratio": with_ / without,
+            "round_ratio_min": min(rounds), "round_ratio_max": max(rounds)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_options = cli.RUN_OPTIONS.format(timeout=900, per="job", logs="the job's temp dir")
+    args = cli.parser(__doc__, OPTIONS, run_options, cli.IDLE_OPTIONS.format(job="job")).parse_args(argv)
+    jobs.exit_on_sigterm()
+    config = jobs.pick(args, "rounds", "warmup", "steps", "hidden", "layers", "batch_size")
+    config["strategies"] = cli.comma_list(args.strategies)
+    if args.wait_idle > 0:
+        jobs.wait_idle(args.wait_idle)
+    with jobs.job_dir("lhbench-commprof-", args.keep_logs, show=True) as workdir:
+        before = jobs.cpu_snapshot()
+        with jobs.torchrun(4, WORKER, [json.dumps(config), str(workdir)], workdir) as proc:
+            try:
+                code = proc.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                code = -1
+        other = jobs.other_cores(before, jobs.cpu_snapshot())
+        if code != 0 or not (workdir / "result.json").exists():
+            raise SystemExit(f"job failed (exit {code}):\n{jobs.tail(workdir / 'job.log', 60)}")
+        results = json.loads((workdir / "result.json").read_text())
+    summaries = {name: summarize(times) for name, times in results.items()}
+    rows = [
+        [name, f"{s['median_without_s'] * 1e3:.2f}", f"{s['median_with_s'] * 1e3:.2f}", f"{s['ratio']:.3f}",
+         f"{s['round_ratio_min']:.3f}-{s['round_ratio_max']:.3f}",
+         "MET" if s["ratio"] <= TARGET else "NOT MET"]
+        for name, s in summaries.items()
+    ]  # fmt: skip
+    header = ["strategy", "step without [ms]", "step with [ms]", "with / without", "per round", "<= 1.03"]
+    print(report.md_table(header, rows, tight_rule=False))
+    print(f"other processes used {other:.2f} cores during the job")
+    json_out = args.json_out or jobs.RESULTS_DIR / "comm_profiler.json"
+    report.write_json(json_out, {"config": report.config(args), "other_cores": other, "summaries": summaries,
+                                 "step_times_s": results}, make_dir=True)  # fmt: skip
+    print(f"wrote {json_out}")
+
+
+if __name__ == "__main__":
+    main()
