@@ -21,7 +21,10 @@ def test_matches_ddp(results: dict, scenario: str) -> None:
     result = results[scenario]
     # training really moved the parameters, so agreeing with ddp is not agreeing with the start
     assert result["reference_moved"] > 1e-3
-    assert result["max_rel_diff"] < 1e-5, result
+    tolerance = SCENARIOS[scenario].get("tolerance", 1e-5)
+    assert result["max_rel_diff"] < tolerance, result
+    if tolerance > 1e-5:  # a lossy option: it really changed the arithmetic
+        assert result["max_rel_diff"] > 1e-6, result
     # time bucketing really switched to a profiled plan (rebuilding buckets and optimizer state mid-run)
     expected_plan = "time" if "time_bucketing" in scenario else "size"
     assert result["bucket_plan"] == expected_plan

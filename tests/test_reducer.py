@@ -62,3 +62,30 @@ def test_a_thread_still_busy_after_close_finishes_before_a_new_one_starts(one_pr
     (thread_a, _, end_a, _), (thread_b, begin_b, _, alive_b) = runs
     assert thread_a is not thread_b and begin_b >= end_a
     assert alive_b == 1, "two communication threads were alive at once"
+
+
+def test_inter_node_dtype_feeds_rounding_back_into_the_next_step(one_process_group) -> None:  # noqa: ANN001
+    from lightning_hier.sliced.reducer import InlineReducer
+
+    def delivered(residual: torch.Tensor | None, steps: int) -> torch.Tensor:
+        reducer = InlineReducer(one_process_group, one_process_group, inter_dtype=torch.bfloat16)
+        reducer._inter_size = 2  # the one-process group stands in for the inter-node hop (a sum of one)
+        total = torch.zeros(4, dtype=torch.float64)
+        for _ in range(steps):
+            job = ReduceJob(gradient.clone(), [(0, 4)], torch.zeros(4), residual=residual)
+            out = reducer.wait(reducer.submit(job))
+            assert out.dtype == torch.float32  # widened back after the narrow reduce
+            total += out.double()
+        return total
+
+    gradient = torch.full((4,), 1.0 + 2**-10)  # bf16 keeps 8 bits: a single step rounds it to 1.0
+    residual = torch.zeros(4)
+    with_feedback = delivered(residual, steps=16)
+    # what arrived over 16 steps is what was given, less what is still owed (the last residual)
+    torch.testing.assert_close(with_feedback, 16 * gradient.double() - residual.double())
+    assert (16 * gradient.double() - with_feedback).abs().max() < 2**-7  # under one bf16 step at 1.0
+    # without the residual every step loses the same 2^-10: sixteen times as much
+    without = delivered(None, steps=16)
+    torch.testing.assert_close(
+        16 * gradient.double() - without, torch.full((4,), 16 * 2**-10, dtype=torch.float64)
+    )

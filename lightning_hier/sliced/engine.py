@@ -76,6 +76,7 @@ class HierSlicedEngine:
         reducer: str = "auto",
         event_factory: EventFactory | None = None,
         elementwise_optimizers: Sequence[str] = (),
+        inter_node_dtype: torch.dtype | None = None,
     ) -> None:
         if topology.intra_group is None or topology.inter_group is None or topology.world_group is None:
             raise ValueError("HierSlicedEngine needs a topology with built groups (Topology.build_groups()).")
@@ -115,7 +116,9 @@ class HierSlicedEngine:
             max(1, int(comm_chunk_mb * 1024 * 1024)),
             self.device,
             reducer,
+            inter_node_dtype,
         )
+        self.inter_node_dtype = inter_node_dtype
         self.clock = StepClock(self.device, event_factory)
         # host control data (the device rule): which parameters produced a gradient on this rank
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
@@ -158,6 +161,10 @@ class HierSlicedEngine:
             self.sharding.load_consolidated_state_dict(optimizer_state)
         self._where = {slot.index: (bucket.index, slot) for bucket in self.buckets for slot in bucket.slots}
         self._slice_grads = [self._slice_grad_buffer(bucket) for bucket in self.buckets]
+        # error feedback of inter_node_dtype: each rank's rounding residual of its own slices (a new
+        # layout starts from zero residuals)
+        compressing = self.inter_node_dtype is not None and self.topology.num_nodes > 1
+        self._residuals = [torch.zeros_like(g) if compressing else None for g in self._slice_grads]
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._jobs: list[ReduceJob | None] = [None] * len(self.buckets)
         self._next_to_launch = 0
@@ -296,7 +303,8 @@ class HierSlicedEngine:
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         self.clock.mark(("launch", b))
-        self._jobs[b] = self._reducer.submit(ReduceJob(bucket.grads, bucket.bounds, self._slice_grads[b]))
+        job = ReduceJob(bucket.grads, bucket.bounds, self._slice_grads[b], residual=self._residuals[b])
+        self._jobs[b] = self._reducer.submit(job)
         self._next_to_launch = b + 1
 
     def finish_backward(self) -> None:

@@ -86,12 +86,23 @@ class ReduceJob:
     scatter_done: threading.Event = field(default_factory=threading.Event)
     works: list[dist.Work] = field(default_factory=list)  # what wait() still has to wait on
     error: BaseException | None = None
+    # inter_node_dtype: what rounding to the narrower dtype left out of this slice last time (error
+    # feedback; added to the next step's node sum), and the narrow copies to copy back after the reduce
+    residual: torch.Tensor | None = None
+    narrowed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     submitted_at: float = 0.0  # time.perf_counter() clock
     scatter_done_at: float = 0.0
     done_at: float = 0.0
 
     def mark_done(self) -> None:
         self.done_at = time.perf_counter()
+
+    @torch.no_grad()
+    def widen(self) -> None:
+        """After the inter-node reduce: the narrow sums back into ``out`` (a no-op without compression)."""
+        for narrow, out in self.narrowed:
+            out.copy_(narrow)
+        self.narrowed = []
 
 
 Piece = tuple[list[tuple[int, int]] | None, tuple[int, int]]
@@ -101,11 +112,16 @@ class HierarchicalReducer:
     """Reduces :class:`ReduceJob` s in submission order: intra reduce-scatter, then inter all-reduce."""
 
     def __init__(
-        self, intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup, chunk_bytes: int = 4 << 20
+        self,
+        intra_group: dist.ProcessGroup,
+        inter_group: dist.ProcessGroup,
+        chunk_bytes: int = 4 << 20,
+        inter_dtype: torch.dtype | None = None,
     ) -> None:
         self.intra_group = intra_group
         self.inter_group = inter_group
         self.chunk_bytes = chunk_bytes
+        self.inter_dtype = inter_dtype  # None: the inter-node hop in the gradients' own dtype
         self._intra_size = dist.get_world_size(intra_group)
         self._intra_rank = dist.get_rank(intra_group)
         self._inter_size = dist.get_world_size(inter_group)
@@ -153,7 +169,17 @@ class HierarchicalReducer:
         if self._inter_size == 1:
             return None
         lo, hi = piece[1]
-        return dist.all_reduce(job.out[lo:hi], group=self.inter_group, async_op=True)
+        out = job.out[lo:hi]
+        if self.inter_dtype is None or out.dtype == self.inter_dtype:
+            return dist.all_reduce(out, group=self.inter_group, async_op=True)
+        with torch.no_grad():  # the slow hop in the narrow dtype, with error feedback
+            if job.residual is not None:
+                out.add_(job.residual[lo:hi])
+            narrow = out.to(self.inter_dtype)
+            if job.residual is not None:
+                torch.sub(out, narrow, out=job.residual[lo:hi])
+        job.narrowed.append((narrow, out))
+        return dist.all_reduce(narrow, group=self.inter_group, async_op=True)
 
 
 class InlineReducer(HierarchicalReducer):
@@ -179,6 +205,7 @@ class InlineReducer(HierarchicalReducer):
         for work in job.works:
             work.wait()
         job.works = []
+        job.widen()
         job.done_at = time.perf_counter()
         return job.out
 
@@ -192,9 +219,13 @@ class ThreadedReducer(HierarchicalReducer):
     """
 
     def __init__(
-        self, intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup, chunk_bytes: int = 4 << 20
+        self,
+        intra_group: dist.ProcessGroup,
+        inter_group: dist.ProcessGroup,
+        chunk_bytes: int = 4 << 20,
+        inter_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(intra_group, inter_group, chunk_bytes)
+        super().__init__(intra_group, inter_group, chunk_bytes, inter_dtype)
         self._jobs: queue.Queue[ReduceJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping: threading.Thread | None = None
@@ -221,6 +252,7 @@ class ThreadedReducer(HierarchicalReducer):
         for work in job.works:
             work.wait()
         job.works = []
+        job.widen()
         job.done_at = max(job.done_at, job.scatter_done_at)
         return job.out
 
@@ -267,6 +299,7 @@ def make_reducer(
     chunk_bytes: int,
     device: torch.device,
     kind: str = "auto",
+    inter_dtype: torch.dtype | None = None,
 ) -> HierarchicalReducer:
     """``"auto"``: :class:`InlineReducer` on CUDA (or a CPU run emulating it), else the threaded one."""
     if kind not in REDUCERS:
@@ -274,4 +307,4 @@ def make_reducer(
     if kind == "auto":
         kind = "inline" if device.type == "cuda" or emulating_cuda() else "thread"
     cls = InlineReducer if kind == "inline" else ThreadedReducer
-    return cls(intra_group, inter_group, chunk_bytes)
+    return cls(intra_group, inter_group, chunk_bytes, inter_dtype)

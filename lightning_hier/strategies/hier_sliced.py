@@ -42,6 +42,13 @@ from lightning_hier.topology import Topology, resolve_backend, validate_layout
 log = logging.getLogger(__name__)
 
 
+INTER_NODE_DTYPES: dict[str | None, torch.dtype | None] = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
 class HierSlicedStrategy(DDPStrategy):
     """Data parallel training with hierarchical sliced gradient reduction and a sharded optimizer.
 
@@ -60,6 +67,11 @@ class HierSlicedStrategy(DDPStrategy):
         bucket_cap_mb: size cap of one gradient bucket (what becomes ready and is sent together).
         comm_chunk_mb: a bucket larger than this is reduced chunk by chunk, each chunk's inter-node
             all-reduce overlapping the next chunk's intra-node reduce-scatter.
+        inter_node_dtype: ``None`` (default: full precision), ``"bf16"`` or ``"fp16"``: the inter-node
+            all-reduce (the slow link) carries the node sums in this dtype, half the bytes of fp32, with
+            error feedback (what rounding left out of a slice is added to that slice next step, as in
+            ZeRO++'s quantized gradients and DDP's compression hooks). The intra-node hops stay in the
+            gradients' dtype. Trades a little accuracy for speed: see ``docs/hier_sliced.md``.
         bucketing: ``"size"`` (buckets of up to ``bucket_cap_mb`` in reverse registration order,
             each sent when its last gradient is ready), ``"time"`` (gradient-ready times are
             profiled for ``profile_steps`` steps after ``profile_warmup_steps``, clustered into
@@ -99,6 +111,7 @@ class HierSlicedStrategy(DDPStrategy):
         slice_weights: str | list[float] = "equal",
         bucket_cap_mb: float = 25.0,
         comm_chunk_mb: float = 4.0,
+        inter_node_dtype: Literal["bf16", "fp16"] | None = None,
         broadcast_buffers: bool = True,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
         bucketing: Literal["size", "time", "none"] = "size",
@@ -136,6 +149,11 @@ class HierSlicedStrategy(DDPStrategy):
         )
         if reducer not in REDUCERS:
             raise ValueError(f"reducer={reducer!r} is not one of {list(REDUCERS)}.")
+        if inter_node_dtype not in INTER_NODE_DTYPES:
+            raise ValueError(
+                f"inter_node_dtype={inter_node_dtype!r} is not one of {list(INTER_NODE_DTYPES)} (None: full "
+                "precision)."
+            )
         validate_checkpoint_format(checkpoint_format)
         super().__init__(
             accelerator=accelerator,
@@ -153,6 +171,7 @@ class HierSlicedStrategy(DDPStrategy):
         )
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.comm_chunk_mb = float(comm_chunk_mb)
+        self.inter_node_dtype = inter_node_dtype
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
         self.bucketing = bucketing
@@ -256,6 +275,7 @@ class HierSlicedStrategy(DDPStrategy):
             comm_chunk_mb=self.comm_chunk_mb,
             reducer=self.reducer,
             elementwise_optimizers=self.elementwise_optimizers,
+            inter_node_dtype=INTER_NODE_DTYPES[self.inter_node_dtype],
         )
         self.engine.sync_module_states()
         log.info(

@@ -65,6 +65,10 @@ SCENARIOS: dict[str, dict] = {
         hier=dict(devices_per_node=2, reducer="inline", bucketing="time", profile_steps=1),
         ddp=dict(find_unused_parameters=True),
     ),
+    # lossy by design: the inter-node hop in bf16 with error feedback, against full precision
+    "inter_node_bf16_sgd": dict(
+        model=dict(optimizer="sgd"), hier=dict(devices_per_node=2, inter_node_dtype="bf16"), tolerance=1e-2
+    ),
     "no_bucketing_overlap": dict(
         model=dict(optimizer="sgd"), hier=dict(devices_per_node=2, bucketing="none")
     ),
