@@ -19,6 +19,7 @@ from lightning_hier.bsp.controller import (
     FOLDED,
     INFLIGHT,
     ROW,
+    STUCK,
     decide,
     safe_to_close,
 )
@@ -92,9 +93,17 @@ def test_weighted_mean_counts_micro_steps_not_workers() -> None:
 
 
 # ---------------------------------------------------------------------- controller rules
-def row(folded: int = 0, in_flight: int = -1, blocked: bool = False, drain: bool = False) -> list[int]:
+def row(
+    folded: int = 0,
+    in_flight: int = -1,
+    blocked: bool = False,
+    drain: bool = False,
+    stuck: bool | None = None,
+) -> list[int]:
+    """A status row; ``stuck`` (blocked with the newest model picked up) defaults to ``blocked``."""
     r = [0] * ROW
     r[FOLDED], r[INFLIGHT], r[BLOCKED], r[DRAIN] = folded, in_flight, int(blocked), int(drain)
+    r[STUCK] = int(blocked if stuck is None else stuck)
     return r
 
 
@@ -141,8 +150,19 @@ def test_a_superstep_that_cannot_fill_up_closes_with_what_it_has() -> None:
         row(1, blocked=True),
     ]
     assert decide(stuck, settings, version=2).close is True
-    stuck[3][BLOCKED] = 0  # that worker can still fold one: the superstep waits for it
+    stuck[3][BLOCKED] = stuck[3][STUCK] = 0  # that worker can still fold one: the superstep waits for it
     assert decide(stuck, settings, version=2) == type(decide(stuck, settings, 2))()
+    # plain BSP: three workers folded theirs and wait; the fourth reads as blocked only because it has not
+    # yet picked up the newest model (its quota counts from its last pick-up). It will fold once it does,
+    # so the superstep must not close without it (a race the CI run found).
+    plain = BSPSettings(superstep_steps=1, max_staleness=0)
+    waiting = [
+        row(1, blocked=True),
+        row(1, blocked=True),
+        row(0, blocked=True, stuck=False),
+        row(1, blocked=True),
+    ]
+    assert decide(waiting, plain, version=2).close is False
 
 
 class CountingStore:

@@ -22,7 +22,8 @@ BLOCKED = 2  # 1: the worker cannot start another micro-step before the next mod
 DRAIN = 3  # 1: the worker stopped and asks for everything to be applied (epoch end, checkpoint, exit)
 DEADLINE = 4  # rank 0 only: 1 once superstep_seconds have passed since the superstep opened
 EPOCH_END = 5  # 1: the worker ran out of batches (every worker then ends its epoch)
-ROW = 6
+STUCK = 6  # 1: blocked even with the newest model picked up (drained, or at its quota since that model)
+ROW = 7
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,10 @@ def decide(rows: Sequence[Sequence[int]], settings: BSPSettings, version: int) -
     else:
         due = bool(rows[0][DEADLINE]) and folded > 0
     # no worker can fold more before a new model (some drained, e.g. their epoch ended first, and the
-    # rest reached their quota): the open superstep cannot fill up, so it closes with what it has
-    due = due or (folded > 0 and all(row[BLOCKED] for row in rows))
+    # rest reached their quota since picking up the newest one): the superstep cannot fill up, so it
+    # closes with what it has. BLOCKED alone is not enough: a worker that has not yet picked up the
+    # newest model reads as blocked but will fold again once it does.
+    due = due or (folded > 0 and all(row[STUCK] for row in rows))
     if not due:
         return TickDecision()
     if safe_to_close(rows, version, settings.max_staleness):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_hier.bsp.aggregate import GradientAggregate, ReadOut
-from lightning_hier.bsp.controller import BLOCKED, DRAIN, EPOCH_END, FOLDED, INFLIGHT, ROW
+from lightning_hier.bsp.controller import BLOCKED, DRAIN, EPOCH_END, FOLDED, INFLIGHT, ROW, STUCK
 from lightning_hier.bsp.settings import BSPSettings
 
 
@@ -81,6 +81,7 @@ class SharedModelMemory:
         row[FOLDED] = self.aggregate.count
         row[INFLIGHT] = self.in_flight
         row[BLOCKED] = int(self.in_flight < 0 and self.blocked())
+        row[STUCK] = int(row[BLOCKED] and (self.draining or self.picked_up == self.version))
         row[DRAIN] = int(self.draining)
         row[EPOCH_END] = int(self.epoch_ended)
         self.event = False
