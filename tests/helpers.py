@@ -13,14 +13,19 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def run_torchrun(
-    script: str, nproc: int, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+    script: str,
+    nproc: int,
+    *args: str,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    launcher_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """Run ``tests/scripts/<script>`` on ``nproc`` local processes; raise with the log on failure.
 
-    ``env`` adds environment variables for the processes."""
+    ``env`` adds environment variables for the processes; ``launcher_args`` go to torchrun itself."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(SCRIPTS / script), *args,
+        *launcher_args, str(SCRIPTS / script), *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     # a session of its own, so a hang kills the workers too (torchrun alone would leave them behind)
