@@ -66,6 +66,13 @@ class CollectiveRecord:
         return self.op in SENDS
 
 
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``: itself, or those inside (nested) lists and tuples."""
+    found: list[torch.Tensor] = []
+    _tensors_of(value, found)
+    return found
+
+
 def _tensors_of(value: Any, found: list[torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
         found.append(value)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hier.bucketing.size_plan import BucketPlan
-from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
+from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets, slot_locations
 from lightning_hier.sliced.reducer import all_gather_slices, reduce_scatter_into
 from lightning_hier.sliced.sharded_optim import OptimizerSharding
 from lightning_hier.sliced.slicing import SlicePlan
@@ -63,7 +63,7 @@ class ShardedParameterServer:
             optimizer, self.buckets, bucket_group, original_groups, params, topology.intra_group
         )
         self._slice_grads = [bucket.grads[slice(*bucket.owned_range)] for bucket in self.buckets]
-        self._where = {s.index: (b, s) for b, bucket in enumerate(self.buckets) for s in bucket.slots}
+        self._where = slot_locations(self.buckets)
         for shard, grad in zip(self.sharding.shards, self._slice_grads):
             shard.grad = grad
 

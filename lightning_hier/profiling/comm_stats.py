@@ -41,25 +41,22 @@ import torch.distributed as dist
 
 from lightning_hier.audit.recorder import (
     OBJECT_OPS,
+    POINT_TO_POINT,
     group_in,
     p2p_op_name,
     patch_distributed,
     restore_distributed,
+    tensors_in,
 )
 
 KINDS = ("intra", "inter", "p2p", "ps_push", "ps_pull", "world", "other")
 PS = "ps"  # a registered parameter-server group: reductions are pushes, gathers and broadcasts pulls
 _PULL_OPS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced", "broadcast")
-_P2P = ("send", "recv", "isend", "irecv", "send_object_list", "recv_object_list")
 _SENDS = ("send", "isend")
 
 
 def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
 
 
 def sent_bytes(name: str, bound: dict[str, Any], size: int, root: bool) -> tuple[int, int]:
@@ -535,7 +532,7 @@ class CommStats:
 
 
 def _kind_of(name: str, registered: str) -> str:
-    if name in _P2P:
+    if name in POINT_TO_POINT:
         return "p2p"
     if registered == PS:
         return "ps_pull" if name in _PULL_OPS else "ps_push"

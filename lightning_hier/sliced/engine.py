@@ -41,7 +41,7 @@ from lightning_hier.bucketing.time_bucketing import (
     validate_time_settings,
 )
 from lightning_hier.bucketing.time_plan import TimePlan, plan_misfit
-from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
+from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets, slot_locations
 from lightning_hier.sliced.reducer import ReduceJob, all_gather_slices, make_reducer
 from lightning_hier.sliced.sharded_optim import OptimizerSharding, check_optimizer
 from lightning_hier.sliced.slicing import SlicePlan
@@ -159,7 +159,7 @@ class HierSlicedEngine:
         )
         if optimizer_state is not None:
             self.sharding.load_consolidated_state_dict(optimizer_state)
-        self._where = {slot.index: (bucket.index, slot) for bucket in self.buckets for slot in bucket.slots}
+        self._where = slot_locations(self.buckets)
         self._slice_grads = [self._slice_grad_buffer(bucket) for bucket in self.buckets]
         # error feedback of inter_node_dtype: each rank's rounding residual of its own slices (a new
         # layout starts from zero residuals)

@@ -96,3 +96,8 @@ def build_flat_buckets(
         FlatBucket(b, [(i, params[i]) for i in bucket], slice_plan, owned_slice)
         for b, bucket in enumerate(plan.buckets)
     ]
+
+
+def slot_locations(buckets: Sequence[FlatBucket]) -> dict[int, tuple[int, ParamSlot]]:
+    """Per parameter index: the index of its bucket and its slot there."""
+    return {slot.index: (bucket.index, slot) for bucket in buckets for slot in bucket.slots}
