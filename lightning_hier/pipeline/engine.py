@@ -54,6 +54,12 @@ def rank_of_stage(num_stages: int, stage: int) -> int:
     return num_stages - 1 - stage
 
 
+# after a check, this many training micro-batches are all timed; then one per step (see
+# PipelineEngine.times_micro_batch)
+FULLY_TIMED_MICRO_BATCHES = 8
+LAYER_TIMING_MODES = ("auto", "sampled", "all", "off")
+
+
 @dataclass
 class RebalanceEvent:
     """One rebalance check that changed the partition, as seen from the last stage."""
@@ -129,6 +135,7 @@ class PipelineEngine:
         self._kept_bytes: dict[str, int] = {}
         self.layer_table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
         self._measured_bandwidth: float | None = None
+        self.layer_timing = "auto"  # one of LAYER_TIMING_MODES, see times_micro_batch
         self._release_foreign_state()
         self._enable_memory_policy()
 
@@ -169,6 +176,34 @@ class PipelineEngine:
         self._release_foreign_state()
 
     # ------------------------------------------------------------------ steps
+    def times_micro_batch(self, micro: int, num_micro: int) -> bool:
+        """Whether training micro-batch ``micro`` of the coming step records per-layer times.
+
+        Timing costs a gradient hook and two clock marks per layer (a CUDA event pair and a
+        synchronize per step on a GPU), so it runs only where a decision reads it (``"auto"``):
+        while ``partition="time"`` profiles, before the first memory plan, and with rebalancing on.
+        Then the first ``FULLY_TIMED_MICRO_BATCHES`` micro-batches after each check are all timed
+        and afterwards one per step, its position rotating through the step, which keeps the means
+        representative at a fraction of the cost. ``layer_timing="sampled"`` samples so even when
+        nothing reads the times, ``"all"`` times every micro-batch, ``"off"`` none.
+        """
+        mode = self.layer_timing
+        if mode not in LAYER_TIMING_MODES:
+            raise ValueError(f"layer_timing={mode!r} is not one of {list(LAYER_TIMING_MODES)}.")
+        if mode == "off" or (mode == "auto" and not self._times_needed()):
+            return False
+        if mode == "all" or self.executor.timed_forwards < FULLY_TIMED_MICRO_BATCHES:
+            return True
+        return micro == self.steps % num_micro
+
+    def _times_needed(self) -> bool:
+        settings = self.settings
+        return (
+            settings.rebalance != "never"
+            or (settings.partition == "time" and not self._time_split_done)
+            or (settings.memory_limit is not None and self.steps < settings.profile_steps)
+        )
+
     def train_step(self, num_micro: int, forward: Any) -> None:
         self.schedule.train_step(num_micro, forward)
         self.executor.resolve()

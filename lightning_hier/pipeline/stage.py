@@ -95,7 +95,8 @@ class StageExecutor:
         self.times = LayerTimes(len(graph.layers), graph.num_clusters)
         self.policies: dict[str, str] = {}
         self.layer_run: LayerRun | None = None
-        self.timing = True
+        self.timing = True  # whether the next forward (and its backward) records per-layer times
+        self.timed_forwards = 0  # forwards timed since the last reset_times()
         self._events: list[tuple[Any, int]] = []
         self.device = device
         self.rng_base: int | None = None  # set by the engine: every stage the same (layer_rng.py)
@@ -160,6 +161,8 @@ class StageExecutor:
             (value,) = args
             env = {self.entry_value: value}
         record_backward = self.timing and torch.is_grad_enabled()
+        if self.timing:
+            self.timed_forwards += 1
         begin = getattr(self.layer_run, "begin_forward", None)
         if begin is not None:
             begin()
@@ -268,4 +271,5 @@ class StageExecutor:
     def reset_times(self) -> None:
         self._pending_forward.clear()
         self._pending_backward.clear()
+        self.timed_forwards = 0
         self.times = LayerTimes(len(self.graph.layers), self.graph.num_clusters)

@@ -318,8 +318,12 @@ class HierPipelineStrategy(DDPStrategy):
             with _forward_replaced(module, forward):
                 return step_fn(micro[m][0], *args)
 
+        training = step_name == "training_step"
+
         def forward(m: int, received: torch.Tensor | None) -> Any:
             executor.rng_position = (rng_step, m)  # each layer's random stream (pipeline/layer_rng.py)
+            # evaluation forwards (no graph) would bias the training layer times the decisions read
+            executor.timing = training and engine.times_micro_batch(m, len(micro))
             if engine.is_first and not engine.is_last:
 
                 def first_stage(*f_args: Any, **f_kwargs: Any) -> Any:
@@ -342,7 +346,7 @@ class HierPipelineStrategy(DDPStrategy):
                 return executor.forward(received)
 
             output = run_user_step(m, last_stage)
-            if step_name != "training_step":
+            if not training:
                 self._outputs.append(output)
                 return output
             loss = output["loss"] if isinstance(output, dict) else output

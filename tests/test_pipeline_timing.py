@@ -1,0 +1,141 @@
+"""Which micro-batches ``hier_pipeline`` times, and that the others cost no timing at all.
+
+One stage in a one-process gloo group: the engine's own step with a real schedule, counting the
+forwards each layer's timer saw against the counts the policy implies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hier.pipeline.engine import FULLY_TIMED_MICRO_BATCHES, PipelineEngine
+from lightning_hier.pipeline.graph import LayerGraph
+from lightning_hier.pipeline.partition import StagePartition
+from lightning_hier.pipeline.settings import PipelineSettings
+
+
+@pytest.fixture()
+def one_process_group(tmp_path: Path) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _engine(**settings: object) -> PipelineEngine:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    graph = LayerGraph(model)
+    partition = StagePartition((0,), graph.num_clusters)
+    return PipelineEngine(graph, partition, 0, torch.device("cpu"), settings=PipelineSettings(**settings))
+
+
+def _train(engine: PipelineEngine, steps: int, micro: int) -> list[list[bool]]:
+    """``steps`` steps of ``micro`` micro-batches; returns which micro-batches were timed."""
+    timed: list[list[bool]] = []
+    x = torch.randn(micro * 2, 4)
+    for _ in range(steps):
+        flags: list[bool] = []
+
+        def forward(m: int, received: torch.Tensor | None, flags: list[bool] = flags) -> torch.Tensor:
+            engine.executor.timing = engine.times_micro_batch(m, micro)
+            flags.append(engine.executor.timing)
+            return engine.executor.forward(x[2 * m : 2 * m + 2]).sum()
+
+        engine.train_step(micro, forward)
+        timed.append(flags)
+    return timed
+
+
+def _counted(engine: PipelineEngine) -> int:
+    counts = {engine.executor.times.forward_count[i] for i in engine.executor.layer_range}
+    backward = {engine.executor.times.backward_count[i] for i in engine.executor.layer_range}
+    assert len(counts) == 1 and counts == backward, (counts, backward)  # every layer, both directions
+    return counts.pop()
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_nothing_is_timed_when_no_decision_reads_the_times() -> None:
+    engine = _engine(rebalance="never", partition="uniform")
+    flags = _train(engine, steps=3, micro=4)
+    assert not any(any(step) for step in flags)
+    assert _counted(engine) == 0
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_rebalancing_times_the_first_micro_batches_then_one_per_step_rotating() -> None:
+    engine = _engine(rebalance=100, partition="uniform")
+    micro, steps = 4, 6
+    flags = _train(engine, steps=steps, micro=micro)
+    full_steps = FULLY_TIMED_MICRO_BATCHES // micro
+    assert all(all(step) for step in flags[:full_steps])
+    # afterwards exactly one per step, at position step % micro
+    for step in range(full_steps, steps):
+        assert flags[step] == [m == step % micro for m in range(micro)], (step, flags[step])
+    assert _counted(engine) == FULLY_TIMED_MICRO_BATCHES + (steps - full_steps)
+    engine.executor.reset_times()  # a check: the next micro-batches are all timed again
+    assert all(_train(engine, steps=1, micro=micro)[0])
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_memory_limit_times_only_until_the_first_plan_and_modes_override() -> None:
+    engine = _engine(rebalance="never", partition="uniform", memory_limit=10**12, profile_steps=2)
+    flags = _train(engine, steps=4, micro=2)
+    assert flags == [[True, True], [True, True], [False, False], [False, False]]
+    engine.layer_timing = "all"
+    assert _train(engine, steps=1, micro=2) == [[True, True]]
+    engine.layer_timing = "off"
+    assert _train(engine, steps=1, micro=2) == [[False, False]]
+    engine.layer_timing = "bogus"
+    with pytest.raises(ValueError, match="layer_timing"):
+        engine.times_micro_batch(0, 2)
+
+
+def test_validation_forwards_stay_out_of_the_training_layer_times(tmp_path: Path) -> None:
+    """Forwards without a graph (validation) are faster than training ones; they must not enter the
+    means a rebalance reads. One stage in one process under Lightning, rebalance never asked for but
+    every micro-batch timed: the counts equal the training micro-batches exactly."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hier import HierPipelineStrategy
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+            return nn.functional.mse_loss(self(batch[0]), batch[1])
+
+        def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+            self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class TimeEverything(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            strategy.engine.layer_timing = "all"
+
+    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    strategy = HierPipelineStrategy(micro_batches=2, partition="uniform", rebalance="never")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, limit_train_batches=3,
+        limit_val_batches=2, num_sanity_val_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[TimeEverything()],
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(Net(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    assert _counted(strategy.engine) == 3 * 2  # 3 steps x 2 micro-batches; 4 validation forwards left out
