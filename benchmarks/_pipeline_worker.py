@@ -23,8 +23,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hier import HierPipelineStrategy
 
 WIDTH = 256  # what every block takes and returns
-HIDDENS = [1024] * 8 + [32] + [16] * 7  # the heavy blocks first
+MODELS = {  # hidden widths of the 16 blocks
+    "heavy-first": [1024] * 8 + [32] + [16] * 7,  # the benchmark's default
+    "narrow-first": [32] * 9 + [512] * 7,  # issue 14's skewed stack: 9 narrow blocks, then 7 wide ones
+}
+HIDDENS = list(MODELS["heavy-first"])
 SGD = {"lr": 0.01, "momentum": 0.9}
+NAN = float("nan")
 
 
 class Block(nn.Module):
@@ -129,6 +134,10 @@ class HierWindow(pl.Callback):
         self.settled = False
         self.stage_times: list[float] = []
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.c["rebalance"] == "never":  # nothing reads layer times: sample them for the report
+            self.strategy.engine.layer_timing = "sampled"
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         engine = self.strategy.engine
         decision = engine.last_decision  # the same on every rank: the engine broadcasts it
@@ -167,6 +176,7 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
     trainer.fit(model, data)
     if trainer.global_rank != 0:
         return None
+    micro = c["micro_batches"]
     engine, history = strategy.engine, [event.to_dict() for event in strategy.engine.history]
     start = timer.window.start
     checks = [check for check in engine.checks if start < check["step"] <= start + steps]  # in the window
@@ -175,8 +185,15 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
         if not checks:
             raise RuntimeError("no rebalance check inside the window")
         stage_times = [statistics.fmean(ts) for ts in zip(*(check["stage_times"] for check in checks))]
+    window = timer.window.result(c["batch_size"])
+    # the step an ideal pipeline of these stage times takes: the slowest stage runs every micro-batch, and
+    # one micro-batch passes through the others on the way in and out (fill and drain); balanced stages:
+    # (micro + stages - 1) x the stage time
+    ideal_s = (micro - 1) * max(stage_times) + sum(stage_times) if stage_times else NAN
     return {
-        **timer.window.result(c["batch_size"]),
+        **window,
+        "ideal_step_s": ideal_s,
+        "engine_overhead_ms_per_micro_batch": (window["window_s"] / steps - ideal_s) / micro * 1e3,
         "settled": timer.settled,
         "final_starts": list(engine.partition.starts),
         "stage_times_s": stage_times,  # per micro-batch: the window's checks', or (never) since it opened
@@ -222,6 +239,35 @@ def run_pipelining(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
     dist.barrier()
     dist.destroy_process_group()
     return {**window.result(c["batch_size"]), "final_starts": starts} if rank == 0 else None
+
+
+# ---------------------------------------------------------------------- one process, no pipeline
+class SingleWindow(pl.Callback):
+    """The window of ``Window`` around a single process's steps (the loss is logged by the step)."""
+
+    def __init__(self, c: dict[str, Any], window: Window) -> None:
+        self.c = c
+        self.window = window
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.window.step(batch_idx, batch_idx == self.c["warmup"]) == "close":
+            trainer.should_stop = True
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, *args: Any) -> None:
+        self.window.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+
+def run_single(c: dict[str, Any], job_dir: Path) -> dict[str, Any]:
+    """The same model, batches and optimizer in one Lightning process (no strategy of ours)."""
+    dist.init_process_group("gloo")  # only for the window's barriers
+    window = Window(c["steps"], job_dir)
+    max_steps = c["warmup"] + c["steps"] + 2
+    model, batches = skewed_mlp(), make_batches(c["batch_size"])
+    data = DataLoader([batches[i % len(batches)] for i in range(max_steps)], batch_size=None)
+    trainer = quiet_trainer(devices=1, max_steps=max_steps, callbacks=[SingleWindow(c, window)])
+    trainer.fit(model, data)
+    dist.destroy_process_group()
+    return {**window.result(c["batch_size"]), "final_starts": [0]}
 
 
 # ---------------------------------------------------------------------- memory policy
@@ -296,7 +342,9 @@ def main() -> None:
         for tid in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(tid), {core})
     (job_dir / f"pid.{os.environ['RANK']}").write_text(str(os.getpid()))
-    result = {"hier": run_hier, "pipelining": run_pipelining, "memory": run_memory}[c["mode"]](c, job_dir)
+    HIDDENS[:] = MODELS[c.get("model", "heavy-first")]
+    modes = {"hier": run_hier, "pipelining": run_pipelining, "memory": run_memory, "single": run_single}
+    result = modes[c["mode"]](c, job_dir)
     if result is not None:
         (job_dir / "rank0.json").write_text(json.dumps(result, indent=2))
 

@@ -18,6 +18,7 @@ from harness.report import fmt
 
 WORKER = jobs.BENCH_DIR / "_pipeline_worker.py"
 LABELS = {
+    "single": "one process, no pipeline (Lightning)",
     "uniform": "hier_pipeline, uniform split",
     "rebalanced": "hier_pipeline, rebalanced",
     "pipelining": "torch pipelining, uniform split",
@@ -25,6 +26,8 @@ LABELS = {
 }
 CONTENDER, REFERENCE = "rebalanced", "uniform"
 TARGET_SPEEDUP, TARGET_MAX_MEAN = 1.5, 1.15  # for one stage per core
+# issue 14: vs one process, vs torch's stages on the same split, engine overhead [ms per micro-batch]
+TARGET_VS_SINGLE, TARGET_VS_TORCH, TARGET_OVERHEAD_MS = 1.4, 1.0, 0.5
 BLOCKS, CORES, NAN = 16, os.cpu_count() or 1, float("nan")
 QUICK = {"stages": "2", "steps": 8, "warmup": 3, "repeats": 1, "rebalance_every": 4, "max_settle_steps": 24}
 OPTIONS = """
@@ -37,6 +40,7 @@ OPTIONS = """
 --batch-size       int  1024  samples per step
 --repeats          int  2     jobs per contender (interleaved); mean reported
 --quick            flag -     smoke run: P=2 only, one repeat, 8 steps
+--model {heavy-first,narrow-first} heavy-first 8 wide then 8 narrow blocks, or 9 narrow then 7 wide
 """
 
 
@@ -73,15 +77,16 @@ def run_job(
 ) -> Job:
     """One torchrun job (the driver waits without polling: its CPU would count as other processes')."""
     config = {
-        **jobs.pick(args, "micro_batches", "batch_size", "warmup", "steps", "max_settle_steps"),
-        "mode": "hier" if contender in ("uniform", "rebalanced") else "pipelining",
+        **jobs.pick(args, "micro_batches", "batch_size", "warmup", "steps", "max_settle_steps", "model"),
+        "mode": {"uniform": "hier", "rebalanced": "hier", "single": "single"}.get(contender, "pipelining"),
         "rebalance": args.rebalance_every if contender == "rebalanced" else "never",
         "split": split,
         "pin": stages <= CORES,  # rank r (all its threads) on core r mod cores
     }
     with jobs.job_dir(f"lhbench-pipe-{contender}-{stages}-", args.keep_logs, show=True) as workdir:
         t0 = time.monotonic()
-        with jobs.torchrun(stages, WORKER, [json.dumps(config), str(workdir)], workdir) as proc:
+        processes = 1 if contender == "single" else stages
+        with jobs.torchrun(processes, WORKER, [json.dumps(config), str(workdir)], workdir) as proc:
             try:
                 jobs.check_exit(proc.wait(timeout=args.timeout))
                 worker = json.loads((workdir / "rank0.json").read_text())
@@ -102,6 +107,8 @@ def describe(job: Job) -> str:
         f"{fmt(w.get('max_mean_after', NAN))}, other processes {job.other_cores:.2f} cores, "
         f"job {job.wall_s:.0f} s"
     )
+    if "engine_overhead_ms_per_micro_batch" in w:
+        text += f", engine overhead {fmt(w['engine_overhead_ms_per_micro_batch'])} ms per micro-batch"
     if job.contender == CONTENDER:
         settled = "" if w["settled"] else " (NOT settled)"
         text += f", {len(w['history'])} rebalance(s), window from step {w['window_start_step']}{settled}"
@@ -113,6 +120,8 @@ def run_setup(args: argparse.Namespace, stages: int, repeat: int, done: list[Job
     uniform = [round(s * BLOCKS / stages) for s in range(stages)]  # what partition="uniform" gives
     splits = {"pipelining": uniform, "pipelining_hier_split": None}
     for contender, name in LABELS.items():
+        if contender == "single" and stages != int(cli.comma_list(args.stages)[0]):
+            continue  # one process: the same at every P
         if contender == "pipelining_hier_split" and splits[contender] is None:
             print(f"[P={stages}] {name}: skipped (no rebalanced split)")
             continue
@@ -129,7 +138,11 @@ def run_setup(args: argparse.Namespace, stages: int, repeat: int, done: list[Job
 
 
 # ---------------------------------------------------------------------- report
-def summary(stages: int, done: list[Job]) -> dict[str, Any]:
+def verdict(met: bool) -> str:
+    return "met" if met else "NOT met"
+
+
+def summary(stages: int, done: list[Job], all_jobs: list[Job]) -> dict[str, Any]:
     """One P: mean samples/s, the ratios, the stage balance and migration pause, the targets (``verdict``)."""
     rate = {c: mean([j.samples_per_s for j in done if j.contender == c]) for c in LABELS}
     reb = [j.worker for j in done if j.ok and j.contender == CONTENDER]
@@ -140,6 +153,9 @@ def summary(stages: int, done: list[Job]) -> dict[str, Any]:
     uniform = {j.repeat: j.samples_per_s for j in done if j.contender == REFERENCE}
     per_repeat = [j.samples_per_s / uniform.get(j.repeat, NAN) for j in done if j.contender == CONTENDER]
     same = "the same in every job" if len(losses) == 1 else "DIFFERS between jobs"
+    single = mean([j.samples_per_s for j in all_jobs if j.contender == "single"])
+    vs_single, vs_torch = rate[CONTENDER] / single, rate[CONTENDER] / rate["pipelining_hier_split"]
+    overhead = mean([w["engine_overhead_ms_per_micro_batch"] for w in reb])
     note = "" if stages <= CORES else " (the targets are for one stage per core)"
     text = (
         f"{label}: samples/s "
@@ -151,6 +167,12 @@ def summary(stages: int, done: list[Job]) -> dict[str, Any]:
         f"(target <= {TARGET_MAX_MEAN}: {'met' if after <= TARGET_MAX_MEAN else 'NOT met'}); "
         f"migration pause {fmt(mean([w['pause_s'] * 1e3 for w in reb]), '.0f')} ms{note}"
         f"\n  first-step loss {', '.join(losses)} ({same}: same weights and data)"
+        f"\n  issue 14: {CONTENDER} / single process = {fmt(vs_single)} (target >= {TARGET_VS_SINGLE}: "
+        f"{verdict(vs_single >= TARGET_VS_SINGLE)}), / torch pipelining on its split = {fmt(vs_torch)} "
+        f"(target >= {TARGET_VS_TORCH}: {verdict(vs_torch >= TARGET_VS_TORCH)}); engine overhead "
+        f"{fmt(overhead)} ms per micro-batch (the step against (micro-batches - 1) x the slowest stage's "
+        f"own layer time + every stage's, over micro-batches; target <= {TARGET_OVERHEAD_MS}: "
+        f"{verdict(overhead <= TARGET_OVERHEAD_MS)})"
     )
     return {
         "stages": stages,
@@ -158,6 +180,9 @@ def summary(stages: int, done: list[Job]) -> dict[str, Any]:
         "samples_per_s": rate,
         "rebalanced_vs_uniform": speedup,
         "rebalanced_vs_pipelining": rate[CONTENDER] / rate["pipelining"],
+        "rebalanced_vs_single": vs_single,
+        "rebalanced_vs_pipelining_same_split": vs_torch,
+        "engine_overhead_ms_per_micro_batch": overhead,
         "verdict": text,
     }
 
@@ -205,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: reporting what ran", flush=True)
-    summaries = [summary(p, [j for j in done if j.stages == p]) for p in stage_counts]
+    summaries = [summary(p, [j for j in done if j.stages == p], done) for p in stage_counts]
     print("\n" + "\n".join(s["verdict"] for s in summaries))
     report.print_failures([(f"P={j.stages} {j.contender}", j.error) for j in done if not j.ok])
     host = {"cores": CORES, "platform": platform.platform(), "python": platform.python_version()}
