@@ -137,5 +137,9 @@ def test_validation_forwards_stay_out_of_the_training_layer_times(tmp_path: Path
         enable_progress_bar=False, enable_model_summary=False, callbacks=[TimeEverything()],
         default_root_dir=tmp_path,
     )  # fmt: skip
-    trainer.fit(Net(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    try:
+        trainer.fit(Net(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    finally:  # Lightning leaves its one-process group up; later tests start their own
+        if dist.is_initialized():
+            dist.destroy_process_group()
     assert _counted(strategy.engine) == 3 * 2  # 3 steps x 2 micro-batches; 4 validation forwards left out
