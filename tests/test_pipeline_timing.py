@@ -143,3 +143,24 @@ def test_validation_forwards_stay_out_of_the_training_layer_times(tmp_path: Path
         if dist.is_initialized():
             dist.destroy_process_group()
     assert _counted(strategy.engine) == 3 * 2  # 3 steps x 2 micro-batches; 4 validation forwards left out
+
+
+def test_static_shapes_keys_and_a_broken_assumption_named() -> None:
+    """The key every stage computes from its own copy of the micro-batch, and the sender's check."""
+    from lightning_hier.pipeline.batching import input_signature, split_batch
+    from lightning_hier.pipeline.schedule import StageLink
+
+    batch = {"x": torch.randn(10, 3), "y": torch.zeros(10, dtype=torch.long), "scale": 2}
+    micro, _ = split_batch(batch, 3)  # 4, 3, 3 rows
+    keys = [input_signature(m) for m, _ in micro]
+    assert keys[1] == keys[2] != keys[0]
+    assert input_signature({**micro[1][0], "scale": 3}) != keys[1]  # a scalar can change shapes too
+    with pytest.raises(ValueError, match="static_shapes"):
+        PipelineSettings(static_shapes="yes")  # type: ignore[arg-type]
+
+    link = StageLink(0, 2, lambda s: 1 - s, torch.device("cpu"))
+    activation = torch.randn(4, 8, requires_grad=True)
+    link._sent_specs["k"] = (0, 1, 2, 4, 8)  # as if sent before for key "k"
+    assert link.send_header(activation, "k") is True and link.headers_sent == 0  # remembered: no message
+    with pytest.raises(RuntimeError, match="static_shapes=False"):
+        link.send_header(torch.randn(5, 8, requires_grad=True), "k")

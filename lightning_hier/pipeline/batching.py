@@ -55,3 +55,18 @@ def split_batch(batch: Any, num_micro: int) -> tuple[list[tuple[Any, int]], int]
     for i in range(parts):
         bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return [(_take(batch, a, b, size), b - a) for a, b in zip(bounds, bounds[1:])], size
+
+
+def input_signature(batch: Any) -> tuple[Any, ...]:
+    """What a micro-batch's activation shapes can depend on, read from the micro-batch itself: every
+    tensor's shape and dtype and every plain scalar's value, in order (every stage loads the same batch,
+    so every stage computes the same signature without a message)."""
+    if isinstance(batch, torch.Tensor):
+        return ("t", tuple(batch.shape), str(batch.dtype))
+    if isinstance(batch, Mapping):
+        return ("m", *((k, input_signature(v)) for k, v in batch.items()))
+    if isinstance(batch, (list, tuple)):
+        return ("s", *(input_signature(v) for v in batch))
+    if batch is None or isinstance(batch, (bool, int, float, str)):
+        return ("v", batch)
+    return ("o", type(batch).__name__)

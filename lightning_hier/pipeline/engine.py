@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,13 +204,14 @@ class PipelineEngine:
             or (settings.memory_limit is not None and self.steps < settings.profile_steps)
         )
 
-    def train_step(self, num_micro: int, forward: Any) -> None:
-        self.schedule.train_step(num_micro, forward)
+    def train_step(self, num_micro: int, forward: Any, keys: Sequence[Hashable] | None = None) -> None:
+        """One step's micro-batches through this stage; ``keys`` see :meth:`PipelineSchedule.train_step`."""
+        self.schedule.train_step(num_micro, forward, keys)
         self.executor.resolve()
         self.steps += 1
 
-    def eval_step(self, num_micro: int, forward: Any) -> list[Any]:
-        return self.schedule.eval_step(num_micro, forward)
+    def eval_step(self, num_micro: int, forward: Any, keys: Sequence[Hashable] | None = None) -> list[Any]:
+        return self.schedule.eval_step(num_micro, forward, keys)
 
     # ------------------------------------------------------------------ rebalancing
     def local_times(self) -> dict[str, Any]:
@@ -305,6 +306,7 @@ class PipelineEngine:
         )
         self.partition = new
         self.executor.set_partition(new)
+        self.link.forget_specs()  # the cuts moved
         self._apply_fixed_policy()
         return report
 
@@ -319,6 +321,7 @@ class PipelineEngine:
         )
         self.partition = new
         self.executor.set_partition(new)
+        self.link.forget_specs()  # the cuts moved
         self._apply_fixed_policy()
 
     # ------------------------------------------------------------------ checkpoints

@@ -21,7 +21,7 @@ operations, following the rules torch's own schedules follow for NCCL:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,13 +73,25 @@ class StageLink:
         self.group = group
         self._lone_sends: list[tuple[dist.Work, torch.Tensor]] = []  # work, buffer kept alive until done
         self.bytes_sent = 0
+        self.headers_sent = 0
+        self.forget_specs()
 
     def _peer(self, stage: int) -> int:
         return self.rank_of_stage(stage)
 
     # ------------------------------------------------------------------ headers (host, CPU backend)
-    def send_header(self, value: Any) -> bool:
-        """Announce an activation to the next stage; returns whether a gradient will come back."""
+    def forget_specs(self) -> None:
+        """Drop the remembered activation specs (the cut moved: what crosses it is something else)."""
+        self._sent_specs: dict[Hashable, tuple[int, ...]] = {}
+        self._received_specs: dict[Hashable, tuple[list[int], torch.dtype, bool]] = {}
+
+    def send_header(self, value: Any, key: Hashable | None = None) -> bool:
+        """Announce an activation to the next stage; returns whether a gradient will come back.
+
+        With a ``key`` (``static_shapes``: the micro-batch's input signature, the same on both sides),
+        the header goes only the first time the key is seen; afterwards the activation must have the
+        spec it had then, and both sides take it from memory.
+        """
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"stage {self.stage} produced a {type(value).__name__} at its cut; a pipeline cut must "
@@ -88,20 +100,37 @@ class StageLink:
         if value.dim() > _MAX_DIMS:
             raise ValueError(f"activations with more than {_MAX_DIMS} dimensions are not supported.")
         wants_grad = value.requires_grad and value.is_floating_point()
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0] = _DTYPES.index(value.dtype)
-        header[1] = int(wants_grad)
-        header[2] = value.dim()
-        header[3 : 3 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
+        spec = (_DTYPES.index(value.dtype), int(wants_grad), value.dim(), *value.shape)
+        if key is not None:
+            known = self._sent_specs.get(key)
+            if known == spec:
+                return wants_grad
+            if known is not None:
+                raise RuntimeError(
+                    f"hier_pipeline(static_shapes=True): stage {self.stage} sends an activation of spec "
+                    f"{_describe(spec)} for a micro-batch shaped like an earlier one that sent "
+                    f"{_describe(known)}; the next stage expects the earlier one. Activation shapes at "
+                    "stage cuts depend on more than the input shapes here: use static_shapes=False."
+                )
+            self._sent_specs[key] = spec
+        header = torch.tensor([*spec, *[0] * (_HEADER - len(spec))], dtype=torch.int64)
         work = dist.isend(header, self._peer(self.stage + 1), group=self.group, tag=_HEADER_TAG)
         self._lone_sends.append((work, header))
+        self.headers_sent += 1
         return wants_grad
 
-    def recv_header(self) -> tuple[list[int], torch.dtype, bool]:
+    def recv_header(self, key: Hashable | None = None) -> tuple[list[int], torch.dtype, bool]:
+        """The spec of the next activation: read from the previous stage, or (a known ``key``) from
+        memory, as the sender decides for the same key."""
+        if key is not None and key in self._received_specs:
+            return self._received_specs[key]
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.recv(header, self._peer(self.stage - 1), group=self.group, tag=_HEADER_TAG)
         dtype_code, wants_grad, ndim = (int(v) for v in header[:3].tolist())
-        return [int(v) for v in header[3 : 3 + ndim].tolist()], _DTYPES[dtype_code], bool(wants_grad)
+        spec = [int(v) for v in header[3 : 3 + ndim].tolist()], _DTYPES[dtype_code], bool(wants_grad)
+        if key is not None:
+            self._received_specs[key] = spec
+        return spec
 
     # ------------------------------------------------------------------ data (device)
     def send_activation_op(self, value: torch.Tensor) -> dist.P2POp:
@@ -182,6 +211,7 @@ class PipelineSchedule:
         # are held until its backward whatever the layers' policies, so the meter counts them.
         self.meter: ActivationMeter | None = None
         self.held_bytes = 0  # of the last micro-batch stashed, storages counted once
+        self.keys: Sequence[Hashable] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -198,11 +228,14 @@ class PipelineSchedule:
         return min(num_micro, self.link.num_stages - self.link.stage)
 
     # ------------------------------------------------------------------ pieces of a step
-    def _recv_activation_ops(self) -> tuple[list[dist.P2POp], torch.Tensor | None]:
-        """The receive of the next activation (its header is read first, over the host backend)."""
+    def _key(self, m: int) -> Hashable | None:
+        return self.keys[m] if self.keys is not None else None
+
+    def _recv_activation_ops(self, m: int) -> tuple[list[dist.P2POp], torch.Tensor | None]:
+        """The receive of activation ``m`` (its header is read first, over the host backend)."""
         if self.is_first:
             return [], None
-        header = self.link.recv_header()
+        header = self.link.recv_header(self._key(m))
         op, value = self.link.recv_activation_op(header)
         if header[2]:
             value.requires_grad_(True)
@@ -216,7 +249,7 @@ class PipelineSchedule:
         sends: list[dist.P2POp] = []
         wants_grad = False
         if not self.is_last:
-            wants_grad = self.link.send_header(output)
+            wants_grad = self.link.send_header(output, self._key(m))
             sends.append(self.link.send_activation_op(output))
         item = stash[m] = _InFlight(received, output, wants_grad)
         self.peak_in_flight = max(self.peak_in_flight, len(stash))
@@ -252,8 +285,10 @@ class PipelineSchedule:
         return [self.link.send_grad_op(grad_in)]
 
     # ------------------------------------------------------------------ train
-    def train_step(self, num_micro: int, forward: ForwardFn) -> None:
-        """Forward and backward of ``num_micro`` micro-batches; gradients accumulate in ``.grad``."""
+    def train_step(self, num_micro: int, forward: ForwardFn, keys: Sequence[Hashable] | None = None) -> None:
+        """Forward and backward of ``num_micro`` micro-batches; gradients accumulate in ``.grad``.
+        ``keys``: per micro-batch, what its activations' specs depend on (``static_shapes``)."""
+        self.keys = keys
         if self.kind == "gpipe":
             self._gpipe(num_micro, forward)
         else:
@@ -264,7 +299,7 @@ class PipelineSchedule:
         """All forwards, then all backwards: each link carries one direction at a time."""
         stash: dict[int, _InFlight] = {}
         for m in range(num_micro):
-            recv_ops, received = self._recv_activation_ops()
+            recv_ops, received = self._recv_activation_ops(m)
             self.link.exchange(recv_ops)
             self.link.post_sends(self._compute_forward(m, received, forward, stash))
         for m in range(num_micro):
@@ -284,7 +319,7 @@ class PipelineSchedule:
         fwd = bwd = 0
         forward_sends: list[dist.P2POp] = []
         for i in range(warmup):
-            recv_ops, received = self._recv_activation_ops()
+            recv_ops, received = self._recv_activation_ops(fwd)
             self.link.exchange(recv_ops)
             forward_sends = self._compute_forward(fwd, received, forward, stash)
             fwd += 1
@@ -299,7 +334,7 @@ class PipelineSchedule:
             backward_sends = self._compute_backward(bwd, grad, stash)
             bwd += 1
             if fwd < num_micro:
-                recv_ops, received = self._recv_activation_ops()
+                recv_ops, received = self._recv_activation_ops(fwd)
                 self.link.exchange(backward_sends + recv_ops)
                 backward_sends = []
                 forward_sends = self._compute_forward(fwd, received, forward, stash)
@@ -307,11 +342,14 @@ class PipelineSchedule:
         self.link.post_sends(forward_sends + backward_sends)
 
     # ------------------------------------------------------------------ eval
-    def eval_step(self, num_micro: int, forward: ForwardFn) -> list[Any]:
+    def eval_step(
+        self, num_micro: int, forward: ForwardFn, keys: Sequence[Hashable] | None = None
+    ) -> list[Any]:
         """Forward only; returns the last stage's outputs (empty list elsewhere)."""
+        self.keys = keys
         outputs = []
         for m in range(num_micro):
-            recv_ops, received = self._recv_activation_ops()
+            recv_ops, received = self._recv_activation_ops(m)
             self.link.exchange(recv_ops)
             if received is not None:
                 received.requires_grad_(False)
@@ -319,7 +357,12 @@ class PipelineSchedule:
             if self.is_last:
                 outputs.append(output)
             else:
-                self.link.send_header(output)
+                self.link.send_header(output, self._key(m))
                 self.link.post_sends([self.link.send_activation_op(output)])
         self.link.wait()
         return outputs
+
+
+def _describe(spec: tuple[int, ...]) -> str:
+    dtype, wants_grad, ndim, *shape = spec
+    return f"{_DTYPES[dtype]} {tuple(shape[:ndim])}" + (" (with gradient)" if wants_grad else "")

@@ -31,6 +31,7 @@ class PipelineSettings:
     profile_steps: int = 3
     leaf_modules: tuple[str, ...] = ()
     activation_policy: str = "auto"
+    static_shapes: bool = False
 
     def __post_init__(self) -> None:
         if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
@@ -83,6 +84,8 @@ class PipelineSettings:
             raise ValueError(
                 f"activation_policy={self.activation_policy!r} is not one of {list(ACTIVATION_POLICIES)}."
             )
+        if not isinstance(self.static_shapes, bool):
+            raise ValueError(f"static_shapes must be True or False, got {self.static_shapes!r}.")
         if not isinstance(self.profile_steps, int) or self.profile_steps < 1:
             raise ValueError(f"profile_steps must be a positive integer, got {self.profile_steps!r}.")
 

@@ -8,7 +8,7 @@ for the contract a LightningModule follows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
 
-from lightning_hier.pipeline.batching import split_batch
+from lightning_hier.pipeline.batching import input_signature, split_batch
 from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
@@ -110,6 +110,11 @@ class HierPipelineStrategy(DDPStrategy):
         activation_policy: ``"auto"`` (the memory policy above, when ``memory_limit`` is set), or
             one policy for every layer: ``"keep"``, ``"swap"`` (all stashed activations to host
             memory) or ``"recompute"`` (activation checkpointing of every layer).
+        static_shapes: what crosses a stage cut has the same shape and dtype whenever the micro-batch
+            has the same tensor shapes (as ``torch.distributed.pipelining`` assumes): each cut's
+            spec is then sent once per distinct micro-batch shape instead of ahead of every
+            activation (one small host message per micro-batch and cut saved). A stage whose
+            activation breaks the assumption raises naming ``static_shapes``.
     """
 
     strategy_name = "hier_pipeline"
@@ -129,6 +134,7 @@ class HierPipelineStrategy(DDPStrategy):
         profile_steps: int = 3,
         leaf_modules: Sequence[str] = (),
         activation_policy: Literal["auto", "keep", "swap", "recompute"] = "auto",
+        static_shapes: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -152,6 +158,7 @@ class HierPipelineStrategy(DDPStrategy):
             profile_steps=profile_steps,
             leaf_modules=tuple(leaf_modules),
             activation_policy=activation_policy,
+            static_shapes=static_shapes,
         )
         super().__init__(
             accelerator=accelerator,
@@ -371,7 +378,7 @@ class HierPipelineStrategy(DDPStrategy):
             # the batch's number in the whole fit (restored on resume): the layers' random streams
             rng_step = int(trainer.fit_loop.total_batch_idx)
             forward = self._step_forward("training_step", micro, total, tuple(rest), scale, rng_step)
-            self.engine.train_step(len(micro), forward)
+            self.engine.train_step(len(micro), forward, self._spec_keys("train", micro))
         # float64 on every stage: only the last one knows the loss's dtype (float64 under "64-true"),
         # and a broadcast whose ranks disagree on the dtype is a size mismatch
         loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
@@ -387,8 +394,14 @@ class HierPipelineStrategy(DDPStrategy):
         with context():
             batch_idx = int(rest[0]) if rest and isinstance(rest[0], int) else 0
             forward = self._step_forward(step_name, micro, 1, tuple(rest), 1.0, rng_step=-1 - batch_idx)
-            self.engine.eval_step(1, forward)
+            self.engine.eval_step(1, forward, self._spec_keys(step_name, micro))
         return self._outputs[0] if self._outputs else None
+
+    def _spec_keys(self, kind: str, micro: list[tuple[Any, int]]) -> list[Hashable] | None:
+        """Per micro-batch, what its cut specs are remembered under (``static_shapes``), else ``None``."""
+        if not self.settings.static_shapes:
+            return None
+        return [(kind, input_signature(batch)) for batch, _ in micro]
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("validation_step", self.precision_plugin.val_step_context, *args)

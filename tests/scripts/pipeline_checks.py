@@ -115,6 +115,14 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_epochs=3, limit_train_batches=3),
         shuffle=True,
     ),
+    # cut specs remembered per micro-batch shape: a smaller last batch (256 = 5 x 48 + 16) brings new
+    # shapes, migrations move the cuts (specs forgotten), validation adds its own
+    "static_shapes_migrate": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(partition=[1, 19], rebalance=2, micro_batches=3, static_shapes=True),
+        trainer=dict(max_epochs=2, precision="64-true"),
+        batch_size=48,
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),
@@ -256,7 +264,10 @@ def main() -> None:
         ckpt_path = str(workdir / f"{resume}.ckpt")
     val_loader = loader(batch_size=32, seed=1) if spec.get("monitor") or spec.get("top_k") else None
     trainer.fit(
-        model, loader(shuffle=spec.get("shuffle", False)), val_dataloaders=val_loader, ckpt_path=ckpt_path
+        model,
+        loader(batch_size=spec.get("batch_size", 32), shuffle=spec.get("shuffle", False)),
+        val_dataloaders=val_loader,
+        ckpt_path=ckpt_path,
     )
     final = workdir / f"{name}.ckpt"
     trainer.save_checkpoint(final)
@@ -296,6 +307,7 @@ def main() -> None:
         "batches": recorder.batches,
         "backward_hooks": [hooks.before, hooks.after, hooks.after_with_grads],
         "memory_plan": engine.memory_plan.to_dict() if engine.memory_plan is not None else None,
+        "headers_sent": engine.link.headers_sent,
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
@@ -304,6 +316,7 @@ def main() -> None:
     result["batches_by_rank"] = [g["batches"] for g in gathered]
     result["backward_hooks_by_rank"] = [g["backward_hooks"] for g in gathered]
     result["memory_plan_by_rank"] = [g["memory_plan"] for g in gathered]
+    result["headers_sent_by_rank"] = [g["headers_sent"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     if trainer.is_global_zero:
         out.write_text(json.dumps(result))
