@@ -166,7 +166,12 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
     """``HierPipelineStrategy`` from the uniform split, rebalanced every ``c["rebalance"]`` steps or never."""
     every = c["rebalance"]
     steps = c["steps"] if every == "never" else -(-c["steps"] // every) * every  # whole check intervals
-    strategy = HierPipelineStrategy(micro_batches=c["micro_batches"], partition="uniform", rebalance=every)
+    strategy = HierPipelineStrategy(
+        micro_batches=c["micro_batches"],
+        partition="uniform",
+        rebalance=every,
+        static_shapes=c.get("static_shapes", False),
+    )
     timer = HierWindow(strategy, c, Window(steps, job_dir))
     max_steps = c["max_settle_steps"] + steps + c["warmup"] + 10
     model, batches = skewed_mlp(), make_batches(c["batch_size"])

@@ -40,6 +40,7 @@ OPTIONS = """
 --batch-size       int  1024  samples per step
 --repeats          int  2     jobs per contender (interleaved); mean reported
 --quick            flag -     smoke run: P=2 only, one repeat, 8 steps
+--static-shapes    flag -     hier contenders: HierPipelineStrategy(static_shapes=True)
 --model {heavy-first,narrow-first} heavy-first 8 wide then 8 narrow blocks, or 9 narrow then 7 wide
 """
 
@@ -78,6 +79,7 @@ def run_job(
     """One torchrun job (the driver waits without polling: its CPU would count as other processes')."""
     config = {
         **jobs.pick(args, "micro_batches", "batch_size", "warmup", "steps", "max_settle_steps", "model"),
+        "static_shapes": args.static_shapes,
         "mode": {"uniform": "hier", "rebalanced": "hier", "single": "single"}.get(contender, "pipelining"),
         "rebalance": args.rebalance_every if contender == "rebalanced" else "never",
         "split": split,
