@@ -73,7 +73,8 @@ SCENARIOS: dict[str, dict] = {
     ),
     "validate_predict_monitor": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(partition="time", profile_steps=2, micro_batches=2),
+        # static_shapes: validation and predict remember their own cut specs beside training's
+        strategy=dict(partition="time", profile_steps=2, micro_batches=2, static_shapes=True),
         trainer=dict(max_epochs=2, limit_train_batches=4, limit_val_batches=2),
         monitor=True,
     ),
