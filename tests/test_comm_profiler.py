@@ -106,6 +106,7 @@ def _per_step(result: dict, kind: str) -> list[int]:
 
 def test_ddp_bytes_are_the_gradient_bytes(measured: dict) -> None:
     for result in measured["ddp"]:
+        assert result["expected"]["max_diff_from_plain_ddp"] <= 1e-6  # same parameters as without it
         assert len(result["steps"]) == STEPS
         # every step all-reduces each trainable parameter's gradient once, in DDP's buckets
         assert _per_step(result, "world") == [result["expected"]["param_bytes"]] * STEPS
@@ -284,6 +285,16 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
             expected["p2p_per_step"] = independent.p2p
         if name == "hier_bsp":
             expected["supersteps"] = len(trainer.strategy.engine.records)
+        if name == "ddp":  # the profiler's DDP hook keeps DDP's arithmetic: the same fit without it
+            pl.seed_everything(0, verbose=False)
+            plain = EquivModel(hidden=64)
+            pl.Trainer(
+                accelerator="cpu", devices=4, strategy="ddp", max_steps=STEPS, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            ).fit(plain, train_dataloaders=loader(n=256))  # fmt: skip
+            pairs = zip(model.parameters(), plain.parameters())
+            diffs = [float((a - b).abs().max() / b.abs().max()) for a, b in pairs]
+            expected["max_diff_from_plain_ddp"] = max(diffs)
         result = {
             "rank": rank,
             "steps": [
