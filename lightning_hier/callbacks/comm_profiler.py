@@ -77,7 +77,7 @@ class CommProfiler(Callback):
         self._stop()
         stats = CommStats()
         self._register_groups(stats, trainer.strategy)
-        self._ddp = self._install_ddp_hook(trainer.strategy, stats)
+        self._ddp = self._install_ddp_hook(trainer.strategy)
         self.stats, self.rows, self._batches = stats, [], 0
         stats.start()
 
@@ -104,28 +104,25 @@ class CommProfiler(Callback):
             stats.register_group(engine.group, "world")  # sends and receives on it are "p2p"
 
     @staticmethod
-    def _install_ddp_hook(strategy: Any, stats: CommStats) -> bool:
-        """Route DDP's bucket all-reduce through Python with torch's default arithmetic
-        (:meth:`CommStats.allreduce_bucket`); a later fit of the same model counts into its own stats."""
+    def _install_ddp_hook(strategy: Any) -> bool:
+        """Route DDP's bucket all-reduce through Python (torch's default hook: the same arithmetic)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
 
         model = getattr(strategy, "model", None)
         if not isinstance(model, DistributedDataParallel):
             return False
-        holder = getattr(model, "_comm_profiler_stats", None)
-        if holder is not None:  # registered by an earlier fit: DDP takes one hook per model
-            holder[0] = stats
-            return True
         if getattr(model, "_comm_hooks", None):
             log.warning("CommProfiler: DDP already has a comm hook; its gradient buckets are not counted.")
             return False
-        holder = [stats]
+        if getattr(model, "_profiled_by_comm_profiler", False):
+            return True
         try:
-            model.register_comm_hook(holder, _profiled_allreduce_hook)
+            model.register_comm_hook(None, allreduce_hook)
         except RuntimeError as error:
             log.warning("CommProfiler: cannot count DDP's gradient buckets (%s).", error)
             return False
-        model._comm_profiler_stats = holder
+        model._profiled_by_comm_profiler = True
         return True
 
     # ------------------------------------------------------------------ per step
@@ -204,13 +201,6 @@ class CommProfiler(Callback):
         path = Path(self.output_dir or logger_dir or trainer.default_root_dir)
         path.mkdir(parents=True, exist_ok=True)
         return path
-
-
-def _profiled_allreduce_hook(holder, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
-    """DDP comm hook: the bucket's all-reduce, counted by the current fit's stats (a plain all-reduce
-    with the same arithmetic once that fit has ended). Unannotated on purpose: DDP compares the
-    annotations with ``dist.GradBucket`` and ``Future``, and this module's annotations are strings."""
-    return holder[0].allreduce_bucket(None, bucket.buffer())
 
 
 def _metrics(step: StepStats) -> dict[str, float]:

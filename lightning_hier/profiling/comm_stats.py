@@ -404,37 +404,6 @@ class CommStats:
         bound.update(kwargs)
         return bound
 
-    def allreduce_bucket(self, group: dist.ProcessGroup | None, tensor: torch.Tensor) -> torch.futures.Future:
-        """The body of a DDP comm hook: torch's default arithmetic (divide by the group size, all-reduce
-        asynchronously), counted here. On CPU one completion callback both stamps the event and hands
-        DDP the tensor, instead of torch's ``allreduce_hook`` callback plus the wrapper's own: each is a
-        trip through the GIL on the communication thread while backward still runs."""
-        group = group if group is not None else dist.group.WORLD
-        tensor.div_(dist.get_world_size(group))
-        if not self._active:
-            work = dist.all_reduce(tensor, group=group, async_op=True)
-            return work.get_future().then(lambda fut: fut.value()[0])
-        _, registered, size, _ = self._group_info(group)
-        nbytes, wire = sent_bytes("all_reduce", {"tensor": tensor}, size, False)
-        event = self._issue("all_reduce", _kind_of("all_reduce", registered), nbytes, wire, tensor.is_cuda)
-        self._local.depth = 1  # the wrapped all_reduce passes straight through: counted here
-        try:
-            work = dist.all_reduce(tensor, group=group, async_op=True)
-        finally:
-            self._local.depth = 0
-        if event.training_thread:
-            self._add_blocked(event.issued, self.clock.stamp(event.cuda))
-        if event.cuda:  # completion on the device: stamped by a wait or at the step's end
-            self._track(work, [event])
-            return work.get_future().then(lambda fut: fut.value()[0])
-
-        def completed(fut: torch.futures.Future) -> torch.Tensor:
-            if event.done is None:
-                event.done = self.clock.host()
-            return fut.value()[0]
-
-        return work.get_future().then(completed)
-
     def _wrap(self, name: str, original: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             local = self._local
