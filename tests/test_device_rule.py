@@ -97,6 +97,21 @@ def test_analysis_finds_two_groups_entered_in_opposite_orders() -> None:
     assert analyze(records).ok
 
 
+def test_analysis_orders_host_operations_per_thread_and_device_operations_across_threads() -> None:
+    def interleaved(device: str) -> dict:
+        main, side = _rec("all_reduce", "dense"), _rec("all_reduce", "tables")
+        side.update(thread="tables", main_thread=False)
+        for record in (main, side):
+            record["tensors"] = [[device, "float32", [4]]]
+        return {0: [main, side], 1: [dict(side), dict(main)]}
+
+    # a host-tensor collective on another thread blocks only that thread: any interleaving is fine
+    assert analyze(interleaved("cpu"), require_main_thread=False).ok
+    # two threads enqueueing device work in opposite orders on two ranks can deadlock the devices
+    problems = analyze(interleaved("cuda"), require_main_thread=False).problems
+    assert any("no global issuing order" in p for p in problems), problems
+
+
 def test_analysis_finds_different_collectives_on_one_group() -> None:
     records = {0: [_rec("all_reduce"), _rec("broadcast")], 1: [_rec("all_reduce"), _rec("all_reduce")]}
     problems = analyze(records).problems
@@ -133,6 +148,7 @@ CASES = {
     ),
     "sliced_time": ("bucketing/time_bucketing.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
     "sliced_none": ("sliced/engine.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
+    # the tables' thread exchanges and updates beside the step, on groups of its own
     "hybrid": ("sparse/sync.py", "sparse/embedding.py", "sparse/checkpoint.py"),
     # the local BSP module thread issues the training phase's collectives; the main thread only at drains
     "bsp": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
@@ -141,6 +157,7 @@ CASES = {
     ),
     "pipeline_gpipe": ("pipeline/schedule.py", "pipeline/engine.py", "strategies/stage_metrics_sync.py"),
 }  # fmt: skip
+BACKGROUND_THREADS = {"bsp": "hier-bsp-rank", "hybrid": "lightning_hier-tables"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -148,12 +165,17 @@ def test_every_collective_is_legal_under_nccl_and_issued_in_one_order(case: str,
     audit_dir = tmp_path / "audit"
     env = {DEVICE_BACKEND_ENV: EMULATED_NCCL, "LIGHTNING_HIER_AUDIT_DIR": str(audit_dir)}
     run_torchrun("device_rule_run.py", 4, case, str(tmp_path), env=env, timeout=300)
-    report = analyze(audit_dir, require_main_thread=case != "bsp")
+    report = analyze(audit_dir, require_main_thread=case not in BACKGROUND_THREADS)
     assert sorted(report.records) == [0, 1, 2, 3]
     report.raise_if_problems()
     ours = report.select(package=True)
     for where in CASES[case]:
         assert any(where in r["caller"] for r in ours), f"no collective from {where} was recorded"
+    if case in BACKGROUND_THREADS:  # off the main thread: only that thread, only the expected code
+        beside = [r for rs in report.records.values() for r in rs if not r["main_thread"]]
+        assert beside, f"{case}: nothing ran on {BACKGROUND_THREADS[case]!r}"
+        threads = {r["thread"] for r in beside}
+        assert all(name.startswith(BACKGROUND_THREADS[case]) for name in threads), threads
     # the groups really were built as on CUDA: every group used serves both device types
     served = {tuple(sorted(r["group_devices"])) for rs in report.records.values() for r in rs}
     assert served == {("cpu", "cuda")}

@@ -15,7 +15,9 @@ from torch import nn
 
 from lightning_hier import HybridEmbedding
 from lightning_hier.sparse import shared_store
-from lightning_hier.sparse.sync import frequency_average
+from lightning_hier.sparse.background import TableJobs
+from lightning_hier.sparse.row_optim import RowOptimizer
+from lightning_hier.sparse.sync import frequency_average, pack_rows, unpack_rows
 from lightning_hier.sparse.table_file import HEADER_BYTES, TableFileError, map_table, read_header, save_table
 
 
@@ -29,6 +31,50 @@ def test_frequency_average_by_hand() -> None:
     ids, rows = frequency_average(parts)
     assert ids.tolist() == [1, 2, 3]
     torch.testing.assert_close(rows, torch.tensor([[1.0, 1.0], [3.0, 6.0], [6.0, 1.0]]))
+
+
+@pytest.mark.parametrize("length", [0, 5])
+def test_packed_rows_carry_ids_counts_and_rows_bit_for_bit(length: int) -> None:
+    ids = torch.tensor([2**62 + 1, -7, 0, 3, 2**40], dtype=torch.int64)[:length]
+    counts = torch.arange(length, dtype=torch.float32) + 0.5
+    rows = torch.randn(length, 3, 2, dtype=torch.float64)
+    packed = pack_rows([ids, counts, rows])
+    assert packed.dtype == torch.uint8 and packed.shape == (length, 8 + 4 + 48)
+    got = unpack_rows(packed, [ids, counts, rows])
+    for mine, theirs in zip(got, (ids, counts, rows)):
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape and torch.equal(mine, theirs)
+
+
+def test_table_jobs_run_in_order_without_grad_and_raise_a_jobs_error_at_the_wait() -> None:
+    jobs, seen = TableJobs(), []
+    gate = torch.ones(1, requires_grad=True)
+    jobs.submit(lambda: seen.append(("first", torch.is_grad_enabled(), (gate * 2).requires_grad)))
+    jobs.submit(lambda: seen.append("second"))
+    jobs.wait()
+    assert seen == [("first", False, False), "second"] and not jobs.busy
+
+    def failing() -> None:
+        raise ConnectionError("peer 3 is gone")
+
+    jobs.submit(failing)
+    jobs.submit(lambda: seen.append("after"))
+    with pytest.raises(ConnectionError, match="peer 3"):
+        jobs.wait()
+    assert seen[-1] == "after"  # the queue went on; the error surfaced once
+    jobs.submit(lambda: jobs.wait())  # a job that reads a table must not wait for itself
+    jobs.close()
+
+
+def test_row_wise_sgd_on_a_float32_table_equals_the_gather_update_scatter_path() -> None:
+    table = torch.randn(50, 4)
+    rows, grads = torch.tensor([7, 3, 41]), torch.randn(3, 4)
+    expected = table.clone()
+    expected[rows] = expected[rows] - 0.1 * grads
+    RowOptimizer("sgd", table, {}, lr=0.1).step(rows, grads)
+    torch.testing.assert_close(table, expected, rtol=0, atol=1e-7)
+    half = torch.zeros(50, 4, dtype=torch.bfloat16)  # other storage dtypes round once, at the write
+    RowOptimizer("sgd", half, {}, lr=0.1).step(rows, grads)
+    assert torch.equal(half[rows], (-0.1 * grads).to(torch.bfloat16))
 
 
 def test_table_file_round_trip(tmp_path: Path) -> None:

@@ -7,9 +7,13 @@ host enqueued them. A run is safe when
 1. no tensor reached a group without a backend for its device (recorded at the call);
 2. every member of a group issued the same collectives on it, in the same order;
 3. every send met a receive of the same shape and dtype, in order, on the other rank;
-4. one global order of all these operations exists that every rank's own order agrees with
+4. one global order of all these operations exists that every rank's own orders agree with
    (operations of one ``batch_isend_irecv`` are unordered among themselves): a cycle means two
-   ranks each wait for what the other has queued behind its own wait, which deadlocks on GPUs;
+   ranks each wait for what the other has queued behind its own wait, which deadlocks on GPUs.
+   A rank's own orders are each thread's program order and the device's order, the order in which
+   the rank issued its device operations (those with a CUDA tensor, and those with no tensor, which
+   torch runs on the device backend), whatever thread issued them. Host-tensor operations of two
+   threads have no order between them: each blocks only its own thread;
 5. each group was used by one thread on each rank (two threads on one communicator interleave in no
    fixed order), and (with ``require_main_thread``) that thread is the main thread.
 """
@@ -188,11 +192,27 @@ def _check_point_to_point(records: dict[int, list[Record]]) -> list[str]:
     return problems
 
 
-def _nodes(rank: int, items: list[Record]) -> list[list[Node]]:
-    """This rank's operations as positions in its order; one batch is one position."""
+def _on_device(record: Record) -> bool:
+    return not record["tensors"] or any(device != "cpu" for device, _, _ in record["tensors"])
+
+
+def _chains(rank: int, items: list[Record]) -> list[list[list[Node]]]:
+    """The orders this rank's operations must keep: each thread's, and the device's (rule 4)."""
+    by_thread: dict[str, list[list[Node]]] = defaultdict(list)
+    device: list[list[Node]] = []
+    for position, first in _positions(rank, items):
+        by_thread[first["thread"]].append(position)
+        if _on_device(first):
+            device.append(position)
+    return [*by_thread.values(), device]
+
+
+def _positions(rank: int, items: list[Record]) -> list[tuple[list[Node], Record]]:
+    """This rank's operations as positions in its order (one batch is one position), each with its
+    first record (a batch's operations share thread and devices)."""
     group_count: dict[str, int] = defaultdict(int)
     channel_count: dict[tuple[int, int], int] = defaultdict(int)
-    positions: list[list[Node]] = []
+    positions: list[tuple[list[Node], Record]] = []
     last_batch = None
     for r in items:
         if _is_p2p(r):
@@ -203,9 +223,9 @@ def _nodes(rank: int, items: list[Record]) -> list[list[Node]]:
             node = ("group", r["group"], group_count[r["group"]])
             group_count[r["group"]] += 1
         if r["batch"] is not None and r["batch"] == last_batch:
-            positions[-1].append(node)
+            positions[-1][0].append(node)
         else:
-            positions.append([node])
+            positions.append(([node], r))
         last_batch = r["batch"]
     return positions
 
@@ -215,15 +235,15 @@ def _check_global_order(records: dict[int, list[Record]]) -> list[str]:
     indegree: dict[Node, int] = defaultdict(int)
     nodes: set[Node] = set()
     for rank, items in records.items():
-        positions = _nodes(rank, items)
-        for position in positions:
+        for position, _ in _positions(rank, items):
             nodes.update(position)
-        for before, after in zip(positions, positions[1:]):
-            for a in before:
-                for b in after:
-                    if b not in edges[a]:
-                        edges[a].add(b)
-                        indegree[b] += 1
+        for chain in _chains(rank, items):
+            for before, after in zip(chain, chain[1:]):
+                for a in before:
+                    for b in after:
+                        if b not in edges[a]:
+                            edges[a].add(b)
+                            indegree[b] += 1
     ready = deque(n for n in nodes if indegree[n] == 0)
     seen = 0
     while ready:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from lightning_hier.sparse.background import TableJobs
 from lightning_hier.sparse.id_index import SharedIdIndex, hashed_init
 from lightning_hier.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer, state_names
 from lightning_hier.sparse.shared_store import (
@@ -46,7 +48,7 @@ from lightning_hier.sparse.shared_store import (
     new_segment_path,
     remove_stale_segments,
 )
-from lightning_hier.sparse.sync import coalesce, hierarchical_frequency_average
+from lightning_hier.sparse.sync import coalesce, hierarchical_frequency_average, release_from_leader
 from lightning_hier.sparse.table_file import map_table, read_header, save_table
 
 INITS = ("normal", "uniform", "zeros")
@@ -163,18 +165,34 @@ class HybridEmbedding(nn.Module):
         self.dtype = dtype
         self.eps = eps
         self.betas = betas
-        self.weight: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None  # the node's table; read it through .weight
         self.optimizer_state: dict[str, torch.Tensor] = {}
         self.row_optimizer: RowOptimizer | None = None
         self.is_updater = True
         self._intra_group: dist.ProcessGroup | None = None
         self._inter_group: dist.ProcessGroup | None = None
+        # the groups the gradient exchange and the update's barrier use, and the thread they run on
+        # (set by attach; None: the main thread, on the groups above)
+        self._exchange_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None
+        self._jobs: TableJobs | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._synced: tuple[torch.Tensor, torch.Tensor] | None = None  # averaged, still loss-scaled
         self._synced_step = False
         self._managed = False  # attached by hier_sliced, which syncs and applies the updates
 
     # ------------------------------------------------------------------ storage
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """The node's table (a view of its shared memory), as updated by every step so far: under
+        ``hier_sliced`` a step's row update may still be running beside training, and reading this
+        waits for it."""
+        self.wait_for_updates()
+        return self._table
+
+    @weight.setter
+    def weight(self, table: torch.Tensor | None) -> None:
+        self._table = table
+
     @property
     def steps_with_optimizers(self) -> bool:
         """True for a private table (no strategy, no process groups): it steps when any optimizer
@@ -183,7 +201,7 @@ class HybridEmbedding(nn.Module):
 
     @property
     def attached(self) -> bool:
-        return self.weight is not None
+        return self._table is not None
 
     def attach(
         self,
@@ -192,14 +210,20 @@ class HybridEmbedding(nn.Module):
         local_rank: int = 0,
         label: str = "table",
         managed: bool = False,
+        exchange_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None,
+        jobs: TableJobs | None = None,
     ) -> None:
         """Create (local rank 0) or map (the others) the node's table and optimizer state.
 
         A collective over ``intra_group``. Already attached tables are kept (e.g. ``trainer.test``
         after ``fit`` in the same processes reads the trained table). ``managed``: the caller (the
         ``hier_sliced`` strategy) syncs and applies the updates; otherwise optimizer steps do.
+        ``jobs``: run the gradient exchange and the update on this thread, over ``exchange_groups``
+        (``(intra, inter)`` groups of that thread's own), so they overlap the rest of the step; the
+        next forward waits for them.
         """
         self._managed = managed
+        self._exchange_groups, self._jobs = exchange_groups, jobs
         if self.attached:
             self._intra_group, self._inter_group = intra_group, inter_group
             return
@@ -219,7 +243,7 @@ class HybridEmbedding(nn.Module):
             raise SharedMemoryFullError(f"HybridEmbedding {label!r} on local rank 0: {segments}")
         assert segments is not None
         if local_rank != 0:
-            self.weight = map_table(segments["table"])
+            self._table = map_table(segments["table"])
             self.optimizer_state = {n: map_table(p) for n, p in segments["states"].items()}
             if segments["index"] is not None:
                 self.index = SharedIdIndex(Path(segments["index"]), self.num_embeddings, create=False)
@@ -235,18 +259,18 @@ class HybridEmbedding(nn.Module):
         self._intra_group, self._inter_group = intra_group, inter_group
         self.is_updater = local_rank == 0
         self.row_optimizer = RowOptimizer(
-            self.optimizer_name, self.weight, self.optimizer_state, self.lr, self.eps, self.betas
+            self.optimizer_name, self._table, self.optimizer_state, self.lr, self.eps, self.betas
         )
 
     def _create(self, label: str) -> dict:
         if self.path is not None:
-            self.weight = map_table(self.path)
+            self._table = map_table(self.path)
             table_path = str(self.path)
         else:
             segment = REGISTRY.track(new_segment_path(f"{label}.weight"))
-            self.weight = create_segment(segment, self.num_embeddings, self.embedding_dim, self.dtype)
+            self._table = create_segment(segment, self.num_embeddings, self.embedding_dim, self.dtype)
             if not self.hashed_ids:  # hashed rows are initialised from their id when first handed out
-                self._initialise(self.weight)
+                self._initialise(self._table)
             table_path = str(segment)
         states = {}
         for name in state_names(self.optimizer_name):
@@ -271,10 +295,10 @@ class HybridEmbedding(nn.Module):
 
     @torch.no_grad()
     def _init_new_row(self, row: int, key: int) -> None:
-        assert self.weight is not None
+        assert self._table is not None
         value = hashed_init(np.array([key], dtype=np.int64), self.embedding_dim, self.init_scale, self.seed)
-        self.weight[row] = (value[0] if self.init != "zeros" else torch.zeros(self.embedding_dim)).to(
-            self.weight.dtype
+        self._table[row] = (value[0] if self.init != "zeros" else torch.zeros(self.embedding_dim)).to(
+            self._table.dtype
         )
         for state in self.optimizer_state.values():
             state[row] = 0.0
@@ -302,7 +326,8 @@ class HybridEmbedding(nn.Module):
     ) -> torch.Tensor:
         if not self.attached:
             self.attach()
-        assert self.weight is not None
+        self.wait_for_updates()  # the rows read below must hold the last step's update
+        assert self._table is not None
         unique, inverse = torch.unique(input.reshape(-1), return_inverse=True)
         if (
             self.index is None
@@ -312,7 +337,7 @@ class HybridEmbedding(nn.Module):
             low, high = int(unique.min()), int(unique.max())
             raise IndexError(f"ids must be in [0, {self.num_embeddings}); got ids from {low} to {high}.")
         unique = unique.cpu()  # the table lives in host memory; rows go to the input's device
-        rows = self.weight[self._rows_of(unique)].to(device=input.device, dtype=torch.float32)
+        rows = self._table[self._rows_of(unique)].to(device=input.device, dtype=torch.float32)
         if self.training and torch.is_grad_enabled():
             self._check_synchronised(input.device.type)
             rows.requires_grad_(True)
@@ -355,25 +380,48 @@ class HybridEmbedding(nn.Module):
     # ------------------------------------------------------------------ update
     def pending_gradient(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This process's gradient since the last update, one row per unique id."""
-        if not self._pending:
+        return self._coalesced(self._pending)
+
+    def _coalesced(self, pending: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not pending:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, self.embedding_dim)
-        ids = torch.cat([p[0] for p in self._pending])
-        rows = torch.cat([p[1] for p in self._pending])
-        unique, summed, _ = coalesce(ids, rows)
+        unique, summed, _ = coalesce(torch.cat([p[0] for p in pending]), torch.cat([p[1] for p in pending]))
         return unique, summed
 
+    def _groups_for_exchange(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        return self._exchange_groups or (self._intra_group, self._inter_group)
+
+    def _run(self, job: Callable[[], None]) -> None:
+        """Run a job that issues collectives now, or queue it on the tables' thread."""
+        if self._jobs is None:
+            job()
+        else:
+            self._jobs.submit(job)
+
+    def wait_for_updates(self) -> None:
+        """Block until this process's queued exchanges and updates have run (raising their error)."""
+        if self._jobs is not None and self._jobs.busy:
+            self._jobs.wait()
+
     def sync_gradients(self) -> None:
-        """Frequency-average the gradients of all trainers (a collective); kept until :meth:`apply_update`."""
-        ids, rows = self.pending_gradient()
-        self._pending = []
-        averaged = hierarchical_frequency_average(
-            ids, rows, self._intra_group, self._inter_group, self.is_updater
-        )
-        self._synced = averaged if self.is_updater else None
+        """Frequency-average the gradients of all trainers (a collective); kept until :meth:`apply_update`.
+
+        With a jobs thread (under ``hier_sliced``) this returns at once and the exchange runs beside
+        the rest of the step."""
+        pending, self._pending = self._pending, []
         self._synced_step = True
+
+        def exchange() -> None:
+            ids, rows = self._coalesced(pending)
+            intra, inter = self._groups_for_exchange()
+            averaged = hierarchical_frequency_average(ids, rows, intra, inter, self.is_updater)
+            self._synced = averaged if self.is_updater else None
+
+        self._run(exchange)
 
     def synced_gradients_finite(self) -> bool:
         """Whether the averaged gradient this process will apply is finite (``True`` off the updater)."""
+        self.wait_for_updates()
         return self._synced is None or bool(torch.isfinite(self._synced[1]).all())
 
     @torch.no_grad()
@@ -385,15 +433,20 @@ class HybridEmbedding(nn.Module):
         """
         if not self._synced_step:
             return
-        if self._synced is not None and not skip:
-            assert self.row_optimizer is not None
-            ids, grads = self._synced
-            if inv_scale != 1.0:
-                grads = grads * inv_scale
-            self.row_optimizer.step(self._rows_of(ids), grads)
-        self._synced, self._synced_step = None, False
-        if self._intra_group is not None and dist.get_world_size(self._intra_group) > 1:
-            dist.barrier(group=self._intra_group)  # nobody reads a row before it is updated
+        self._synced_step = False
+
+        def update() -> None:
+            if self._synced is not None and not skip:
+                assert self.row_optimizer is not None
+                ids, grads = self._synced
+                if inv_scale != 1.0:
+                    grads = grads * inv_scale
+                self.row_optimizer.step(self._rows_of(ids), grads)
+            self._synced = None
+            intra, _ = self._groups_for_exchange()
+            release_from_leader(intra)  # nobody reads a row before it is updated
+
+        self._run(update)
 
     def sync_and_update(self) -> None:
         """Frequency-average the gradients of all trainers; local rank 0 updates; node barrier."""
@@ -401,6 +454,7 @@ class HybridEmbedding(nn.Module):
         self.apply_update()
 
     def discard_pending(self) -> None:
+        self.wait_for_updates()
         self._pending = []
 
     # ------------------------------------------------------------------ files
@@ -408,13 +462,15 @@ class HybridEmbedding(nn.Module):
         """Write the table in the binary table format (loadable with ``HybridEmbedding(path=...)``)."""
         if not self.attached:
             self.attach()
-        assert self.weight is not None
-        save_table(path, self.weight)
+        self.wait_for_updates()
+        assert self._table is not None
+        save_table(path, self._table)
 
     @torch.no_grad()
     def load_rows_from(self, path: str | Path, state_paths: dict[str, str] | None = None) -> None:
         """Copy a saved table (and optimizer state) into the live table; updater only."""
-        assert self.weight is not None
+        self.wait_for_updates()
+        assert self._table is not None
         rows, dim, _ = read_header(path)
         if (rows, dim) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(
@@ -423,7 +479,7 @@ class HybridEmbedding(nn.Module):
             )
         if not self.is_updater:
             return
-        self.weight.copy_(map_table(path, writable=False))
+        self._table.copy_(map_table(path, writable=False))
         for name, state_path in (state_paths or {}).items():
             if name in self.optimizer_state:
                 self.optimizer_state[name].copy_(map_table(state_path, writable=False))

@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hier.sparse.background import TableJobs
 from lightning_hier.sparse.checkpoint import (
     CHECKPOINT_KEY,
     find_hybrid_embeddings,
@@ -31,25 +32,64 @@ class NodeTables:
 
     def __init__(self, module: nn.Module | None = None) -> None:
         self.modules: list[tuple[str, HybridEmbedding]] = find_hybrid_embeddings(module) if module else []
+        self._jobs: TableJobs | None = None
 
     def __bool__(self) -> bool:
         return bool(self.modules)
 
     def attach(
-        self, intra_group: dist.ProcessGroup | None, inter_group: dist.ProcessGroup | None, local_rank: int
+        self,
+        intra_group: dist.ProcessGroup | None,
+        inter_group: dist.ProcessGroup | None,
+        local_rank: int,
+        exchange_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None,
     ) -> None:
-        """Local rank 0 of each node creates every table in shared memory; the others map it."""
+        """Local rank 0 of each node creates every table in shared memory; the others map it.
+
+        With ``exchange_groups`` (``(intra, inter)`` groups no other thread issues on) the gradient
+        exchanges and row updates run on a thread of their own over them, beside the dense work of
+        the step (:mod:`lightning_hier.sparse.background`); without, on the caller's thread.
+        """
+        if exchange_groups is not None and self._jobs is None:
+            self._jobs = TableJobs()
         for name, module in self.modules:
-            module.attach(intra_group, inter_group, local_rank, label=name, managed=True)
+            module.attach(
+                intra_group,
+                inter_group,
+                local_rank,
+                label=name,
+                managed=True,
+                exchange_groups=exchange_groups,
+                jobs=self._jobs if exchange_groups is not None else None,
+            )
+
+    def wait(self) -> None:
+        """Block until every queued exchange and update has run (raising the first error)."""
+        if self._jobs is not None:
+            self._jobs.wait()
+
+    def close(self) -> None:
+        """Wait for the queued work, then end the tables' thread (a later attach starts a new one)."""
+        jobs, self._jobs = self._jobs, None
+        if jobs is None:
+            return
+        try:
+            jobs.close()
+        finally:
+            for _, module in self.modules:
+                module._exchange_groups, module._jobs = None, None
 
     def finite_checks(self) -> list[Callable[[], bool]]:
         """One check per table: are its averaged gradients finite (folded into the loss scaler's decision)."""
         return [module.synced_gradients_finite for _, module in self.modules]
 
-    def sync_gradients(self) -> None:
-        """Average every table's sparse gradients over the job (applied later by :meth:`apply_update`)."""
+    def sync_gradients(self, update: bool = False) -> None:
+        """Average every table's sparse gradients over the job; ``update``: apply them right after,
+        else later by :meth:`apply_update` (under a loss scaler, which decides skip or step first)."""
         for _, module in self.modules:
             module.sync_gradients()
+            if update:
+                module.apply_update()
 
     def apply_update(self, inv_scale: float = 1.0, skipped: bool = False) -> None:
         """The row update of the step that just ran, unscaled by ``inv_scale``; nothing when ``skipped``."""
@@ -59,11 +99,13 @@ class NodeTables:
     # ------------------------------------------------------------------ checkpoints
     def save(self, checkpoint: dict[str, Any], filepath: str | Path, write: bool) -> None:
         """Write the tables beside ``filepath`` (only where ``write``) and record them in ``checkpoint``."""
+        self.wait()
         if self.modules:
             checkpoint[CHECKPOINT_KEY] = save_tables(self.modules, filepath, write=write)
 
     def restore(self, checkpoint: dict[str, Any], checkpoint_path: str | None) -> None:
         """Load the tables a checkpoint recorded (nothing when it recorded none)."""
+        self.wait()
         if self.modules and CHECKPOINT_KEY in checkpoint:
             restore_tables(self.modules, checkpoint[CHECKPOINT_KEY], checkpoint_path)
 

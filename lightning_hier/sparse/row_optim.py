@@ -54,6 +54,10 @@ class RowOptimizer:
         self.step_count += 1
         if rows.numel() == 0:
             return
+        if self.kind == "sgd" and self.table.dtype == torch.float32:
+            # one pass over the touched rows (gather, update and scatter would be three)
+            self.table.index_add_(0, rows, grads, alpha=-self.lr)
+            return
         weight = self.table[rows].float()
         if self.kind == "sgd":
             weight.add_(grads, alpha=-self.lr)

@@ -238,7 +238,14 @@ class HierSlicedStrategy(DDPStrategy):
         self.tables = NodeTables(self.lightning_module)
         if self.tables:
             topology = self._groups()
-            self.tables.attach(topology.intra_group, topology.inter_group, topology.local_rank)
+            # the tables' exchanges run on a thread of their own, so on groups of their own
+            exchange = topology.build_groups(self._timeout, dedicated=True)
+            self.tables.attach(
+                topology.intra_group,
+                topology.inter_group,
+                topology.local_rank,
+                exchange_groups=(exchange.intra_group, exchange.inter_group),
+            )
 
     def _check_automatic_optimization(self) -> None:
         assert self.lightning_module is not None
@@ -297,6 +304,10 @@ class HierSlicedStrategy(DDPStrategy):
                 plugin.scaler = HierGradScaler.replacing(
                     plugin.scaler, plugin.device, self.topology.world_group, checks
                 )
+
+    @property
+    def _loss_scaled(self) -> bool:
+        return isinstance(getattr(self.precision_plugin, "scaler", None), HierGradScaler)
 
     def _table_update_factor(self) -> tuple[float, bool]:
         """``(inverse loss scale, skipped)`` of the step that just ran (``(1.0, False)`` without AMP)."""
@@ -361,11 +372,13 @@ class HierSlicedStrategy(DDPStrategy):
     def _finish_backward(self) -> None:
         if self.engine is None:
             return
-        self.engine.finish_backward()
         if self.engine.syncing:
-            if self.full_gradients_in_hooks:
-                self.engine.expose_full_gradients()
-            self.tables.sync_gradients()  # applied in optimizer_step, once the scaler has decided
+            # starts the tables' exchange (and, without a loss scaler to decide skip-or-step first,
+            # their update) beside the dense reduction's tail; with one, optimizer_step applies it
+            self.tables.sync_gradients(update=not self._loss_scaled)
+        self.engine.finish_backward()
+        if self.engine.syncing and self.full_gradients_in_hooks:
+            self.engine.expose_full_gradients()
 
     def before_optimizer_step_hooks(self) -> None:
         """Called by the precision plugin right before ``on_before_optimizer_step``: under a loss
@@ -440,6 +453,7 @@ class HierSlicedStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
+        self.tables.close()
         if self.engine is not None:
             # keep the engine: the optimizer stays sharded, and a checkpoint saved after fit
             # (trainer.save_checkpoint) must still consolidate through it
