@@ -337,7 +337,8 @@ class HybridEmbedding(nn.Module):
             low, high = int(unique.min()), int(unique.max())
             raise IndexError(f"ids must be in [0, {self.num_embeddings}); got ids from {low} to {high}.")
         unique = unique.cpu()  # the table lives in host memory; rows go to the input's device
-        rows = self._table[self._rows_of(unique)].to(device=input.device, dtype=torch.float32)
+        # index_select copies whole rows; advanced indexing goes through the generic, slower kernel
+        rows = self._table.index_select(0, self._rows_of(unique)).to(device=input.device, dtype=torch.float32)
         if self.training and torch.is_grad_enabled():
             self._check_synchronised(input.device.type)
             rows.requires_grad_(True)

@@ -58,17 +58,17 @@ class RowOptimizer:
             # one pass over the touched rows (gather, update and scatter would be three)
             self.table.index_add_(0, rows, grads, alpha=-self.lr)
             return
-        weight = self.table[rows].float()
+        weight = self.table.index_select(0, rows).float()
         if self.kind == "sgd":
             weight.add_(grads, alpha=-self.lr)
         elif self.kind == "adagrad":
-            total = self.state["sum"][rows].float().addcmul_(grads, grads)
+            total = self.state["sum"].index_select(0, rows).float().addcmul_(grads, grads)
             self.state["sum"][rows] = total.to(self.state["sum"].dtype)
             weight.addcdiv_(grads, total.sqrt().add_(self.eps), value=-self.lr)
         else:
             beta1, beta2 = self.betas
-            exp_avg = self.state["exp_avg"][rows].float()
-            exp_avg_sq = self.state["exp_avg_sq"][rows].float()
+            exp_avg = self.state["exp_avg"].index_select(0, rows).float()
+            exp_avg_sq = self.state["exp_avg_sq"].index_select(0, rows).float()
             exp_avg.mul_(beta1).add_(grads, alpha=1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
             self.state["exp_avg"][rows] = exp_avg.to(self.state["exp_avg"].dtype)
