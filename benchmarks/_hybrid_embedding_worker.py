@@ -80,7 +80,8 @@ def main() -> None:
     if variant == "hybrid":  # one table per node in /dev/shm, updated by its own row-wise SGD
         from lightning_hier import HierSlicedStrategy, HybridEmbedding
 
-        table: nn.Module = HybridEmbedding(rows, dim, mode="sum", optimizer="sgd", lr=lr)
+        merge = config.get("node_merge", "leader")
+        table: nn.Module = HybridEmbedding(rows, dim, mode="sum", optimizer="sgd", lr=lr, node_merge=merge)
         strategy: Any = HierSlicedStrategy(devices_per_node=devices)
     else:
         table, strategy = nn.EmbeddingBag(rows, dim, mode="sum", sparse=variant == "ddp_sparse"), "ddp"

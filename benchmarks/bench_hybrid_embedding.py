@@ -36,6 +36,7 @@ OPTIONS = """
 --batch-size      int    1024       samples per process and step
 --max-bag         int    8          ids per sample: uniform in 1..max-bag
 --zipf            float  1.05       power-law exponent of the id ranks
+--node-merge      str    leader     hybrid: HybridEmbedding(node_merge=...), leader or shared
 --warmup          int    3          warm-up steps before the memory window
 --mem-steps       int    5          steps of the memory-sampling window
 --steps           int    40         timed steps (after the memory window)
@@ -85,7 +86,8 @@ def run_once(args: argparse.Namespace, variant: str, rows: int, attempt: int) ->
     ``SAMPLE_INTERVAL_S`` from "mem_start" to "start", never in the timed window ("start" to "end")."""
     prefix = "dense_" if variant == "ddp_dense" else ""  # ddp_dense has its own step counts
     config = {k: getattr(args, prefix + k) for k in ("warmup", "mem_steps", "steps")}
-    config.update(variant=variant, rows=rows, **jobs.pick(args, "dim", "batch_size", "max_bag", "zipf"))
+    shape = jobs.pick(args, "dim", "batch_size", "max_bag", "zipf", "node_merge")
+    config.update(variant=variant, rows=rows, **shape)
     result = JobResult(variant, rows, attempts=attempt)
     pids: list[int] = []
     cpu: dict[str, jobs.Snapshot] = {}

@@ -22,6 +22,21 @@ def test_hierarchical_exchange_gives_the_frequency_rule(results: dict) -> None:
         assert leader["ids_equal"] and leader["max_diff"] < 1e-6
 
 
+def test_leader_and_shared_merges_give_the_frequency_rule_bit_for_bit_on_uneven_ranks(results: dict) -> None:
+    # rank 2 has no rows; rank 1 has more than its mailbox holds (those go by message)
+    assert len(results["uneven_rule"]) == 2
+    for leader in results["uneven_rule"]:
+        assert leader["ids_equal"] and leader["max_diff"] < 1e-6
+        assert leader["shared_bitwise"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_training_with_the_shared_merge_gives_the_leader_merges_table_to_the_bit(
+    results: dict, optimizer: str
+) -> None:
+    assert results[f"shared_merge_{optimizer}_bitwise"]
+
+
 def test_one_segment_per_node_and_updated_rows_seen_everywhere(results: dict) -> None:
     segments = results["segments"]
     assert segments[0] and segments[2]

@@ -48,10 +48,12 @@ from lightning_hier.sparse.shared_store import (
     new_segment_path,
     remove_stale_segments,
 )
+from lightning_hier.sparse.staging import NodeStaging
 from lightning_hier.sparse.sync import coalesce, hierarchical_frequency_average, release_from_leader
 from lightning_hier.sparse.table_file import map_table, read_header, save_table
 
 INITS = ("normal", "uniform", "zeros")
+NODE_MERGES = ("leader", "shared")
 _PENDING_WARNING = 64  # backward passes recorded without an update before the user is told
 _INIT_ROWS_PER_CHUNK = 1 << 16
 
@@ -115,6 +117,11 @@ class HybridEmbedding(nn.Module):
             rows; a full table raises ``TableFullError`` (no eviction).
         dtype: storage dtype of a fresh table (default float32); with ``path``, ``None`` takes the
             file's and a given dtype must match it.
+        node_merge: who merges a node's gradient rows under ``hier_sliced``: ``"leader"`` (local rank
+            0, which also updates) or ``"shared"`` (each process merges the ids it owns, through
+            shared-memory mailboxes of 8 MiB per process, and the slow link's share is split over
+            the node's processes; local rank 0 still updates). The same result to the bit; which is
+            faster depends on the node (docs/hybrid_embedding.md).
     """
 
     def __init__(
@@ -132,8 +139,11 @@ class HybridEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
         eps: float | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
+        node_merge: str = "leader",
     ) -> None:
         super().__init__()
+        if node_merge not in NODE_MERGES:
+            raise ValueError(f"node_merge={node_merge!r} is not one of {list(NODE_MERGES)}.")
         if mode not in (None, "sum", "mean"):
             raise ValueError(f"mode={mode!r} is not one of [None, 'sum', 'mean'].")
         if optimizer not in ROW_OPTIMIZERS:
@@ -165,6 +175,7 @@ class HybridEmbedding(nn.Module):
         self.dtype = dtype
         self.eps = eps
         self.betas = betas
+        self.node_merge = node_merge
         self._table: torch.Tensor | None = None  # the node's table; read it through .weight
         self.optimizer_state: dict[str, torch.Tensor] = {}
         self.row_optimizer: RowOptimizer | None = None
@@ -175,6 +186,7 @@ class HybridEmbedding(nn.Module):
         # (set by attach; None: the main thread, on the groups above)
         self._exchange_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None
         self._jobs: TableJobs | None = None
+        self._staging: NodeStaging | None = None  # the node's gradient mailboxes in shared memory
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._synced: tuple[torch.Tensor, torch.Tensor] | None = None  # averaged, still loss-scaled
         self._synced_step = False
@@ -249,6 +261,8 @@ class HybridEmbedding(nn.Module):
                 self.index = SharedIdIndex(Path(segments["index"]), self.num_embeddings, create=False)
         if shared:
             dist.barrier(group=intra_group)  # every process has mapped the segments ...
+            if self.node_merge == "shared":
+                self._staging = NodeStaging.attach(intra_group, self.embedding_dim, label)
         if local_rank == 0:
             owned = [*segments["states"].values(), segments["index"]]
             if self.path is None:
@@ -415,7 +429,10 @@ class HybridEmbedding(nn.Module):
         def exchange() -> None:
             ids, rows = self._coalesced(pending)
             intra, inter = self._groups_for_exchange()
-            averaged = hierarchical_frequency_average(ids, rows, intra, inter, self.is_updater)
+            shared = self.node_merge == "shared"
+            averaged = hierarchical_frequency_average(
+                ids, rows, intra, inter, self.is_updater, self._staging, share_merge=shared
+            )
             self._synced = averaged if self.is_updater else None
 
         self._run(exchange)
@@ -487,4 +504,5 @@ class HybridEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         shape = f"{self.num_embeddings}, {self.embedding_dim}"
-        return f"{shape}, mode={self.mode!r}, optimizer={self.optimizer_name!r}, lr={self.lr}"
+        merge = "" if self.node_merge == "leader" else f", node_merge={self.node_merge!r}"
+        return f"{shape}, mode={self.mode!r}, optimizer={self.optimizer_name!r}, lr={self.lr}{merge}"

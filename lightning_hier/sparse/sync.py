@@ -5,11 +5,21 @@ an id is the sum over the trainers in which it occurred divided by the number of
 an id seen by one trainer gets that trainer's gradient, an id seen by all gets their mean (which
 is what DDP's average gives a dense embedding when every id occurs everywhere).
 
-The exchange is hierarchical, so only one node-level copy crosses the slow link: trainers of a
-node send theirs to local rank 0 (point to point: the others receive nothing, and nobody waits for
-anybody's length), which merges them into ``(ids, sum, count)``; the local ranks 0 of all nodes
-all-gather those (padded to the longest, lengths exchanged once) and finish the average. Whatever
-travels together is packed into one message (:func:`pack_rows`).
+The exchange is hierarchical, so only one node-level copy of each id's rows crosses the slow link,
+and the node's processes can share the merge (the update stays with one process per node, the
+seed's single updater):
+
+- by default the node leader (local rank 0) collects the node's rows (point to point: each rank
+  sends its packed rows and goes on; nobody waits for anybody's length) and merges them into
+  ``(ids, sum, count)``; the leaders of all nodes all-gather those and finish the average;
+- with ``share_merge``, each process sends each process of its node the rows of the ids that
+  process owns (``id mod devices_per_node``), through shared-memory mailboxes (:mod:`.staging`)
+  where they fit, else by message; the owners merge in parallel; the owners of the same share on
+  all nodes all-gather theirs (one ``inter`` group per local index, so the slow link's load is
+  split over the node's processes); the leader collects the averaged shares, disjoint by
+  construction.
+
+Whatever travels together is packed into one message (:func:`pack_rows`).
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from lightning_hier.sparse.staging import NodeStaging
 
 
 def coalesce(ids: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None = None):  # noqa: ANN201
@@ -64,35 +76,81 @@ def _row_numel(tensor: torch.Tensor) -> int:
     return math.prod(tensor.shape[1:])
 
 
-def gather_to_leader(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[list[torch.Tensor]]:
-    """Group rank 0 receives every rank's tensors (equal first dimension per rank, any length).
+def _send_parcel(
+    packed: torch.Tensor, start: int, end: int, staged: bool, group: dist.ProcessGroup, dst: int
+) -> list[dist.Work]:
+    """Tell group rank ``dst`` where rows ``start:end`` of ``packed`` are: in this rank's mailbox
+    (``staged``), else in the message that follows."""
+    header = torch.tensor([start, end, int(staged)], dtype=torch.int64)
+    works = [dist.isend(header, group=group, group_dst=dst)]
+    if not staged and end > start:
+        works.append(dist.isend(packed[start:end].contiguous(), group=group, group_dst=dst))
+    return works
 
-    Point to point, not a collective: each rank sends its length, then its tensors packed into one
-    message, and goes on; the leader takes them in whatever order they come. A padded ``gather``
-    would need every rank's length first (an all-gather that waits for the slowest rank) and send
-    padding. Returns, on the leader, per tensor the list of every rank's (its own first); elsewhere
-    empty lists.
-    """
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    packed = pack_rows(tensors)
-    if rank != 0:
-        dist.send(torch.tensor([packed.shape[0]], dtype=torch.int64), group=group, group_dst=0)
-        if packed.shape[0]:
-            dist.send(packed, group=group, group_dst=0)
-        return [[] for _ in tensors]
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    announced = [dist.irecv(lengths[peer], group=group, group_src=peer) for peer in range(1, size)]
-    parts, receiving = [packed], []
-    for peer, work in zip(range(1, size), announced):
-        work.wait()
-        part = torch.empty(int(lengths[peer]), packed.shape[1], dtype=torch.uint8)
-        parts.append(part)
-        if part.shape[0]:
-            receiving.append(dist.irecv(part, group=group, group_src=peer))
+
+def _receive_parcels(
+    group: dist.ProcessGroup, sources: list[int], width: int, staging: NodeStaging | None, box: str
+) -> dict[int, torch.Tensor]:
+    """Every source's packed rows, read from its mailbox or received, in whatever order they come."""
+    headers = {q: torch.empty(3, dtype=torch.int64) for q in sources}
+    announced = {q: dist.irecv(headers[q], group=group, group_src=q) for q in sources}
+    parts, receiving = {}, []
+    for q in sources:
+        announced[q].wait()
+        start, end, staged = headers[q].tolist()
+        if staged:
+            assert staging is not None, f"rank {q} staged rows, but this rank has no mailboxes"
+            parts[q] = staging.rows(box, q, start, end)
+        else:
+            parts[q] = torch.empty(end - start, width, dtype=torch.uint8)
+            if end > start:
+                receiving.append(dist.irecv(parts[q], group=group, group_src=q))
     for work in receiving:
         work.wait()
-    unpacked = [unpack_rows(part, tensors) for part in parts]
-    return [[ranks_tensors[i] for ranks_tensors in unpacked] for i in range(len(tensors))]
+    return parts
+
+
+def merge_partition(
+    ids: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup, staging: NodeStaging | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's share of the node's merge: ``(ids, sum, count)`` over the node's ranks of the ids
+    this rank owns (``id mod group size == group rank``).
+
+    Each rank puts its rows, sorted by owner, into its inbox (or sends each owner its part) and
+    tells every owner where its part is; the owners merge in parallel. Point to point: nobody waits
+    for a rank it needs nothing from.
+    """
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    owner = torch.remainder(ids, size)
+    order = torch.argsort(owner, stable=True)
+    packed = pack_rows([ids[order], rows[order]])
+    bounds = torch.searchsorted(owner[order], torch.arange(size + 1, dtype=owner.dtype)).tolist()
+    staged = staging is not None and staging.put("inbox", packed)
+    others = [q for q in range(size) if q != me]
+    sending = [w for p in others for w in _send_parcel(packed, bounds[p], bounds[p + 1], staged, group, p)]
+    parts = _receive_parcels(group, others, packed.shape[1], staging, "inbox")
+    parts[me] = packed[bounds[me] : bounds[me + 1]]
+    merged_ids, merged_rows = unpack_rows(torch.cat([parts[q] for q in range(size)]), [ids, rows])
+    for work in sending:
+        work.wait()
+    return coalesce(merged_ids, merged_rows)
+
+
+def collect_at_leader(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, staging: NodeStaging | None = None
+) -> list[torch.Tensor] | None:
+    """Group rank 0 gets every rank's tensors (equal first dimension per rank) concatenated in rank
+    order; the others get ``None``. From the outboxes where they fit, else by message."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    packed = pack_rows(tensors)
+    if me != 0:
+        staged = staging is not None and staging.put("outbox", packed)
+        for work in _send_parcel(packed, 0, packed.shape[0], staged, group, 0):
+            work.wait()
+        return None
+    parts = _receive_parcels(group, list(range(1, size)), packed.shape[1], staging, "outbox")
+    parts[0] = packed
+    return unpack_rows(torch.cat([parts[q] for q in range(size)]), tensors)
 
 
 def release_from_leader(group: dist.ProcessGroup | None) -> None:
@@ -133,24 +191,43 @@ def hierarchical_frequency_average(
     intra_group: dist.ProcessGroup | None,
     inter_group: dist.ProcessGroup | None,
     is_node_leader: bool,
+    staging: NodeStaging | None = None,
+    share_merge: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The synchronised ``(ids, rows)``, returned on the node leaders (local rank 0), else ``None``.
+    """The synchronised ``(ids, rows)`` (ids sorted), returned on the node leaders (local rank 0),
+    else ``None``. Every rank of ``intra_group`` calls it.
 
-    A collective: every rank of ``intra_group`` calls it, then the leaders over ``inter_group``.
+    ``share_merge=False``: the leader collects the node's rows, merges them and all-gathers the
+    node's ``(ids, sum, count)`` with the other leaders over ``inter_group``. ``True``: every rank
+    merges the node's rows of the ids it owns (:func:`merge_partition`), finishes their average with
+    the ranks of the same local index on the other nodes over ``inter_group`` (so the slow link's
+    load is split over the node's processes), and hands the result to the leader. Both give the same
+    bits: each id's rows are summed in rank order, then in node order. ``staging``: the node's
+    shared-memory mailboxes, used where rows fit.
     """
     ids = ids.to(torch.int64).cpu()
     rows = rows.float().cpu()
-    if intra_group is not None and dist.get_world_size(intra_group) > 1:
-        # int64 ids travel as int64 (64-bit hashes); only the node leader receives
-        gathered_ids, gathered_rows = gather_to_leader([ids, rows], intra_group)
-        if not is_node_leader:
+    if intra_group is None or dist.get_world_size(intra_group) == 1:
+        return _average_across_nodes(*coalesce(ids, rows), inter_group)
+    if not share_merge:
+        collected = collect_at_leader([ids, rows], intra_group, staging)
+        if collected is None or not is_node_leader:
             return None
-        node_ids, node_sum, node_count = coalesce(torch.cat(gathered_ids), torch.cat(gathered_rows))
-    else:
-        node_ids, node_sum, node_count = coalesce(ids, rows)
+        return _average_across_nodes(*coalesce(*collected), inter_group)
+    part_ids, part_sum, part_count = merge_partition(ids, rows, intra_group, staging)
+    averaged = _average_across_nodes(part_ids, part_sum, part_count, inter_group)
+    collected = collect_at_leader(list(averaged), intra_group, staging)
+    if collected is None or not is_node_leader:
+        return None
+    all_ids, all_rows = collected
+    order = torch.argsort(all_ids)  # the owners' ids are disjoint
+    return all_ids[order], all_rows[order]
+
+
+def _average_across_nodes(
+    ids: torch.Tensor, summed: torch.Tensor, count: torch.Tensor, inter_group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     if inter_group is not None and dist.get_world_size(inter_group) > 1:
-        all_ids, all_counts, all_sums = _all_gather_varying([node_ids, node_count, node_sum], inter_group)
-        node_ids, node_sum, node_count = coalesce(
-            torch.cat(all_ids), torch.cat(all_sums), torch.cat(all_counts)
-        )
-    return node_ids, node_sum / node_count.unsqueeze(1)
+        all_ids, all_counts, all_sums = _all_gather_varying([ids, count, summed], inter_group)
+        ids, summed, count = coalesce(torch.cat(all_ids), torch.cat(all_sums), torch.cat(all_counts))
+    return ids, summed / count.unsqueeze(1)

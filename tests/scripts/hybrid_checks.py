@@ -21,6 +21,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_hier import HierSlicedStrategy, HybridEmbedding, Topology  # noqa: E402
+from lightning_hier.sparse.staging import NodeStaging, packed_row_bytes  # noqa: E402
 from lightning_hier.sparse.sync import frequency_average, hierarchical_frequency_average  # noqa: E402
 
 VOCAB, DIM, BAG = 12, 4, 4
@@ -44,15 +45,18 @@ class AllIdsEverywhere(Dataset):
 
 
 class Click(pl.LightningModule):
-    def __init__(self, hybrid: bool, optimizer: str, hashed: bool = False) -> None:
+    def __init__(
+        self, hybrid: bool, optimizer: str, hashed: bool = False, node_merge: str = "leader"
+    ) -> None:  # noqa: E501
         super().__init__()
         self.optimizer_name = optimizer
         self.hashed = hashed
         self.head = nn.Linear(DIM, 1)  # first: nn.EmbeddingBag's init would shift the global RNG
         if hybrid:
             self.emb = HybridEmbedding(
-                VOCAB, DIM, mode="sum", optimizer=optimizer, lr=0.1, seed=3, hashed_ids=hashed
-            )
+                VOCAB, DIM, mode="sum", optimizer=optimizer, lr=0.1, seed=3, hashed_ids=hashed,
+                node_merge=node_merge,
+            )  # fmt: skip
         else:
             self.emb = nn.EmbeddingBag(VOCAB, DIM, mode="sum")
             reference = HybridEmbedding(VOCAB, DIM, mode="sum", seed=3)
@@ -79,9 +83,11 @@ def raw_ids(ids: torch.Tensor) -> torch.Tensor:
     return ids * 1_000_000_007 + 2**40  # 64-bit feature ids
 
 
-def fit(strategy, hybrid: bool, optimizer: str, epochs: int = 1, ckpt_path=None, hashed=False):  # noqa: ANN001, ANN201
+def fit(
+    strategy, hybrid: bool, optimizer: str, epochs: int = 1, ckpt_path=None, hashed=False, node_merge="leader"
+):  # noqa: ANN001, ANN201, E501
     pl.seed_everything(0, verbose=False)
-    model = Click(hybrid, optimizer, hashed)
+    model = Click(hybrid, optimizer, hashed, node_merge)
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_epochs=epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -126,6 +132,40 @@ def main() -> None:
     dist.all_gather_object(rules, mine)
     results["rule"] = [r for r in rules if r is not None]
 
+    # 1b. uneven ranks (one with none, one past its mailbox): both merges give the rule, to the bit alike
+    generator = torch.Generator().manual_seed(rank)
+    count = [40, 300, 0, 7][rank]  # rank 1 overflows a 256-row mailbox and sends by message
+    uneven = (
+        torch.randperm(1000, generator=generator)[:count] - 500,
+        torch.randn(count, 3, generator=generator),
+    )
+    everyone = [None] * 4
+    dist.all_gather_object(everyone, uneven)
+    want = frequency_average(everyone)
+    staging = NodeStaging.attach(topology.intra_group, 3, "test", mailbox_bytes=256 * packed_row_bytes(3))
+    modes = {
+        "leader": {},
+        "shared_messages": {"share_merge": True},
+        "shared_mailboxes": {"share_merge": True, "staging": staging},
+    }
+    groups = (topology.intra_group, topology.inter_group)
+    leads = rank % 2 == 0
+    got = {name: hierarchical_frequency_average(*uneven, *groups, leads, **kw) for name, kw in modes.items()}
+    mine = None
+    if leads:
+        leader_ids, leader_rows = got["leader"]
+        mine = {
+            "ids_equal": leader_ids.tolist() == want[0].tolist(),
+            "max_diff": (leader_rows - want[1]).abs().max().item(),
+            "shared_bitwise": all(
+                torch.equal(got[name][0], leader_ids) and torch.equal(got[name][1], leader_rows)
+                for name in ("shared_messages", "shared_mailboxes")
+            ),
+        }
+    rules = [None] * 4
+    dist.all_gather_object(rules, mine)
+    results["uneven_rule"] = [r for r in rules if r is not None]
+
     # 2. node-shared table: same segment within a node, different across nodes; updated rows everywhere
     segments = [None] * 4
     dist.all_gather_object(segments, mapped_segments())
@@ -147,6 +187,10 @@ def main() -> None:
         initial.attach()
         moved = (reference.emb.weight.detach() - initial.weight).abs().max().item()
         results[f"ddp_{optimizer}"] = {"table_diff": table_diff, "head_diff": head_diff, "moved": moved}
+        strategy = HierSlicedStrategy(devices_per_node=2)
+        _, shared = fit(strategy, hybrid=True, optimizer=optimizer, node_merge="shared")
+        same = torch.equal(shared.emb.weight, contender.emb.weight)
+        results[f"shared_merge_{optimizer}_bitwise"] = bool(same)
 
     # 4. checkpoint -> resume bit for bit (adam: moments and step count restored)
     ckpt = str(scratch / "hybrid.ckpt")
