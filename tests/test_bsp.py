@@ -276,6 +276,10 @@ def test_plain_bsp_strategy_matches_ddp(strategy_results: dict, scenario: str) -
     assert result["micro_steps"] == [[1, 1, 1, 1]] * 6
     # torch's LR scheduler must see the optimizer as stepped (the server's copy steps for it)
     assert result["scheduler_before_optimizer_warnings"] == 0
+    # each parameter's step count (and which have state at all) as in ddp's unsharded optimizer
+    assert result["step_counts_bsp"] == result["step_counts"]
+    if scenario == "adam_partly_used_one_bucket":  # used in steps 0 and 3 of 6: its own count
+        assert sorted(set(result["step_counts"].values())) == [2.0, 6.0]
 
 
 def test_manual_optimization_is_refused_before_any_process_group(tmp_path: Path) -> None:

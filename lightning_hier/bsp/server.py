@@ -3,7 +3,8 @@
 The master copy of the model lives in flat buckets laid out exactly as ``hier_sliced`` lays out a
 model (:mod:`lightning_hier.sliced.flat_buckets`); each rank owns slice ``local_rank`` of every bucket
 and the user's optimizer state for that slice only
-(:class:`~lightning_hier.sliced.sharded_optim.OptimizerSharding`).
+(:class:`~lightning_hier.sliced.piece_sharding.PieceSharding`: one optimizer parameter per model
+parameter and slice, so a parameter no worker used keeps its state and step count).
 One superstep: every worker's gradient sums, scaled by one over the job-wide micro-step count, are
 reduce-scattered inside the node and all-reduced across nodes (the job-wide mean gradient per
 micro-step, slice by slice), clipped by the global norm when asked, stepped by the user's optimizer on
@@ -22,11 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hier.bucketing.size_plan import BucketPlan
-from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets, slot_locations
+from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
+from lightning_hier.sliced.piece_sharding import PieceSharding
 from lightning_hier.sliced.reducer import all_gather_slices, reduce_scatter_into
-from lightning_hier.sliced.sharded_optim import OptimizerSharding
 from lightning_hier.sliced.slicing import SlicePlan
-from lightning_hier.sliced.unused import snapshot_unused
 from lightning_hier.topology import Topology
 
 
@@ -59,11 +59,12 @@ class ShardedParameterServer:
         bucket_group = [group_of[bucket.slots[0].index] for bucket in self.buckets]
         for group, original in zip(optimizer.param_groups, original_groups):
             group["params"] = list(original)
-        self.sharding = OptimizerSharding(
+        # per-parameter pieces: a parameter no worker used in a superstep keeps its state and step
+        # count (the buckets cannot be rebuilt between supersteps, as hier_sliced's are between steps)
+        self.sharding = PieceSharding(
             optimizer, self.buckets, bucket_group, original_groups, params, topology.intra_group
         )
         self._slice_grads = [bucket.grads[slice(*bucket.owned_range)] for bucket in self.buckets]
-        self._where = slot_locations(self.buckets)
         for shard, grad in zip(self.sharding.shards, self._slice_grads):
             shard.grad = grad
 
@@ -96,7 +97,8 @@ class ShardedParameterServer:
     ) -> None:
         """Clip (``("norm", max_norm)`` by the global norm, ``("value", v)`` elementwise), then the user's
         optimizer on this rank's slices, with ``hyper`` (per param group: lr, ...) when given. Parameters
-        ``unused`` (indices) by every worker in the superstep are left as they were, as under ``ddp``."""
+        ``unused`` (indices) by every worker in the superstep get no gradient, so the optimizer leaves
+        them, their state and their step count as they were, as ``ddp`` does."""
         for shard, grad in zip(self.sharding.shards, self._slice_grads):
             shard.grad = grad
         if hyper is not None:
@@ -109,9 +111,8 @@ class ShardedParameterServer:
             else:
                 for grad in self._slice_grads:
                     grad.clamp_(-value, value)
-        snapshot = snapshot_unused(unused, self._where, self.buckets, self.sharding.shards, self.optimizer)
+        self.sharding.give_gradients(self._slice_grads, unused)
         self.optimizer.step()
-        snapshot.restore(self.sharding.shards, self.optimizer)
 
     @torch.no_grad()
     def pull(self) -> int:

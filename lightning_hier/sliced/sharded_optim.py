@@ -91,8 +91,12 @@ class OptimizerSharding:
         self._index_of_param = {id(p): i for i, p in enumerate(param_of_index)}
         self._param_of_index = list(param_of_index)
         for group_index, group in enumerate(optimizer.param_groups):
-            group["params"] = [self.shards[b] for b, g in enumerate(bucket_group) if g == group_index]
+            group["params"] = self._optimizer_params(group_index)
         optimizer.state.clear()
+
+    def _optimizer_params(self, group_index: int) -> list[nn.Parameter]:
+        """What the optimizer steps for param group ``group_index``: one slice per bucket."""
+        return [self.shards[b] for b, g in enumerate(self.bucket_group) if g == group_index]
 
     def original_groups(self) -> list[list[nn.Parameter]]:
         """The optimizer's param groups as the user built them, each parameter numbered once."""
@@ -151,15 +155,19 @@ class OptimizerSharding:
                     for slot in bucket.slots:
                         entry = state.setdefault(self._saved_index(slot.index), {})
                         entry[key] = value.clone() if torch.is_tensor(value) else value
+        return {"state": state, "param_groups": self._saved_groups()}
+
+    def _saved_groups(self) -> list[dict[str, Any]]:
+        """The param groups of the unsharded optimizer's ``state_dict``: settings, parameter numbers."""
         groups = []
         for original, current in zip(self._original_groups, self.optimizer.param_groups):
             saved = {k: v for k, v in current.items() if k != "params"}
             saved["params"] = [self._state_index[id(p)] for p in original]
             groups.append(saved)
-        return {"state": state, "param_groups": groups}
+        return groups
 
-    def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take this rank's slices out of an unsharded ``state_dict`` (no communication)."""
+    def _check_and_load_groups(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a ``state_dict`` of another model or optimizer setup; take its group settings."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.optimizer.param_groups):
             raise ValueError(
@@ -174,6 +182,10 @@ class OptimizerSharding:
                 )
         for group, saved in zip(self.optimizer.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take this rank's slices out of an unsharded ``state_dict`` (no communication)."""
+        self._check_and_load_groups(state_dict)
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
         self.optimizer.state.clear()
         for bucket, shard in zip(self.buckets, self.shards):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
-from train_equivalence import initial_state, max_rel_diff, train  # noqa: E402
+from train_equivalence import STEP_COUNTS, initial_state, max_rel_diff, train  # noqa: E402
 
 from lightning_hier import HierBSPStrategy  # noqa: E402
 
@@ -35,6 +35,13 @@ SCENARIOS: dict[str, dict] = {
         bsp=dict(devices_per_node=2),
         ddp=dict(find_unused_parameters=True),
     ),
+    # used in every third step only, in one bucket with always-used parameters: Adam's step count of
+    # its own must advance only when it is used, as under ddp
+    "adam_partly_used_one_bucket": dict(
+        model=dict(optimizer="adam", partly_used=True),
+        bsp=dict(devices_per_node=2, bucket_cap_mb=25),
+        ddp=dict(find_unused_parameters=True),
+    ),
     "sgd_clip_value": dict(
         model=dict(optimizer="sgd"),
         bsp=dict(devices_per_node=2),
@@ -50,7 +57,8 @@ def main() -> None:
         trainer_kwargs = spec.get("trainer", {})
         steps = 6
         reference = train(DDPStrategy(**spec.get("ddp", {})), spec["model"], trainer_kwargs, steps)
-        strategy = HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **spec["bsp"])
+        settings = {"bucket_cap_mb": 0.002, **spec["bsp"]}
+        strategy = HierBSPStrategy(superstep_steps=1, max_staleness=0, **settings)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             state = train(strategy, spec["model"], trainer_kwargs, steps)
@@ -58,6 +66,9 @@ def main() -> None:
             "max_rel_diff": max_rel_diff(reference, state),
             "reference_moved": max_rel_diff(reference, initial_state(spec["model"])),
             "supersteps": len(strategy.engine.records),
+            # per parameter, as the unsharded optimizer's state_dict has them: ddp's, then hier_bsp's
+            "step_counts": {str(k): v for k, v in STEP_COUNTS[-2].items()},
+            "step_counts_bsp": {str(k): v for k, v in STEP_COUNTS[-1].items()},
             "micro_steps": [r.micro_steps for r in strategy.engine.records],
             "scheduler_before_optimizer_warnings": sum(
                 "before `optimizer.step()`" in str(w.message) for w in caught

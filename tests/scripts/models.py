@@ -24,6 +24,7 @@ class EquivModel(pl.LightningModule):
         quirks: bool = False,
         batch_norm: bool = False,
         scheduler: bool = False,
+        partly_used: bool = False,
         features: int = 16,
         hidden: int = 32,
         classes: int = 4,
@@ -32,6 +33,7 @@ class EquivModel(pl.LightningModule):
         self.optimizer_name = optimizer
         self.scheduler = scheduler
         self.quirks = quirks
+        self.partly_used = partly_used
         self.inp = nn.Linear(features, hidden)
         self.norm = nn.BatchNorm1d(hidden) if batch_norm else nn.Identity()
         self.mid = nn.Linear(hidden, hidden)
@@ -43,9 +45,13 @@ class EquivModel(pl.LightningModule):
             self.tied_in = nn.Linear(hidden, hidden, bias=False)
             self.tied_out = nn.Linear(hidden, hidden, bias=False)
             self.tied_out.weight = self.tied_in.weight
+        if partly_used:  # in the forward of every third step only (on every rank alike)
+            self.sometimes = nn.Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
         h = torch.relu(self.norm(self.inp(x)))
+        if extra:
+            h = h + torch.tanh(self.sometimes(h))
         if self.quirks:
             h = torch.relu(self.frozen(h))
             h = h + self.tied_out(torch.tanh(self.tied_in(h)))
@@ -54,7 +60,7 @@ class EquivModel(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
+        return nn.functional.cross_entropy(self(x, extra=self.partly_used and batch_idx % 3 == 0), y)
 
     def configure_optimizers(self):  # noqa: ANN201
         if self.optimizer_name == "sgd":

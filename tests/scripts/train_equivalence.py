@@ -78,6 +78,7 @@ SCENARIOS: dict[str, dict] = {
 }
 
 
+STEP_COUNTS: list[dict[int, float]] = []  # per train(): the optimizer's step count per parameter
 PLAN_KINDS: list[str | None] = []
 
 
@@ -103,6 +104,8 @@ def train(strategy, model_kwargs: dict, trainer_kwargs: dict, steps: int) -> dic
     trainer.fit(model, train_dataloaders=loader())
     plan = getattr(getattr(trainer.strategy, "engine", None), "bucket_plan", None)
     PLAN_KINDS.append(plan.kind if plan is not None else None)
+    optimizer_state = trainer.strategy.optimizer_state(trainer.optimizers[0])  # the unsharded layout
+    STEP_COUNTS.append({int(i): float(s["step"]) for i, s in optimizer_state["state"].items() if "step" in s})
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
 
