@@ -7,7 +7,15 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -52,3 +60,45 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
+    """A gloo default group for a spawned test process (file store, one compute thread)."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def run_spawned(fn: Callable[..., Any], world: int, tmp_path: Path, *args: Any) -> list:
+    """Run ``fn(rank, world, store, *args)`` on ``world`` spawned processes; return per-rank results
+    (what ``fn`` returned, ``{"error", "traceback"}`` if it raised, ``None`` if the process died)."""
+    ctx = mp.get_context("spawn")
+    store = str(tmp_path / "store")
+    procs = [
+        ctx.Process(target=_spawned, args=(fn, r, world, store, str(tmp_path), *args)) for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=180)
+    results = []
+    for rank in range(world):
+        path = tmp_path / f"result{rank}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else None)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    return results
+
+
+def _spawned(fn: Callable[..., Any], rank: int, world: int, store: str, out_dir: str, *args: Any) -> None:
+    try:
+        result = fn(rank, world, store, *args)
+    except BaseException as err:  # reported to the test instead of a bare exit code
+        result = {"error": repr(err), "traceback": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))

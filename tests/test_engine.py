@@ -4,60 +4,17 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import init_gloo, run_spawned
 from torch import nn
 
 from lightning_hier import HierSlicedEngine, SlicePlan, Topology
 from lightning_hier.sliced.reducer import all_gather_slices, reduce_scatter_into
 from lightning_hier.sliced.sharded_optim import check_optimizer
-
-
-def _init(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
-    from datetime import timedelta
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout_s),
-    )
-
-
-def _run(fn, world: int, tmp_path: Path, *args) -> list:  # noqa: ANN001
-    """Run ``fn(rank, world, store, out_dir, *args)`` on ``world`` processes; return per-rank results."""
-    ctx = mp.get_context("spawn")
-    store = str(tmp_path / "store")
-    procs = [
-        ctx.Process(target=_wrapper, args=(fn, r, world, store, str(tmp_path), *args)) for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=180)
-    results = []
-    for rank in range(world):
-        path = tmp_path / f"result{rank}.pt"
-        results.append(torch.load(path, weights_only=False) if path.exists() else None)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-    return results
-
-
-def _wrapper(fn, rank: int, world: int, store: str, out_dir: str, *args) -> None:  # noqa: ANN001
-    try:
-        result = fn(rank, world, store, *args)
-    except BaseException as err:  # reported to the test instead of a bare exit code
-        result = {"error": repr(err), "traceback": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
 
 
 class _SometimesUnused(nn.Sequential):
@@ -106,7 +63,7 @@ def _train_engine(
     clip: tuple[float, float] | None = None,
     skip_every_other: bool = False,
 ) -> dict:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     model = _model(skip_every_other)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     topology = Topology(world, rank, per_node).build_groups()
@@ -163,7 +120,7 @@ def test_engine_matches_single_process_reference_and_shards_state(
     tmp_path: Path, per_node: int, weights: tuple, chunk_mb: float
 ) -> None:
     world, steps = 4, 4
-    results = _run(_train_engine, world, tmp_path, per_node, weights, steps, 0.001, chunk_mb)
+    results = run_spawned(_train_engine, world, tmp_path, per_node, weights, steps, 0.001, chunk_mb)
     for result in results:
         assert result is not None and "error" not in result, result
     reference, reference_state = _reference(world, steps)
@@ -190,7 +147,8 @@ def test_engine_matches_reference_with_clipping_and_a_sometimes_unused_parameter
     tmp_path: Path, clip: tuple[float, float] | None, skip_every_other: bool
 ) -> None:
     world, steps = 4, 5
-    results = _run(_train_engine, world, tmp_path, 2, (3.0, 1.0), steps, 0.001, 4.0, clip, skip_every_other)
+    settings = (2, (3.0, 1.0), steps, 0.001, 4.0, clip, skip_every_other)
+    results = run_spawned(_train_engine, world, tmp_path, *settings)
     reference, _ = _reference(world, steps, clip, skip_every_other)
     unclipped, _ = _reference(world, steps, None, skip_every_other)
     for result in results:
@@ -202,7 +160,7 @@ def test_engine_matches_reference_with_clipping_and_a_sometimes_unused_parameter
 
 
 def _frozen_differs_per_rank(rank: int, world: int, store: str) -> dict:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     torch.manual_seed(rank)  # every rank draws its own initialisation, as an unseeded script would
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[0].requires_grad_(False)  # frozen: not in the optimizer's buckets
@@ -213,14 +171,14 @@ def _frozen_differs_per_rank(rank: int, world: int, store: str) -> dict:
 
 
 def test_frozen_parameters_are_broadcast_at_start_like_ddp(tmp_path: Path) -> None:
-    results = _run(_frozen_differs_per_rank, 2, tmp_path)
+    results = run_spawned(_frozen_differs_per_rank, 2, tmp_path)
     assert not any(r is None or "error" in r for r in results), results
     for key in results[0]:
         torch.testing.assert_close(results[1][key], results[0][key], rtol=0, atol=0, msg=key)
 
 
 def _state_missing_on_one_rank(rank: int, world: int, store: str) -> dict:
-    _init(rank, world, store, timeout_s=20)
+    init_gloo(rank, world, store, timeout_s=20)
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     engine = HierSlicedEngine(model, optimizer, Topology(world, rank, 2).build_groups(), bucket_cap_mb=0.001)
@@ -237,14 +195,14 @@ def _state_missing_on_one_rank(rank: int, world: int, store: str) -> dict:
 
 
 def test_consolidation_does_not_hang_when_one_rank_lacks_some_state(tmp_path: Path) -> None:
-    results = _run(_state_missing_on_one_rank, 2, tmp_path)
+    results = run_spawned(_state_missing_on_one_rank, 2, tmp_path)
     assert not any(r is None or "error" in r for r in results), results
     assert results[0] == results[1]
     assert "exp_avg" in results[0]["keys"] and results[0]["entries"] == len(list(_model().parameters()))
 
 
 def _collectives(rank: int, world: int, store: str) -> dict:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     group = dist.group.WORLD
     bounds = ((0, 5), (5, 7))  # uneven: 5 and 2 elements
     flat = torch.arange(7, dtype=torch.float32) * (rank + 1)
@@ -258,7 +216,7 @@ def _collectives(rank: int, world: int, store: str) -> dict:
 
 
 def test_uneven_reduce_scatter_and_all_gather(tmp_path: Path) -> None:
-    results = _run(_collectives, 2, tmp_path)
+    results = run_spawned(_collectives, 2, tmp_path)
     summed = torch.arange(7, dtype=torch.float32) * 3  # ranks contribute x1 and x2
     torch.testing.assert_close(results[0]["scattered"], summed[:5])
     torch.testing.assert_close(results[1]["scattered"], summed[5:])
@@ -268,7 +226,7 @@ def test_uneven_reduce_scatter_and_all_gather(tmp_path: Path) -> None:
 
 
 def _dies_mid_step(rank: int, world: int, store: str) -> dict:
-    _init(rank, world, store, timeout_s=20)
+    init_gloo(rank, world, store, timeout_s=20)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = HierSlicedEngine(model, optimizer, Topology(world, rank, 2).build_groups(), bucket_cap_mb=0.001)
@@ -287,7 +245,7 @@ def _dies_mid_step(rank: int, world: int, store: str) -> dict:
 
 
 def test_dead_peer_ends_the_step_with_an_error_not_a_hang(tmp_path: Path) -> None:
-    results = _run(_dies_mid_step, 2, tmp_path)
+    results = run_spawned(_dies_mid_step, 2, tmp_path)
     assert results[1] is None  # it died without reporting
     assert results[0]["raised"] is not None, results[0]
     assert results[0]["seconds"] < 30

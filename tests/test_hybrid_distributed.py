@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
-from helpers import run_torchrun
+import torch
+from helpers import init_gloo, run_spawned, run_torchrun
+
+from lightning_hier import HybridEmbedding, Topology
+from lightning_hier.sparse.background import TableJobs
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +74,37 @@ def test_training_under_ddp_is_refused_instead_of_a_table_that_never_trains(tmp_
     run_torchrun("hybrid_under_ddp.py", 2, str(tmp_path / "out.json"))
     error = json.loads((tmp_path / "out.json").read_text())["error"]
     assert error is not None and "strategy='hier_sliced'" in error
+
+
+def _table_peer_dies_mid_exchange(rank: int, world: int, store: str) -> dict:
+    init_gloo(rank, world, store, timeout_s=20)
+    topology = Topology(world, rank, world).build_groups()
+    exchange = topology.build_groups(dedicated=True)
+    table = HybridEmbedding(50, 4, mode="sum", optimizer="sgd", lr=0.1)
+    table.attach(
+        topology.intra_group,
+        topology.inter_group,
+        rank,
+        managed=True,
+        exchange_groups=(exchange.intra_group, exchange.inter_group),
+        jobs=TableJobs(),
+    )
+    table(torch.tensor([[1, 2, 3]])).sum().backward()
+    if rank == 1:
+        os._exit(3)  # a peer crashes before its part of the exchange
+    start = time.monotonic()
+    table.sync_gradients()
+    table.apply_update()  # both queued on the tables' thread: this returns at once
+    queued_s = time.monotonic() - start
+    try:
+        table(torch.tensor([[1, 2]]))  # the next forward waits for the update, and so sees the error
+    except Exception as err:
+        return {"raised": type(err).__name__, "seconds": time.monotonic() - start, "queued_s": queued_s}
+    return {"raised": None, "seconds": time.monotonic() - start, "queued_s": queued_s}
+
+
+def test_a_peer_lost_in_the_tables_exchange_ends_training_with_an_error_not_a_hang(tmp_path: Path) -> None:
+    results = run_spawned(_table_peer_dies_mid_exchange, 2, tmp_path)
+    assert results[1] is None  # it died without reporting
+    assert results[0]["raised"] is not None, results[0]
+    assert results[0]["seconds"] < 30 and results[0]["queued_s"] < 1.0
