@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from test_engine import _init, _run
+from helpers import init_gloo, run_spawned
 
 
 def _hashed_lookups(rank: int, world: int, store: str) -> dict:
@@ -13,7 +13,7 @@ def _hashed_lookups(rank: int, world: int, store: str) -> dict:
 
     from lightning_hier import HybridEmbedding
 
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     module = HybridEmbedding(64, 4, hashed_ids=True, seed=1)
     module.attach(dist.group.WORLD, None, local_rank=rank)  # both processes form one node
     ids = torch.tensor([5, 10**15, 77, 3 + rank, 900 + rank], dtype=torch.int64)  # shared and own ids
@@ -34,7 +34,7 @@ def _hashed_lookups(rank: int, world: int, store: str) -> dict:
 def test_hashed_index_is_shared_by_the_node_and_consistent(tmp_path: Path) -> None:
     from lightning_hier.sparse.id_index import hashed_init
 
-    results = _run(_hashed_lookups, 2, tmp_path)
+    results = run_spawned(_hashed_lookups, 2, tmp_path)
     for result in results:
         assert result is not None and "error" not in result, result
     assert results[0]["rows"] == results[1]["rows"]  # one index: both see every id at the same row

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import _init, _run
+from helpers import init_gloo, run_spawned
 
 from lightning_hier.sliced import slicing
 
 
 def _decide(rank: int, world: int, store: str, mode: str) -> dict:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     free = [8e9, 2e9, 4e9, 6e9][rank]  # pretend each rank sees different free memory
     slicing.measure_free_memory = lambda device, processes: free
     speed = [1.0, 4.0, 1.0, 1.0][rank]  # and different matmul throughput
@@ -24,13 +24,13 @@ def _decide(rank: int, world: int, store: str, mode: str) -> dict:
 
 
 def test_memory_weights_take_the_weakest_device_of_each_local_index(tmp_path: Path) -> None:
-    results = _run(_decide, 4, tmp_path, "memory")
+    results = run_spawned(_decide, 4, tmp_path, "memory")
     for result in results:
         assert result["weights"] == pytest.approx((4 / 6, 2 / 6))  # min(8, 4) : min(2, 6)
 
 
 def test_memory_and_compute_weights_multiply_memory_by_speed(tmp_path: Path) -> None:
-    results = _run(_decide, 4, tmp_path, "memory+compute")
+    results = run_spawned(_decide, 4, tmp_path, "memory+compute")
     # memory x speed per rank: 8, 8, 4, 6 -> local index 0: min(8, 4), local index 1: min(8, 6)
     for result in results:
         assert result["weights"] == pytest.approx((4 / 10, 6 / 10))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import _init, _run
+from helpers import init_gloo, run_spawned
 from torch import nn
 
 from lightning_hier import HierSlicedEngine, Topology
@@ -71,7 +71,7 @@ def test_unknown_bucketing_is_refused() -> None:
 
 
 def _decide_with_noisy_times(rank: int, world: int, store: str) -> dict:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     infos = _infos(6)
     controller = TimeBucketing(
         infos, cap_bytes=1 << 30, config=TimeBucketingConfig(profile_steps=2, warmup_steps=0, min_bucket_mb=0)
@@ -90,7 +90,7 @@ def _decide_with_noisy_times(rank: int, world: int, store: str) -> dict:
 
 
 def test_plan_is_identical_on_every_rank_despite_different_measurements(tmp_path: Path) -> None:
-    results = _run(_decide_with_noisy_times, 4, tmp_path)
+    results = run_spawned(_decide_with_noisy_times, 4, tmp_path)
     plans = [r["plan"] for r in results]
     assert all(p == plans[0] for p in plans)
     # the plan comes from the times averaged over all ranks, not from the deciding rank's own
@@ -128,7 +128,7 @@ class DelayedStack(nn.Module):
 
 
 def _drift_run(rank: int, world: int, store: str, slow_down_at: int | None) -> dict:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     torch.manual_seed(0)
     model = DelayedStack()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -153,7 +153,7 @@ def _drift_run(rank: int, world: int, store: str, slow_down_at: int | None) -> d
 
 
 def test_reprofiles_when_a_layer_becomes_slower(tmp_path: Path) -> None:
-    results = _run(_drift_run, 2, tmp_path, 8)
+    results = run_spawned(_drift_run, 2, tmp_path, 8)
     for result in results:
         assert result is not None and "error" not in result, result
         assert result["plans"][3] == 1  # first plan after 1 warm-up + 2 profiled steps
@@ -162,7 +162,7 @@ def test_reprofiles_when_a_layer_becomes_slower(tmp_path: Path) -> None:
 
 
 def test_does_not_reprofile_when_timing_is_steady(tmp_path: Path) -> None:
-    results = _run(_drift_run, 2, tmp_path, None)
+    results = run_spawned(_drift_run, 2, tmp_path, None)
     for result in results:
         assert result is not None and "error" not in result, result
         assert result["plans"][-1] == 1
@@ -184,7 +184,7 @@ def _branch(rank: int, step: int) -> str:
 
 
 def _rank_dependent_graph(rank: int, world: int, store: str) -> dict:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     torch.manual_seed(0)
     model = TwoBranches()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
@@ -205,7 +205,7 @@ def _rank_dependent_graph(rank: int, world: int, store: str) -> dict:
 
 
 def test_rank_dependent_graph_neither_deadlocks_nor_changes_the_math(tmp_path: Path) -> None:
-    results = _run(_rank_dependent_graph, 4, tmp_path)
+    results = run_spawned(_rank_dependent_graph, 4, tmp_path)
     torch.manual_seed(0)
     reference = TwoBranches()
     optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)

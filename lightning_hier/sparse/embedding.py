@@ -400,6 +400,8 @@ class HybridEmbedding(nn.Module):
     def _coalesced(self, pending: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         if not pending:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, self.embedding_dim)
+        if len(pending) == 1:  # one forward: its ids are already unique and sorted (torch.unique)
+            return pending[0][0], pending[0][1]
         unique, summed, _ = coalesce(torch.cat([p[0] for p in pending]), torch.cat([p[1] for p in pending]))
         return unique, summed
 
