@@ -278,6 +278,11 @@ def test_plain_bsp_strategy_matches_ddp(strategy_results: dict, scenario: str) -
     assert result["scheduler_before_optimizer_warnings"] == 0
     # each parameter's step count (and which have state at all) as in ddp's unsharded optimizer
     assert result["step_counts_bsp"] == result["step_counts"]
+    # every superstep's buckets went out as the workers reported them folded in their last micro-step
+    # (how many while a backward still ran depends on timing: this model's backward is shorter than a
+    # tick), unless turned off
+    expected = 0 if scenario.endswith("no_early_push") else result["buckets"]
+    assert result["ready_buckets"] == [expected] * 6
     if scenario == "adam_partly_used_one_bucket":  # used in steps 0 and 3 of 6: its own count
         assert sorted(set(result["step_counts"].values())) == [2.0, 6.0]
 

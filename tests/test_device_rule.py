@@ -151,13 +151,15 @@ CASES = {
     # the tables' thread exchanges and updates beside the step, on groups of its own
     "hybrid": ("sparse/sync.py", "sparse/embedding.py", "sparse/checkpoint.py"),
     # the local BSP module thread issues the training phase's collectives; the main thread only at drains
-    "bsp": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
+    "bsp": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py", "sliced/piece_sharding.py"),
+    # plain BSP: the buckets of each superstep's last micro-step are pushed as they fill
+    "bsp_plain": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py"),
     "pipeline_1f1b": (
         "pipeline/schedule.py", "pipeline/migration.py", "pipeline/engine.py", "strategies/hier_pipeline.py",
     ),
     "pipeline_gpipe": ("pipeline/schedule.py", "pipeline/engine.py", "strategies/stage_metrics_sync.py"),
 }  # fmt: skip
-BACKGROUND_THREADS = {"bsp": "hier-bsp-rank", "hybrid": "lightning_hier-tables"}
+BACKGROUND_THREADS = {"bsp": "hier-bsp-rank", "bsp_plain": "hier-bsp-rank", "hybrid": "lightning_hier-tables"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

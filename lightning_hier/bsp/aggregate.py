@@ -41,12 +41,31 @@ class GradientAggregate:
         self.num_params = num_params
         self.used = [0] * num_params
 
+    @property
+    def sums(self) -> list[torch.Tensor]:
+        """The running sums being folded into (what the next :meth:`read_out` hands over)."""
+        return self._sums
+
     @torch.no_grad()
-    def fold(self, grads: Sequence[torch.Tensor], version: int, used: Sequence[bool] | None = None) -> None:
+    def fold_bucket(self, index: int, grad: torch.Tensor) -> None:
+        """Add bucket ``index`` of a micro-step ahead of the rest (:meth:`fold` with ``folded`` then
+        skips it); the micro-step counts once, at :meth:`fold`."""
+        self._sums[index].add_(grad)
+
+    @torch.no_grad()
+    def fold(
+        self,
+        grads: Sequence[torch.Tensor],
+        version: int,
+        used: Sequence[bool] | None = None,
+        folded: int = 0,
+    ) -> None:
         """Add one micro-step's gradients, computed from model ``version``; ``used``: which parameters
-        got a gradient in it (``None``: all)."""
-        for total, grad in zip(self._sums, grads, strict=True):
-            total.add_(grad)
+        got a gradient in it (``None``: all); ``folded``: its first buckets, already added by
+        :meth:`fold_bucket`."""
+        for index, (total, grad) in enumerate(zip(self._sums, grads, strict=True)):
+            if index >= folded:
+                total.add_(grad)
         self.count += 1
         self.versions.append(version)
         if used is None:

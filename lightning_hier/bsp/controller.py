@@ -23,7 +23,8 @@ DRAIN = 3  # 1: the worker stopped and asks for everything to be applied (epoch 
 DEADLINE = 4  # rank 0 only: 1 once superstep_seconds have passed since the superstep opened
 EPOCH_END = 5  # 1: the worker ran out of batches (every worker then ends its epoch)
 STUCK = 6  # 1: blocked even with the newest model picked up (drained, or at its quota since that model)
-ROW = 7
+READY = 7  # in the worker's last micro-step of a plain-BSP superstep: buckets folded so far; else -1
+ROW = 8
 
 
 @dataclass(frozen=True)

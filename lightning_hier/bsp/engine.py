@@ -49,8 +49,11 @@ class BSPEngine:
         bucket_cap_mb: float = 25.0,
         timeout_s: float = 1800.0,
         elementwise_optimizers: Sequence[str] = (),
+        early_push: bool = False,
     ) -> None:
         check_optimizer(optimizer, elementwise_optimizers)
+        # plain BSP only: there a worker's last micro-step of a superstep is known before its backward
+        self.early_push = early_push and settings.max_staleness == 0 and settings.quota is not None
         self.settings = settings
         self.topology = topology
         self.timeout_s = timeout_s
@@ -72,6 +75,13 @@ class BSPEngine:
             self.params, plan, slice_plan, topology.local_rank
         )
         self.memory = SharedModelMemory([b.params for b in self.buckets], settings, len(self.params))
+        self._bucket_of = {slot.index: b for b, bucket in enumerate(self.buckets) for slot in bucket.slots}
+        self._ready_in_bucket = [0] * len(self.buckets)
+        # the coming backward completes a micro-step (set before it); whether that micro-step is the
+        # superstep's last, decided at its first gradient; buckets 0.. of it folded so far
+        self._completing = False
+        self._armed: bool | None = None
+        self._folded_early = 0
         # which parameters got a gradient in the current micro-step (a parameter no worker used in a
         # superstep is left untouched by the server's step, as ddp leaves it)
         self._used = [False] * len(self.params)
@@ -84,6 +94,39 @@ class BSPEngine:
 
     def _mark_used(self, index: int, param: torch.Tensor) -> None:
         self._used[index] = True
+        if not self._completing:
+            return
+        if self._armed is None:  # begin_step has run by now: the count of micro-steps is current
+            self._armed = self.early_push and self.memory.started_since_pickup == self.settings.quota
+            self._ready_in_bucket = [0] * len(self.buckets)
+        if self._armed:
+            self._ready_in_bucket[self._bucket_of[index]] += 1
+            self._fold_ready_buckets()
+
+    @torch.no_grad()
+    def _fold_ready_buckets(self) -> None:
+        """Fold the leading buckets whose gradients are all in, so the local module can push them
+        while backward goes on (the push order, bucket 0 first, is the same on every rank)."""
+        memory, start = self.memory, self._folded_early
+        while (
+            self._folded_early < len(self.buckets)
+            and self._ready_in_bucket[self._folded_early] == len(self.buckets[self._folded_early].slots)
+        ):
+            self._collect_grads(self.buckets[self._folded_early])
+            self._folded_early += 1
+        if self._folded_early == start:
+            return
+        with memory.cond:
+            for b in range(start, self._folded_early):
+                memory.aggregate.fold_bucket(b, self.buckets[b].grads)
+            memory.ready_buckets = self._folded_early
+            memory.notify()
+
+    def expect_last_backward(self) -> None:
+        """Call before the backward that completes a micro-step (with gradient accumulation, the last
+        one): in plain BSP, if that micro-step is the worker's last of the superstep, its buckets are
+        folded, and pushed, as they fill."""
+        self._completing, self._armed, self._folded_early = True, None, 0
 
     # ------------------------------------------------------------------ worker
     @torch.no_grad()
@@ -108,16 +151,21 @@ class BSPEngine:
     def end_step(self, computed: bool = True) -> None:
         """Fold this micro-step's gradients into the aggregate (``computed=False``: a skipped step)."""
         memory = self.memory
-        self._collect_grads()
+        for bucket in self.buckets[self._folded_early :]:
+            self._collect_grads(bucket)
         with memory.cond:
             if computed:
-                memory.aggregate.fold([b.grads for b in self.buckets], memory.in_flight, self._used)
+                grads = [b.grads for b in self.buckets]
+                memory.aggregate.fold(grads, memory.in_flight, self._used, folded=self._folded_early)
+                if self._armed:
+                    memory.ready_buckets = len(self.buckets)  # the rest may go with the others' buckets
                 # the settings this step was taken with (an LR scheduler may change them before the close)
                 memory.hyper = [
                     {k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups
                 ]
             memory.in_flight = -1
             memory.notify()
+        self._completing, self._armed, self._folded_early = False, None, 0
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -129,14 +177,13 @@ class BSPEngine:
                 self.params[slot.index].grad = bucket.grad_view(slot)
 
     @torch.no_grad()
-    def _collect_grads(self) -> None:
+    def _collect_grads(self, bucket: FlatBucket) -> None:
         """Take in gradients that autograd put elsewhere (after a ``zero_grad(set_to_none=True)``)."""
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                param, view = self.params[slot.index], bucket.grad_view(slot)
-                if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-                    view.add_(param.grad)
-                param.grad = view
+        for slot in bucket.slots:
+            param, view = self.params[slot.index], bucket.grad_view(slot)
+            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                view.add_(param.grad)
+            param.grad = view
 
     def set_clipping(self, clip: tuple[str, float] | None) -> None:
         """Gradient clipping the server applies to the mean gradient of every superstep."""

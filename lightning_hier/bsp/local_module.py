@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_hier.bsp.controller import DEADLINE, EPOCH_END, INFLIGHT, decide
+from lightning_hier.bsp.controller import DEADLINE, EPOCH_END, INFLIGHT, READY, decide
 from lightning_hier.bsp.liveness import Heartbeat, describe_loss, lost_ranks, new_run_key
 from lightning_hier.bsp.server import ShardedParameterServer
 from lightning_hier.bsp.settings import BSPSettings
@@ -42,6 +42,9 @@ class SuperstepRecord:
     pull_s: float = 0.0
     push_bytes: int = 0
     pull_bytes: int = 0
+    early_buckets: int = 0  # buckets pushed while the last micro-step's backward still ran (plain BSP)
+    early_push_s: float = 0.0
+    ready_buckets: int = 0  # buckets pushed as their workers reported them folded (the rest at the close)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +75,10 @@ class LocalBSPModule(threading.Thread):
         self._sent_hyper: list[dict] | None = None  # the optimizer settings the server steps with
         self._task: Callable[[], Any] | None = None
         self._result: Any = _NOTHING
+        self._pushed = 0  # buckets of the open superstep pushed before its close
+        self._early = 0  # of those, pushed while a worker's backward still ran
+        self._early_push_s = 0.0
+        self._early_bytes = 0
 
     def run(self) -> None:
         self.heartbeat.start()
@@ -112,10 +119,27 @@ class LocalBSPModule(threading.Thread):
                 memory.peer_epoch_ended = memory.peer_epoch_ended or any(r[EPOCH_END] for r in table)
                 if decision.closing:
                     memory.closing = True
+            ready = min(r[READY] for r in table)  # -1 unless every worker is in its last micro-step
+            if ready > self._pushed:
+                self._push_early(ready, during_backward=busy)
             if decision.close:
                 self._close(version + 1)
             if decision.pause and not self._pause():
                 return
+
+    def _push_early(self, upto: int, during_backward: bool) -> None:
+        """Push buckets ``[pushed, upto)`` of the open superstep: every worker folded them in its last
+        micro-step (the same rows on every rank, so the same buckets in the same order).
+        ``during_backward``: some worker is still in that micro-step (what the record counts)."""
+        started = time.perf_counter()
+        with self.memory.cond:
+            sums = list(self.memory.aggregate.sums)
+        self._early_bytes += self.server.push(sums, range(self._pushed, upto))
+        _sync(sums)
+        if during_backward:
+            self._early += upto - self._pushed
+            self._early_push_s += time.perf_counter() - started
+        self._pushed = upto
 
     def _close(self, index: int) -> None:
         memory, world = self.memory, self.topology.world_group
@@ -137,8 +161,11 @@ class LocalBSPModule(threading.Thread):
         worst = max(int(g[1]) for g in gathered)
         used_anywhere = torch.stack(gathered)[:, 3:].amax(dim=0)
         unused = torch.nonzero(used_anywhere == 0).flatten().tolist()
-        push_bytes = self.server.push(out.sums, 1.0 / sum(per_worker))
+        push_bytes = self._early_bytes + self.server.push(out.sums, range(self._pushed, len(out.sums)))
+        self.server.scale(1.0 / sum(per_worker))
         _sync(out.sums)
+        early, early_s, ready = self._early, self._early_push_s, self._pushed
+        self._pushed, self._early, self._early_push_s, self._early_bytes = 0, 0, 0.0, 0
         pushed = time.perf_counter()
         with memory.cond:
             memory.aggregate.recycle(out)
@@ -158,6 +185,7 @@ class LocalBSPModule(threading.Thread):
             SuperstepRecord(
                 index, per_worker, worst, counts_by_staleness,
                 pushed - started, stepped - pushed, pulled - stepped, push_bytes, pull_bytes,
+                early, early_s, ready,
             )
         )  # fmt: skip
         with memory.cond:

@@ -5,9 +5,10 @@ model (:mod:`lightning_hier.sliced.flat_buckets`); each rank owns slice ``local_
 and the user's optimizer state for that slice only
 (:class:`~lightning_hier.sliced.piece_sharding.PieceSharding`: one optimizer parameter per model
 parameter and slice, so a parameter no worker used keeps its state and step count).
-One superstep: every worker's gradient sums, scaled by one over the job-wide micro-step count, are
-reduce-scattered inside the node and all-reduced across nodes (the job-wide mean gradient per
-micro-step, slice by slice), clipped by the global norm when asked, stepped by the user's optimizer on
+One superstep: every worker's gradient sums are reduce-scattered inside the node and all-reduced
+across nodes, then scaled by one over the job-wide micro-step count (the job-wide mean gradient per
+micro-step, slice by slice; in plain BSP the buckets of the last micro-step may go while its backward
+still runs), clipped by the global norm when asked, stepped by the user's optimizer on
 the owned slices, and all-gathered inside the node into the full master model.
 """
 
@@ -73,20 +74,27 @@ class ShardedParameterServer:
         return [bucket.params for bucket in self.buckets]
 
     @torch.no_grad()
-    def push(self, sums: Sequence[torch.Tensor], scale: float) -> int:
-        """Reduce ``scale x sums`` of every rank into this rank's gradient slices; returns the bytes this
-        rank sent (a ring's ``(n-1)/n`` of what it reduces, per group)."""
+    def push(self, sums: Sequence[torch.Tensor], buckets: Sequence[int] | None = None) -> int:
+        """Reduce every rank's ``sums`` of ``buckets`` (default all, in this order on every rank) into
+        this rank's gradient slices; returns the bytes this rank sent (a ring's ``(n-1)/n`` of what it
+        reduces, per group). :meth:`scale` then makes them means."""
         intra, inter = self.topology.intra_group, self.topology.inter_group
         sent = 0
-        for bucket, total, grad in zip(self.buckets, sums, self._slice_grads):
-            scaled = total * scale
-            reduce_scatter_into(grad, scaled, bucket.bounds, intra)
+        for b in range(len(self.buckets)) if buckets is None else buckets:
+            bucket, total, grad = self.buckets[b], sums[b], self._slice_grads[b]
+            reduce_scatter_into(grad, total, bucket.bounds, intra)
             if dist.get_world_size(inter) > 1:
                 dist.all_reduce(grad, group=inter)
-            sent += _ring_bytes(scaled, dist.get_world_size(intra)) + _ring_bytes(
+            sent += _ring_bytes(total, dist.get_world_size(intra)) + _ring_bytes(
                 grad, dist.get_world_size(inter)
             )
         return sent
+
+    @torch.no_grad()
+    def scale(self, factor: float) -> None:
+        """Multiply the reduced gradient slices by ``factor`` (one over the superstep's micro-steps)."""
+        for grad in self._slice_grads:
+            grad.mul_(factor)
 
     @torch.no_grad()
     def step(

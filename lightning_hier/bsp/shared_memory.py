@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_hier.bsp.aggregate import GradientAggregate, ReadOut
-from lightning_hier.bsp.controller import BLOCKED, DRAIN, EPOCH_END, FOLDED, INFLIGHT, ROW, STUCK
+from lightning_hier.bsp.controller import BLOCKED, DRAIN, EPOCH_END, FOLDED, INFLIGHT, READY, ROW, STUCK
 from lightning_hier.bsp.settings import BSPSettings
 
 
@@ -49,6 +49,9 @@ class SharedModelMemory:
         self.event = False  # the worker changed something the controller should hear about soon
         self.clip: tuple[str, float] | None = None
         self.hyper: list[dict] | None = None  # the optimizer's settings (lr, ...) at the last fold
+        # buckets of the superstep's last micro-step already folded, while the worker is in it (the
+        # local module may push those before the close); -1 otherwise
+        self.ready_buckets = -1
 
     # ------------------------------------------------------------------ worker side (main thread)
     def blocked(self) -> bool:
@@ -84,6 +87,7 @@ class SharedModelMemory:
         row[STUCK] = int(row[BLOCKED] and (self.draining or self.picked_up == self.version))
         row[DRAIN] = int(self.draining)
         row[EPOCH_END] = int(self.epoch_ended)
+        row[READY] = self.ready_buckets
         self.event = False
         return row
 
@@ -97,6 +101,7 @@ class SharedModelMemory:
             target.copy_(source)
         self.version += 1
         self.closing = False
+        self.ready_buckets = -1  # a new superstep opens: nothing of it is ready to push
         self.cond.notify_all()
 
     def fail(self, error: BaseException) -> None:

@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
@@ -34,7 +35,7 @@ from lightning_hier.bsp.engine import BSPEngine
 from lightning_hier.bsp.liveness import new_run_key
 from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
-from lightning_hier.topology import Topology, resolve_backend, validate_layout
+from lightning_hier.topology import Topology, emulating_cuda, resolve_backend, validate_layout
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,14 @@ class HierBSPStrategy(DDPStrategy):
             epoch's end (``None``: on when ``max_staleness >= 1``). The train loader is then unsized
             (the progress bar shows no total, ``trainer.estimated_stepping_batches`` is infinite);
             see ``lightning_hier.bsp.batch_claims``.
+        early_push: in plain BSP (``max_staleness=0`` with ``superstep_steps``), push each gradient
+            bucket of a worker's last micro-step of a superstep as soon as its gradients are in, while
+            backward goes on, instead of all after it (DDP's overlap, on the parameter server).
+            ``None`` (default): on there when training on CUDA, unless the LightningModule or a
+            callback overrides ``on_after_backward`` or ``on_before_optimizer_step`` (a hook that
+            changes gradients after backward would miss the buckets already pushed); off on CPU,
+            where the pushes take the cores backward runs on (measured slower, docs/hier_bsp.md).
+            Ignored in other modes.
 
     With ``max_staleness >= 1`` workers run different numbers of steps, so the training length must be
     in epochs (``max_epochs``; an epoch ends for everyone when the first worker runs out of batches),
@@ -86,6 +95,7 @@ class HierBSPStrategy(DDPStrategy):
         log_supersteps: bool = True,
         elementwise_optimizers: Sequence[str] = (),
         share_batches: bool | None = None,
+        early_push: bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -115,6 +125,7 @@ class HierBSPStrategy(DDPStrategy):
         self.log_supersteps = log_supersteps
         self.elementwise_optimizers = tuple(elementwise_optimizers)
         self.share_batches = self.settings.max_staleness > 0 if share_batches is None else bool(share_batches)
+        self.early_push = early_push
         self._claiming = False  # the train loader now in use draws from a ClaimingSampler
         self._loading_train_data = False
         self.topology: Topology | None = None
@@ -214,7 +225,26 @@ class HierBSPStrategy(DDPStrategy):
             bucket_cap_mb=self.bucket_cap_mb,
             timeout_s=timeout_s,
             elementwise_optimizers=self.elementwise_optimizers,
+            early_push=self._early_push_wanted(),
         )
+
+    def _early_push_wanted(self) -> bool:
+        """``early_push``, with ``None`` resolved: on CUDA, unless user code may change gradients after
+        backward (a CPU run that builds its groups as on CUDA, for the device-rule audit, counts as CUDA)."""
+        if self.early_push is not None:
+            return self.early_push
+        if self.root_device.type != "cuda" and not emulating_cuda():
+            return False
+        module = self.lightning_module
+        assert module is not None
+        hooks = ("on_after_backward", "on_before_optimizer_step")
+        callbacks = module.trainer.callbacks if module._trainer is not None else []
+        changes_gradients = any(is_overridden(hook, module) for hook in hooks) or any(
+            getattr(type(callback), hook) is not getattr(pl.Callback, hook)
+            for callback in callbacks
+            for hook in hooks
+        )
+        return not changes_gradients
 
     def _route_to_engine(self) -> None:
         """Gradient zeroing and clipping go to the engine: the optimizer belongs to the server thread."""
@@ -292,6 +322,7 @@ class HierBSPStrategy(DDPStrategy):
         model = model if model is not None else self.lightning_module
         assert isinstance(model, pl.LightningModule)
         # forward, backward and the hooks before the step; the step itself is the server's
+        self.engine.expect_last_backward()  # this closure's backward completes the micro-step
         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
         if self._in_step:
             self.engine.end_step(computed=result is not None)
@@ -325,6 +356,7 @@ class HierBSPStrategy(DDPStrategy):
                 "bsp/pull_s": record.pull_s,
                 "bsp/push_bytes": record.push_bytes,
                 "bsp/pull_bytes": record.pull_bytes,
+                "bsp/early_buckets": record.early_buckets,
             }
             metrics.update({f"bsp/micro_steps_rank{r}": n for r, n in enumerate(record.micro_steps)})
             for logger in trainer.loggers:

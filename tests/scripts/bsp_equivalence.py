@@ -22,29 +22,29 @@ from train_equivalence import STEP_COUNTS, initial_state, max_rel_diff, train  #
 from lightning_hier import HierBSPStrategy  # noqa: E402
 
 SCENARIOS: dict[str, dict] = {
-    "sgd_momentum_2x2": dict(model=dict(optimizer="sgd"), bsp=dict(devices_per_node=2)),
-    "adam_4x1": dict(model=dict(optimizer="adam"), bsp=dict(devices_per_node=1)),
+    "sgd_momentum_2x2": dict(model=dict(optimizer="sgd"), bsp=dict(devices_per_node=2, early_push=True)),
+    "adam_4x1": dict(model=dict(optimizer="adam"), bsp=dict(devices_per_node=1, early_push=True)),
     "adamw_groups_scheduler_clip_norm_accumulate": dict(
         model=dict(optimizer="adamw_groups", scheduler=True),
-        bsp=dict(devices_per_node=2),
+        bsp=dict(devices_per_node=2, early_push=True),
         trainer=dict(gradient_clip_val=0.05, accumulate_grad_batches=2),
     ),
     # a never-used Linear, a frozen one and a tied pair; SGD's weight decay would move the unused one
     "sgd_weight_decay_frozen_tied_unused": dict(
         model=dict(optimizer="sgd", quirks=True),
-        bsp=dict(devices_per_node=2),
+        bsp=dict(devices_per_node=2, early_push=True),
         ddp=dict(find_unused_parameters=True),
     ),
     # used in every third step only, in one bucket with always-used parameters: Adam's step count of
     # its own must advance only when it is used, as under ddp
     "adam_partly_used_one_bucket": dict(
         model=dict(optimizer="adam", partly_used=True),
-        bsp=dict(devices_per_node=2, bucket_cap_mb=25),
+        bsp=dict(devices_per_node=2, bucket_cap_mb=25, early_push=True),
         ddp=dict(find_unused_parameters=True),
     ),
-    "sgd_clip_value": dict(
+    "sgd_clip_value_no_early_push": dict(
         model=dict(optimizer="sgd"),
-        bsp=dict(devices_per_node=2),
+        bsp=dict(devices_per_node=2),  # early_push=None: off on CPU
         trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"),
     ),
 }
@@ -70,6 +70,8 @@ def main() -> None:
             "step_counts": {str(k): v for k, v in STEP_COUNTS[-2].items()},
             "step_counts_bsp": {str(k): v for k, v in STEP_COUNTS[-1].items()},
             "micro_steps": [r.micro_steps for r in strategy.engine.records],
+            "ready_buckets": [r.ready_buckets for r in strategy.engine.records],
+            "buckets": len(strategy.engine.buckets),
             "scheduler_before_optimizer_warnings": sum(
                 "before `optimizer.step()`" in str(w.message) for w in caught
             ),

@@ -96,8 +96,11 @@ def hybrid(out: Path) -> None:
     run.fit(resumed, hybrid_loader(), ckpt_path=str(out / "hybrid.ckpt"))
 
 
-def bsp(out: Path) -> None:
-    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
+def bsp(out: Path, max_staleness: int = 1) -> None:
+    # max_staleness=0 is plain BSP: there (on CUDA, as emulated here) buckets are pushed during backward
+    strategy = HierBSPStrategy(
+        superstep_steps=1, max_staleness=max_staleness, devices_per_node=2, bucket_cap_mb=0.002
+    )
     model = LoggedModel(optimizer="adam")
     checkpoint = ModelCheckpoint(dirpath=str(out / "ckpt"), monitor="val_loss", save_top_k=1)
     run = trainer(
@@ -105,6 +108,9 @@ def bsp(out: Path) -> None:
         callbacks=[checkpoint],
     )  # fmt: skip
     run.fit(model, loader(), loader())
+    if max_staleness == 0:  # the audit must have seen pushes during backward (early_push: on under CUDA)
+        ready = [r.ready_buckets for r in strategy.engine.records]
+        assert ready and all(r > 0 for r in ready), ready
     run.test(model, loader(), ckpt_path="best")
 
 
@@ -136,6 +142,8 @@ def main() -> None:
         hybrid(out)
     elif case == "bsp":
         bsp(out)
+    elif case == "bsp_plain":
+        bsp(out, max_staleness=0)
     elif case in ("pipeline_1f1b", "pipeline_gpipe"):
         pipeline(out, case.split("_")[1])
     else:
