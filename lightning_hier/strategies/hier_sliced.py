@@ -182,6 +182,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None
         self.tables = NodeTables()
+        self._table_exchange: Topology | None = None  # the tables' thread's own groups, built once
         self._buffers_changed = False
 
     # ------------------------------------------------------------------ environment
@@ -239,7 +240,9 @@ class HierSlicedStrategy(DDPStrategy):
         if self.tables:
             topology = self._groups()
             # the tables' exchanges run on a thread of their own, so on groups of their own
-            exchange = topology.build_groups(self._timeout, dedicated=True)
+            if self._table_exchange is None:
+                self._table_exchange = topology.build_groups(self._timeout, dedicated=True)
+            exchange = self._table_exchange
             self.tables.attach(
                 topology.intra_group,
                 topology.inter_group,
