@@ -82,6 +82,46 @@ def test_aggregate_knows_which_parameters_any_micro_step_used() -> None:
     assert aggregate.read_out().used == [0, 0, 0]  # a fresh superstep starts with none used
 
 
+def test_buckets_folded_ahead_count_once_and_the_micro_step_once() -> None:
+    aggregate = GradientAggregate([torch.zeros(2), torch.zeros(3)])
+    aggregate.fold([torch.ones(2), torch.ones(3)], version=0)
+    first, second = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])
+    aggregate.fold_bucket(0, first)  # the last micro-step's first bucket, pushed while backward runs
+    assert torch.equal(aggregate.sums[0], torch.tensor([2.0, 3.0]))
+    aggregate.fold([first, second], version=0, folded=1)
+    out = aggregate.read_out()
+    assert out.count == 2 and out.versions == [0, 0]
+    assert torch.equal(out.sums[0], torch.tensor([2.0, 3.0])) and torch.equal(out.sums[1], second + 1)
+
+
+def test_early_push_by_default_only_on_cuda_and_never_past_a_gradient_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lightning.pytorch as pl
+
+    import lightning_hier.strategies.hier_bsp as module
+
+    class Plain(pl.LightningModule):
+        pass
+
+    class ChangesGradients(pl.LightningModule):
+        def on_after_backward(self) -> None:
+            pass
+
+    def wanted(model: pl.LightningModule, **kwargs: object) -> bool:
+        strategy = HierBSPStrategy(superstep_steps=1, max_staleness=0, **kwargs)
+        strategy.parallel_devices = [torch.device("cpu")]
+        strategy._lightning_module = model
+        return strategy._early_push_wanted()
+
+    assert not wanted(Plain())  # CPU: the pushes would take backward's cores
+    assert wanted(Plain(), early_push=True)
+    monkeypatch.setattr(module, "emulating_cuda", lambda: True)  # as on CUDA
+    assert wanted(Plain())
+    assert not wanted(ChangesGradients())
+    assert not wanted(Plain(), early_push=False)
+
+
 def test_weighted_mean_counts_micro_steps_not_workers() -> None:
     # worker A folded 3 micro-steps of gradient 1.0, worker B one of gradient 5.0: the mean gradient
     # per micro-step is (3 + 5) / 4 = 2, not the per-worker average (1 + 5) / 2 = 3
