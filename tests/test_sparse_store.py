@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import struct
@@ -75,6 +76,21 @@ def test_row_wise_sgd_on_a_float32_table_equals_the_gather_update_scatter_path()
     half = torch.zeros(50, 4, dtype=torch.bfloat16)  # other storage dtypes round once, at the write
     RowOptimizer("sgd", half, {}, lr=0.1).step(rows, grads)
     assert torch.equal(half[rows], (-0.1 * grads).to(torch.bfloat16))
+
+
+def test_a_deep_copy_reads_the_same_table_and_syncs_nothing() -> None:
+    # a callback may keep a deepcopy of the LightningModule made after setup (an EMA of the weights)
+    table = HybridEmbedding(20, 4, mode="sum", optimizer="adagrad", lr=0.1)
+    table.attach(managed=True, jobs=TableJobs())
+    clone = copy.deepcopy(nn.Sequential(table))[0]
+    assert clone.weight.data_ptr() == table.weight.data_ptr()  # the node's table, not a second copy
+    assert clone._jobs is None and clone._intra_group is None and not clone._managed
+    ids = torch.tensor([[1, 5, 7]])
+    torch.testing.assert_close(clone(ids), table(ids))
+    with torch.no_grad():
+        table.weight[5] += 1.0  # an update of the table is seen by the copy
+    torch.testing.assert_close(clone(ids), table(ids))
+    table._jobs.close()
 
 
 def test_table_file_round_trip(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ autocast without ``hier_sliced`` (the loss scale is unknown to the table: use ``
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections.abc import Callable
@@ -503,6 +504,24 @@ class HybridEmbedding(nn.Module):
         for name, state_path in (state_paths or {}).items():
             if name in self.optimizer_state:
                 self.optimizer_state[name].copy_(map_table(state_path, writable=False))
+
+    def __deepcopy__(self, memo: dict) -> HybridEmbedding:
+        """A copy that reads the same node table (its shared memory is not duplicated) and syncs
+        nothing: what a callback that copies the model after setup gets (an EMA of the weights made
+        in ``on_fit_start``). Process groups, the tables' thread and the mailboxes stay with the
+        original (they cannot be copied)."""
+        for shared in (self._table, *self.optimizer_state.values(), self.index, self.row_optimizer):
+            if shared is not None:
+                memo[id(shared)] = shared
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        runtime = {
+            "_intra_group": None, "_inter_group": None, "_exchange_groups": None, "_jobs": None,
+            "_staging": None, "_managed": False, "_pending": [], "_synced": None, "_synced_step": False,
+        }  # fmt: skip
+        for key, value in self.__dict__.items():
+            clone.__dict__[key] = runtime[key] if key in runtime else copy.deepcopy(value, memo)
+        return clone
 
     def extra_repr(self) -> str:
         shape = f"{self.num_embeddings}, {self.embedding_dim}"
