@@ -70,6 +70,10 @@ def test_tables_survive_checkpoint_and_resume_bit_for_bit(results: dict) -> None
     ]
 
 
+def test_a_callbacks_copy_of_the_model_made_after_setup_reads_the_trained_table(results: dict) -> None:
+    assert results["shadow_reads_the_trained_table"]
+
+
 def test_training_under_ddp_is_refused_instead_of_a_table_that_never_trains(tmp_path: Path) -> None:
     run_torchrun("hybrid_under_ddp.py", 2, str(tmp_path / "out.json"))
     error = json.loads((tmp_path / "out.json").read_text())["error"]

@@ -5,6 +5,7 @@ Rank 0 writes JSON to argv[1]; argv[2] is a scratch directory.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -215,6 +216,24 @@ def main() -> None:
     trainer.save_checkpoint(hashed_ckpt)
     _, resumed = fit(hier(), hybrid=True, optimizer="adagrad", epochs=2, ckpt_path=hashed_ckpt, hashed=True)
     results["hashed_resume_bit_for_bit"] = bool(torch.equal(by_id(whole), by_id(resumed)))
+
+    # 6. a callback that copies the model once the strategy attached the tables (an EMA's shadow copy)
+    class ShadowCopy(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):  # noqa: ANN001, ANN201
+            self.shadow = copy.deepcopy(pl_module)
+
+    shadow = ShadowCopy()
+    pl.seed_everything(0, verbose=False)
+    model = Click(True, "sgd")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=4, strategy=HierSlicedStrategy(devices_per_node=2), max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[shadow],
+    )  # fmt: skip
+    trainer.fit(model, train_dataloaders=loader())
+    ids = torch.arange(VOCAB).view(3, BAG)
+    with torch.no_grad():  # the copy reads the node's trained table
+        results["shadow_reads_the_trained_table"] = bool(torch.equal(shadow.shadow.emb(ids), model.emb(ids)))
     if rank == 0:
         out.write_text(json.dumps(results, indent=2))
 
