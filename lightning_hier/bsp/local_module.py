@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_hier.bsp.aggregate import mean_scale
 from lightning_hier.bsp.controller import DEADLINE, EPOCH_END, INFLIGHT, READY, decide
 from lightning_hier.bsp.liveness import Heartbeat, describe_loss, lost_ranks, new_run_key
 from lightning_hier.bsp.server import ShardedParameterServer
@@ -162,7 +163,7 @@ class LocalBSPModule(threading.Thread):
         used_anywhere = torch.stack(gathered)[:, 3:].amax(dim=0)
         unused = torch.nonzero(used_anywhere == 0).flatten().tolist()
         push_bytes = self._early_bytes + self.server.push(out.sums, range(self._pushed, len(out.sums)))
-        self.server.scale(1.0 / sum(per_worker))
+        self.server.scale(mean_scale(sum(per_worker)))
         _sync(out.sums)
         early, early_s, ready = self._early, self._early_push_s, self._pushed
         self._pushed, self._early, self._early_push_s, self._early_bytes = 0, 0, 0.0, 0

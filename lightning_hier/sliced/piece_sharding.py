@@ -71,7 +71,7 @@ class PieceSharding(OptimizerSharding):
             piece.param.grad = None if piece.index in skipped else grad
 
     # ------------------------------------------------------------------ checkpoints
-    def _gathered_piece_states(self) -> tuple[dict[int, dict[str, Any]], dict[int, set[str]]]:
+    def _gathered_piece_states(self) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, torch.dtype]]]:
         """Every rank's scalar state and elementwise keys per parameter index (host objects)."""
         scalars: dict[int, dict[str, Any]] = {}
         elementwise: dict[int, dict[str, torch.dtype]] = {}
@@ -103,12 +103,13 @@ class PieceSharding(OptimizerSharding):
         state: dict[int, dict[str, Any]] = {}
         for b, bucket in enumerate(self.buckets):
             bucket_keys = {k: d for slot in bucket.slots for k, d in keys.get(slot.index, {}).items()}
+            bucket_pieces = [piece for piece in self.pieces if piece.bucket == b]
             for key, dtype in sorted(bucket_keys.items()):  # every rank walks the same keys
                 full = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
                 start = bucket.owned_range[0]
-                for piece in self.pieces:
+                for piece in bucket_pieces:
                     value = self.optimizer.state.get(piece.param, {}).get(key)
-                    if piece.bucket == b and value is not None:
+                    if value is not None:
                         full[start + piece.at : start + piece.at + value.numel()].copy_(value)
                 for work in all_gather_slices(full, bucket.bounds, self.intra_group):
                     work.wait()

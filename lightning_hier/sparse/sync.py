@@ -169,9 +169,10 @@ def release_from_leader(group: dist.ProcessGroup | None) -> None:
         work.wait()
 
 
-def _all_gather_varying(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[list[torch.Tensor]]:
-    """Every rank receives every rank's tensors (equal first dimension per rank, lengths differ
-    between ranks): lengths exchanged once, then one padded message of all tensors packed."""
+def _all_gather_varying(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank gets every rank's tensors (equal first dimension per rank, lengths differ between
+    ranks) concatenated in rank order: lengths exchanged once, then one padded message of all
+    tensors packed."""
     size = dist.get_world_size(group)
     packed = pack_rows(tensors)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
@@ -181,8 +182,7 @@ def _all_gather_varying(tensors: list[torch.Tensor], group: dist.ProcessGroup) -
     padded[: packed.shape[0]] = packed
     gathered = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(gathered, padded, group=group)
-    unpacked = [unpack_rows(g[:n], tensors) for g, n in zip(gathered, counts)]
-    return [[ranks_tensors[i] for ranks_tensors in unpacked] for i in range(len(tensors))]
+    return unpack_rows(torch.cat([g[:n] for g, n in zip(gathered, counts)]), tensors)
 
 
 def hierarchical_frequency_average(
@@ -229,5 +229,5 @@ def _average_across_nodes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if inter_group is not None and dist.get_world_size(inter_group) > 1:
         all_ids, all_counts, all_sums = _all_gather_varying([ids, count, summed], inter_group)
-        ids, summed, count = coalesce(torch.cat(all_ids), torch.cat(all_sums), torch.cat(all_counts))
+        ids, summed, count = coalesce(all_ids, all_sums, all_counts)
     return ids, summed / count.unsqueeze(1)
