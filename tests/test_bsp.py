@@ -346,6 +346,51 @@ def test_manual_optimization_is_refused_before_any_process_group(tmp_path: Path)
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize(
+    ("settings", "trainer_kwargs", "message"),
+    [
+        (dict(max_staleness=1), dict(max_steps=5), r"max_steps=5 with HierBSPStrategy\(max_staleness=1\)"),
+        (
+            dict(superstep_steps=None, superstep_seconds=0.1, max_staleness=0),
+            dict(max_epochs=1, val_check_interval=0.5),
+            r"val_check_interval=0.5 with HierBSPStrategy\(superstep_seconds=0.1\)",
+        ),
+        (
+            dict(max_staleness=2),
+            dict(max_epochs=1, checkpoint_every_n_train_steps=2),
+            r"every_n_train_steps.*max_staleness=2.*every_n_epochs",
+        ),
+    ],
+)
+def test_step_counted_settings_are_refused_when_workers_take_different_step_counts(
+    tmp_path: Path, settings: dict, trainer_kwargs: dict, message: str
+) -> None:
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from scripts.models import EquivModel, loader
+
+    every = trainer_kwargs.pop("checkpoint_every_n_train_steps", None)
+    callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every)] if every else []
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=HierBSPStrategy(**settings), logger=False,
+        enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
+        default_root_dir=tmp_path, **trainer_kwargs,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(EquivModel(), train_dataloaders=loader(), val_dataloaders=loader())
+    assert not dist.is_initialized()
+
+
+def test_only_step_counted_supersteps_without_staleness_run_workers_in_lockstep() -> None:
+    assert BSPSettings(superstep_steps=2, max_staleness=0).lockstep
+    assert not BSPSettings(superstep_steps=2, max_staleness=1).lockstep
+    # by time, a faster worker folds more micro-steps into each superstep even without staleness
+    assert not BSPSettings(superstep_steps=None, superstep_seconds=0.5, max_staleness=0).lockstep
+    assert HierBSPStrategy(superstep_steps=None, superstep_seconds=0.5, max_staleness=0).share_batches
+    assert not HierBSPStrategy(superstep_steps=1, max_staleness=0).share_batches
+
+
 # ---------------------------------------------------------------------- strategy: asynchronous, resumed
 @pytest.fixture(scope="module")
 def lightning_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -354,7 +399,7 @@ def lightning_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("scenario", ["straggler", "fixed_shards"])
+@pytest.mark.parametrize("scenario", ["straggler", "fixed_shards", "timed"])
 def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results: dict, scenario: str) -> None:
     import csv
 
@@ -364,12 +409,17 @@ def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results:
     applied = [sum(int(float(r[f"bsp/micro_steps_rank{w}"])) for r in rows) for w in range(4)]
     assert applied == result["computed"]  # every optimizer step a worker took reached the server
     assert sum(int(float(r["bsp/micro_steps"])) for r in rows) == sum(result["computed"])
-    assert max(float(r["bsp/staleness_max"]) for r in rows) <= 1
+    worst = max(float(r["bsp/staleness_max"]) for r in rows)
+    assert worst == 0 if scenario == "timed" else worst <= 1
     fast, slow = result["computed"][:3], result["computed"][3]
     assert slow < 0.8 * min(fast), result["computed"]  # the others went on without it
     assert all(float(r["bsp/push_bytes"]) > 0 and float(r["bsp/pull_s"]) >= 0 for r in rows)
     assert result["same_model_everywhere"]
-    if scenario == "straggler":  # shared batches: the fast workers took the straggler's share
+    if scenario != "straggler":  # validated at both epoch ends on every rank, however many steps each took
+        assert result["validations"] == [2] * 4, result
+    if scenario == "timed":  # a superstep where the fast workers folded more than the straggler
+        assert any(float(r["bsp/micro_steps_rank0"]) > float(r["bsp/micro_steps_rank3"]) for r in rows)
+    if scenario != "fixed_shards":  # shared batches: the fast workers took the straggler's share
         assert result["each_sample_once_per_epoch"], result["samples"]
         assert sum(result["samples"]) == 2 * 512, result  # nobody idled at an epoch's end: no batch dropped
         assert min(fast) > 2 * 512 / 4 / 8, result  # each fast worker trained on more than a quarter

@@ -53,7 +53,7 @@ class BSPEngine:
     ) -> None:
         check_optimizer(optimizer, elementwise_optimizers)
         # plain BSP only: there a worker's last micro-step of a superstep is known before its backward
-        self.early_push = early_push and settings.max_staleness == 0 and settings.quota is not None
+        self.early_push = early_push and settings.lockstep
         self.settings = settings
         self.topology = topology
         self.timeout_s = timeout_s

@@ -48,6 +48,13 @@ class BSPSettings:
             raise ValueError(f"max_staleness must be an integer >= 0, got {staleness!r}.")
 
     @property
+    def lockstep(self) -> bool:
+        """Whether every worker takes the same number of micro-steps per superstep (``max_staleness=0``
+        with ``superstep_steps``). Otherwise a faster worker takes more, so workers reach a given step
+        number at different times and run out of a fixed share of batches at different times."""
+        return self.max_staleness == 0 and self.superstep_steps is not None
+
+    @property
     def quota(self) -> int | None:
         """Micro-steps a worker may fold into one superstep before it waits (``None``: no count limit)."""
         if self.superstep_steps is None:

@@ -66,7 +66,8 @@ class HierBSPStrategy(DDPStrategy):
             you vouch is elementwise (the server shards it by flat slices).
         share_batches: workers take the epoch's batches from one shared counter instead of a fixed
             ``1/world_size`` each, so a faster worker trains on more of them and nobody idles at the
-            epoch's end (``None``: on when ``max_staleness >= 1``). The train loader is then unsized
+            epoch's end (``None``: on unless workers run in lockstep, i.e. with ``max_staleness=0`` and
+            ``superstep_steps``). The train loader is then unsized
             (the progress bar shows no total, ``trainer.estimated_stepping_batches`` is infinite);
             see ``lightning_hier.bsp.batch_claims``.
         early_push: in plain BSP (``max_staleness=0`` with ``superstep_steps``), push each gradient
@@ -78,7 +79,9 @@ class HierBSPStrategy(DDPStrategy):
             where the pushes take the cores backward runs on (measured slower, docs/hier_bsp.md).
             Ignored in other modes.
 
-    With ``max_staleness >= 1`` workers run different numbers of steps, so the training length must be
+    Unless workers run in lockstep (``max_staleness=0`` with ``superstep_steps``: with ``max_staleness >= 1``
+    or ``superstep_seconds`` a faster worker takes more steps) workers run different numbers of steps, so
+    the training length must be
     in epochs (``max_epochs``; an epoch ends for everyone when the first worker runs out of batches),
     and checkpoints and validation happen at epoch ends. See ``docs/hier_bsp.md``.
     """
@@ -124,7 +127,7 @@ class HierBSPStrategy(DDPStrategy):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.log_supersteps = log_supersteps
         self.elementwise_optimizers = tuple(elementwise_optimizers)
-        self.share_batches = self.settings.max_staleness > 0 if share_batches is None else bool(share_batches)
+        self.share_batches = not self.settings.lockstep if share_batches is None else bool(share_batches)
         self.early_push = early_push
         self._claiming = False  # the train loader now in use draws from a ClaimingSampler
         self._loading_train_data = False
@@ -163,29 +166,34 @@ class HierBSPStrategy(DDPStrategy):
                 "'bf16-mixed' or '32-true'."
             )
         trainer = module._trainer
-        if trainer is None or self.settings.max_staleness == 0:
+        if trainer is None or self.settings.lockstep:
             return
+        mode, lockstep = self._uneven_mode(), "use max_staleness=0 with superstep_steps"
         if trainer.max_steps not in (-1, None):
             raise ValueError(
-                f"max_steps={trainer.max_steps} with HierBSPStrategy(max_staleness="
-                f"{self.settings.max_staleness}): workers run different numbers of steps, so give the "
-                "training length as max_epochs (or use max_staleness=0)."
+                f"max_steps={trainer.max_steps} with HierBSPStrategy({mode}): workers run different numbers "
+                f"of steps, so give the training length as max_epochs (or {lockstep})."
             )
         if trainer.val_check_interval != 1.0 or trainer.check_val_every_n_epoch is None:
             raise ValueError(
-                f"val_check_interval={trainer.val_check_interval!r} with HierBSPStrategy(max_staleness="
-                f"{self.settings.max_staleness}): validation must run at epoch ends, where every worker "
-                "has the same model (or use max_staleness=0)."
+                f"val_check_interval={trainer.val_check_interval!r} with HierBSPStrategy({mode}): validation "
+                f"must run at epoch ends, where every worker has the same model (or {lockstep})."
             )
         for callback in trainer.callbacks:
             if isinstance(callback, ModelCheckpoint) and (
                 callback._every_n_train_steps or callback._train_time_interval
             ):
                 raise ValueError(
-                    "ModelCheckpoint(every_n_train_steps/train_time_interval) with HierBSPStrategy("
-                    f"max_staleness={self.settings.max_staleness}): workers reach a step number at different "
-                    "times; save per epoch (every_n_epochs) or use max_staleness=0."
+                    f"ModelCheckpoint(every_n_train_steps/train_time_interval) with HierBSPStrategy({mode}): "
+                    f"workers reach a step number at different times; save per epoch (every_n_epochs) or "
+                    f"{lockstep}."
                 )
+
+    def _uneven_mode(self) -> str:
+        """The setting that lets workers take different numbers of steps, for error messages."""
+        if self.settings.max_staleness > 0:
+            return f"max_staleness={self.settings.max_staleness}"
+        return f"superstep_seconds={self.settings.superstep_seconds}"
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer) -> None:
@@ -205,7 +213,7 @@ class HierBSPStrategy(DDPStrategy):
             self._route_to_engine()
             _without_step_broadcast(trainer)
             self._mark_train_loading(trainer)
-            if self.settings.max_staleness > 0:
+            if not self.settings.lockstep:
                 _validate_at_every_epoch_end(trainer)
 
     def _build_engine(self) -> None:

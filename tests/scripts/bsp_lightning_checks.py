@@ -6,7 +6,11 @@
   slower), two epochs, a CSVLogger in ``OUT_DIR/logs``. Each rank reports the optimizer steps it
   computed and the samples it trained on; the test reads the per-superstep metrics back from the CSV.
   Batches are shared (the default): the straggler should take fewer. ``fixed_shards``: the same with
-  ``share_batches=False`` (each worker its own quarter; an epoch ends for all when one runs out).
+  ``share_batches=False`` (each worker its own quarter; an epoch ends for all when one runs out), and a
+  validation loop with a ``sync_dist`` metric at every epoch end: a worker whose epoch ended with the
+  others' must validate too, or the ranks' collectives do not pair up (hung before the fix).
+- ``timed``: ``superstep_seconds=0.05, max_staleness=0`` with the same straggler and validation: no
+  gradient is ever stale, yet the fast workers fold more micro-steps per superstep than the straggler.
 - ``resume``: plain BSP (``superstep_steps=1, max_staleness=0``), Adam: two epochs in one run against
   one epoch, a checkpoint, and the second epoch resumed from it; also the checkpoint loaded into
   a bare module.
@@ -51,12 +55,28 @@ def trainer(strategy: HierBSPStrategy, root: Path, **kwargs) -> pl.Trainer:  # n
     )  # fmt: skip
 
 
-def straggler(out: Path, share_batches: bool = True, epochs: int = 2) -> dict:
+class Validated(EquivModel):
+    """``EquivModel`` with a validation loop whose ``sync_dist`` metric needs every rank at each epoch end."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.validations = 0
+
+    def validation_step(self, batch, batch_idx) -> None:  # noqa: ANN001
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self.validations += 0 if self.trainer.sanity_checking else 1
+
+
+def straggler(
+    out: Path, share_batches: bool | None = None, epochs: int = 2, validate: bool = False, **settings: object
+) -> dict:
     pl.seed_everything(7, verbose=False)
-    model = EquivModel(optimizer="sgd")
+    model = Validated() if validate else EquivModel(optimizer="sgd")
     strategy = HierBSPStrategy(
-        superstep_steps=1,
-        max_staleness=1,
+        **(settings or {"superstep_steps": 1, "max_staleness": 1}),
         devices_per_node=2,
         bucket_cap_mb=0.002,
         share_batches=share_batches,
@@ -67,7 +87,9 @@ def straggler(out: Path, share_batches: bool = True, epochs: int = 2) -> dict:
         enable_checkpointing=False, callbacks=[slow], log_every_n_steps=1,
     )  # fmt: skip
     data = loader(n=512)
-    run.fit(model, train_dataloaders=data)
+    run.fit(model, train_dataloaders=data, val_dataloaders=loader(n=64) if validate else None)
+    validations = [None] * dist.get_world_size()
+    dist.all_gather_object(validations, getattr(model, "validations", 0))
     steps = [None] * dist.get_world_size()
     dist.all_gather_object(steps, run.global_step)
     seen = [None] * dist.get_world_size()
@@ -83,6 +105,7 @@ def straggler(out: Path, share_batches: bool = True, epochs: int = 2) -> dict:
         "same_model_everywhere": all(torch.equal(s, states[0]) for s in states),
         "samples": [len(s) for s in seen],
         "each_sample_once_per_epoch": sorted(x for s in seen for x in s) == every,
+        "validations": validations,
     }
 
 
@@ -115,7 +138,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     results = {
         "straggler": straggler(out / "straggler"),
-        "fixed_shards": straggler(out / "fixed", share_batches=False, epochs=1),
+        "fixed_shards": straggler(out / "fixed", share_batches=False, validate=True),
+        "timed": straggler(
+            out / "timed", validate=True, superstep_steps=None, superstep_seconds=0.05, max_staleness=0
+        ),
         "resume": resume(out / "resume"),
     }
     if dist.get_rank() == 0:
