@@ -44,7 +44,11 @@ def make_strategy(c: dict[str, Any]) -> Any:
     if c["contender"] == "hier_bsp":
         steps, seconds = c["superstep_steps"] or None, c["superstep_seconds"] or None
         return HierBSPStrategy(
-            superstep_steps=steps, superstep_seconds=seconds, max_staleness=c["max_staleness"]
+            superstep_steps=steps,
+            superstep_seconds=seconds,
+            max_staleness=c["max_staleness"],
+            fill_idle=c["fill_idle"],
+            gradient_average=c["gradient_average"],
         )
     if c["contender"] == "ddp":
         return DDPStrategy()

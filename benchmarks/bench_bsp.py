@@ -45,6 +45,8 @@ OPTIONS = """
 --superstep-steps  int    1     hier_bsp: superstep_steps (0: use --superstep-seconds)
 --superstep-seconds float 0     hier_bsp: superstep_seconds (with --superstep-steps 0)
 --max-staleness    int    1     hier_bsp: max_staleness
+--fill-idle        int    0     hier_bsp: fill_idle (extra micro-steps; needs --max-staleness 0)
+--gradient-average str    folded  hier_bsp: gradient_average (folded or nominal)
 --start-local-sgd  int    8     post_local_sgd: start_localSGD_iter (steps of global gradient all-reduce)
 --averaging-period int    4     post_local_sgd: model_averaging_period
 --local-sgd-group  int    1     post_local_sgd: ranks per gradient all-reduce subgroup after that
@@ -83,7 +85,7 @@ def run_once(args: argparse.Namespace, contender: str, scenario: str, attempt: i
     """One job; rank 0's times and val_acc, the samples of all ranks."""
     names = ("target_acc", "max_epochs", "batch_size", "seed", "hidden", "lr", "momentum", "superstep_steps")
     config = jobs.pick(args, *names, "superstep_seconds", "max_staleness", "start_local_sgd")
-    config.update(jobs.pick(args, "averaging_period", "local_sgd_group"))
+    config.update(jobs.pick(args, "averaging_period", "local_sgd_group", "fill_idle", "gradient_average"))
     straggler = STRAGGLER_RANK if scenario == "straggler" else None
     config.update(contender=contender, straggler=straggler, hang_s=max(args.timeout - 30, 10))
     if scenario == "even":  # a fixed length: final accuracies after the same samples

@@ -11,17 +11,21 @@ import torch
 from helpers import run_torchrun
 from scripts.bsp_equivalence import SCENARIOS
 
-from lightning_hier.bsp.aggregate import GradientAggregate, mean_scale
+from lightning_hier.bsp.aggregate import GradientAggregate
 from lightning_hier.bsp.controller import (
     BLOCKED,
     DEADLINE,
     DRAIN,
+    ELAPSED_MS,
     FOLDED,
     INFLIGHT,
     ROW,
+    STEP_MS,
     STUCK,
+    TickDecision,
     decide,
     safe_to_close,
+    slowest_remaining_s,
 )
 from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.strategies.hier_bsp import HierBSPStrategy
@@ -41,6 +45,18 @@ from lightning_hier.strategies.hier_bsp import HierBSPStrategy
         (dict(superstep_steps=None, superstep_seconds=-1.0), "superstep_seconds must be a positive"),
         (dict(superstep_steps=None, superstep_seconds=float("nan")), "superstep_seconds must be a positive"),
         (dict(max_staleness=-1), "max_staleness must be an integer >= 0, got -1"),
+        (dict(max_staleness=1, fill_idle=1), "fill_idle needs max_staleness=0 and superstep_steps"),
+        (
+            dict(superstep_steps=None, superstep_seconds=1.0, max_staleness=0, fill_idle=1),
+            "fill_idle needs max_staleness=0 and superstep_steps",
+        ),
+        (dict(max_staleness=0, fill_idle=-1), "fill_idle must be an integer >= 0"),
+        (dict(max_staleness=0, fill_idle=True), "fill_idle must be an integer >= 0"),
+        (dict(gradient_average="sum"), "gradient_average must be one of"),
+        (
+            dict(superstep_steps=None, superstep_seconds=1.0, gradient_average="nominal"),
+            "gradient_average='nominal' divides by superstep_steps x world_size",
+        ),
     ],
 )
 def test_bad_settings_name_the_setting(kwargs: dict, names: str) -> None:
@@ -126,10 +142,19 @@ def test_weighted_mean_counts_micro_steps_not_workers() -> None:
     # worker A folded 3 micro-steps of gradient 1.0, worker B one of gradient 5.0: the mean gradient
     # per micro-step is (3 + 5) / 4 = 2, not the per-worker average (1 + 5) / 2 = 3
     sums = {"a": torch.tensor([3.0]), "b": torch.tensor([5.0])}
-    scale = mean_scale(3 + 1)
+    scale = 1.0 / BSPSettings(superstep_steps=1).gradient_divisor(3 + 1, world_size=2)
     assert torch.allclose(sums["a"] * scale + sums["b"] * scale, torch.tensor([2.0]))
     with pytest.raises(ValueError, match="at least one micro-step"):
-        mean_scale(0)
+        BSPSettings().gradient_divisor(0, world_size=2)
+
+
+def test_nominal_average_weighs_each_micro_step_as_one_ddp_step() -> None:
+    # superstep_steps=2 on 4 workers: ddp would average 8 steps; 11 folded (fast workers filled) make
+    # an update 11/8 of a ddp step's, 5 (a drain) 5/8 of one
+    nominal = BSPSettings(superstep_steps=2, max_staleness=0, fill_idle=1, gradient_average="nominal")
+    assert nominal.gradient_divisor(11, world_size=4) == 8
+    assert nominal.gradient_divisor(5, world_size=4) == 8
+    assert BSPSettings(superstep_steps=2, max_staleness=0).gradient_divisor(11, world_size=4) == 11
 
 
 # ---------------------------------------------------------------------- controller rules
@@ -153,6 +178,34 @@ def test_plain_bsp_closes_only_when_every_worker_folded_its_step() -> None:
     assert decide(waiting, settings, version=3).close is False
     done = [row(1, blocked=True)] * 3
     assert decide(done, settings, version=3).close is True
+
+
+def timed_row(folded: int, in_flight: int, step_ms: int, elapsed_ms: int) -> list[int]:
+    r = row(folded, in_flight=in_flight)
+    r[STEP_MS], r[ELAPSED_MS] = step_ms, elapsed_ms
+    return r
+
+
+def test_fill_idle_closes_when_every_worker_folded_its_share_and_fills_until_the_slowest_ends() -> None:
+    settings = BSPSettings(superstep_steps=1, max_staleness=0, fill_idle=2)
+    # two fast workers filled (2 + 2 folded, more than superstep_steps x world = 3) but the slow one
+    # has not folded its step yet: not due (without fill_idle the total alone would close it)
+    rows = [timed_row(2, -1, 10, -1), timed_row(2, 7, 10, 4), timed_row(0, 7, 50, 20)]
+    assert decide(rows, settings, version=7) == TickDecision()  # neither close nor closing
+    assert decide(rows, BSPSettings(superstep_steps=1, max_staleness=0), version=7).closing
+    # the slow worker, which still owes its step, is expected for 50 - 20 ms more; a filling worker
+    # (already at its share) does not extend the window
+    assert slowest_remaining_s(rows, settings, version=7) == pytest.approx(0.030)
+    rows[1] = timed_row(2, 7, 90, 1)
+    assert slowest_remaining_s(rows, settings, version=7) == pytest.approx(0.030)
+    # unknown step time, another model, or overdue: no window
+    assert slowest_remaining_s([timed_row(0, 7, 0, 20)], settings, version=7) == 0
+    assert slowest_remaining_s([timed_row(0, 6, 50, 20)], settings, version=7) == 0
+    assert slowest_remaining_s([timed_row(0, 7, 50, 80)], settings, version=7) == 0
+    done = [timed_row(3, -1, 10, -1), timed_row(1, -1, 10, -1), timed_row(1, -1, 50, -1)]
+    for r in done:
+        r[BLOCKED] = r[STUCK] = 1
+    assert decide(done, settings, version=7).close
 
 
 def test_staleness_bound_holds_the_close_for_a_slow_worker() -> None:
@@ -298,6 +351,23 @@ def test_supersteps_by_the_controllers_clock(engine_results: dict) -> None:
     assert max(r["micro_steps"][0] for r in records) >= 2
     assert computed[3] < computed[0]
     assert result["same_model_everywhere"]
+
+
+def test_fill_idle_keeps_gradients_fresh_and_each_micro_step_weighs_a_ddp_step(engine_results: dict) -> None:
+    result = engine_results["fill"]
+    computed, records = result["computed"], result["records"]
+    assert [sum(r["micro_steps"][w] for r in records) for w in range(4)] == computed  # none lost
+    assert all(r["max_staleness"] == 0 for r in records)
+    # while the slow worker computed its step, fast ones filled: up to 1 + fill_idle micro-steps each
+    assert any(r["micro_steps"][0] > r["micro_steps"][3] for r in records), records
+    assert all(max(r["micro_steps"]) <= 3 for r in records), records
+    assert computed[3] < 0.7 * min(computed[:3]), computed
+    # hand-computed: plain SGD, lr 0.05, every gradient 1, each superstep divided by 1 x 4 workers
+    expected = 0.05 * sum(computed) / 4
+    assert result["moved_min"] == pytest.approx(expected, rel=1e-5)
+    assert result["moved_max"] == pytest.approx(expected, rel=1e-5)
+    # the mean over folded micro-steps would have moved lr x supersteps instead, visibly less here
+    assert 0.05 * len(records) < 0.8 * expected
 
 
 # ---------------------------------------------------------------------- strategy against ddp

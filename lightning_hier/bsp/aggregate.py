@@ -88,10 +88,3 @@ class GradientAggregate:
             tensor.zero_()
         self._spare = out.sums
 
-
-def mean_scale(total_count: int) -> float:
-    """The factor each worker's sums are multiplied by before the job-wide sum, so that the sum is the
-    mean gradient per micro-step over the whole job."""
-    if total_count < 1:
-        raise ValueError(f"a superstep needs at least one micro-step, got {total_count}.")
-    return 1.0 / total_count

@@ -24,7 +24,9 @@ DEADLINE = 4  # rank 0 only: 1 once superstep_seconds have passed since the supe
 EPOCH_END = 5  # 1: the worker ran out of batches (every worker then ends its epoch)
 STUCK = 6  # 1: blocked even with the newest model picked up (drained, or at its quota since that model)
 READY = 7  # in the worker's last micro-step of a plain-BSP superstep: buckets folded so far; else -1
-ROW = 8
+STEP_MS = 8  # the worker's recent micro-step time (start to start, waits excluded), ms; 0 unknown
+ELAPSED_MS = 9  # ms since the worker started its micro-step in flight; -1 between micro-steps
+ROW = 10
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,9 @@ def decide(rows: Sequence[Sequence[int]], settings: BSPSettings, version: int) -
     if all(row[DRAIN] for row in rows):
         in_flight = any(row[INFLIGHT] >= 0 for row in rows)
         return TickDecision(close=folded > 0 and not in_flight, pause=not in_flight)
-    if settings.superstep_steps is not None:
+    if settings.fill_idle:  # every worker folded its share; the faster ones may have folded more
+        due = all(row[FOLDED] >= settings.superstep_steps for row in rows)
+    elif settings.superstep_steps is not None:
         due = folded >= settings.superstep_steps * len(rows)
     else:
         due = bool(rows[0][DEADLINE]) and folded > 0
@@ -82,3 +86,20 @@ def safe_to_close(rows: Sequence[Sequence[int]], version: int, max_staleness: in
         if version + 1 - source > max_staleness:
             return False
     return True
+
+
+def slowest_remaining_s(rows: Sequence[Sequence[int]], settings: BSPSettings, version: int) -> float:
+    """How long, in seconds from when ``rows`` were taken, the slowest worker that still owes its
+    ``superstep_steps`` micro-steps from model ``version`` is expected to compute (``fill_idle``);
+    0 when none does or its step time is not known yet.
+
+    A worker at its quota may start another micro-step from the same model if it expects to finish
+    within this: the superstep cannot close before that worker's micro-step is folded anyway.
+    """
+    owed = settings.superstep_steps or 0
+    remaining_ms = [
+        row[STEP_MS] - row[ELAPSED_MS]
+        for row in rows
+        if row[INFLIGHT] == version and row[FOLDED] < owed and row[STEP_MS] > 0 and row[ELAPSED_MS] >= 0
+    ]
+    return max(max(remaining_ms, default=0), 0) / 1000.0

@@ -13,6 +13,7 @@ parameters (epoch ends, validation, checkpoints, exit: the same model on every r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -135,6 +136,7 @@ class BSPEngine:
         memory = self.memory
         with memory.cond:
             memory.raise_if_failed()
+            memory.time_steps(time.monotonic(), starting=False)
             if memory.paused:
                 memory.paused = memory.draining = memory.epoch_ended = memory.peer_epoch_ended = False
                 memory.notify()
@@ -145,6 +147,7 @@ class BSPEngine:
                 memory.wait(self.timeout_s, "new model from the parameter server")
             memory.in_flight = memory.picked_up
             memory.started_since_pickup += 1
+            memory.time_steps(time.monotonic(), starting=True)
         self.zero_grad()
 
     @torch.no_grad()

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_hier.bsp.aggregate import mean_scale
-from lightning_hier.bsp.controller import DEADLINE, EPOCH_END, INFLIGHT, READY, decide
+from lightning_hier.bsp.controller import DEADLINE, EPOCH_END, INFLIGHT, READY, decide, slowest_remaining_s
 from lightning_hier.bsp.liveness import Heartbeat, describe_loss, lost_ranks, new_run_key
 from lightning_hier.bsp.server import ShardedParameterServer
 from lightning_hier.bsp.settings import BSPSettings
@@ -120,11 +119,16 @@ class LocalBSPModule(threading.Thread):
                 memory.peer_epoch_ended = memory.peer_epoch_ended or any(r[EPOCH_END] for r in table)
                 if decision.closing:
                     memory.closing = True
+                if self.settings.fill_idle:  # a worker waiting at its quota may now start another
+                    memory.fill_until = time.monotonic() + slowest_remaining_s(table, self.settings, version)
+                    memory.fill_version = version
+                    memory.cond.notify_all()
             ready = min(r[READY] for r in table)  # -1 unless every worker is in its last micro-step
             if ready > self._pushed:
                 self._push_early(ready, during_backward=busy)
             if decision.close:
                 self._close(version + 1)
+
             if decision.pause and not self._pause():
                 return
 
@@ -163,7 +167,7 @@ class LocalBSPModule(threading.Thread):
         used_anywhere = torch.stack(gathered)[:, 3:].amax(dim=0)
         unused = torch.nonzero(used_anywhere == 0).flatten().tolist()
         push_bytes = self._early_bytes + self.server.push(out.sums, range(self._pushed, len(out.sums)))
-        self.server.scale(mean_scale(sum(per_worker)))
+        self.server.scale(1.0 / self.settings.gradient_divisor(sum(per_worker), len(per_worker)))
         _sync(out.sums)
         early, early_s, ready = self._early, self._early_push_s, self._pushed
         self._pushed, self._early, self._early_push_s, self._early_bytes = 0, 0, 0.0, 0

@@ -17,7 +17,18 @@ from collections.abc import Sequence
 import torch
 
 from lightning_hier.bsp.aggregate import GradientAggregate, ReadOut
-from lightning_hier.bsp.controller import BLOCKED, DRAIN, EPOCH_END, FOLDED, INFLIGHT, READY, ROW, STUCK
+from lightning_hier.bsp.controller import (
+    BLOCKED,
+    DRAIN,
+    ELAPSED_MS,
+    EPOCH_END,
+    FOLDED,
+    INFLIGHT,
+    READY,
+    ROW,
+    STEP_MS,
+    STUCK,
+)
 from lightning_hier.bsp.settings import BSPSettings
 
 
@@ -52,6 +63,14 @@ class SharedModelMemory:
         # buckets of the superstep's last micro-step already folded, while the worker is in it (the
         # local module may push those before the close); -1 otherwise
         self.ready_buckets = -1
+        # the worker's micro-step time (start to start, waits excluded; an average of the recent ones)
+        # and when its micro-step in flight started (time.monotonic())
+        self.step_s = 0.0
+        self.started_at: float | None = None
+        # fill_idle: until when (time.monotonic()) a slower worker is expected to compute from model
+        # fill_version, as the local module last heard
+        self.fill_until = 0.0
+        self.fill_version = -1
 
     # ------------------------------------------------------------------ worker side (main thread)
     def blocked(self) -> bool:
@@ -59,9 +78,30 @@ class SharedModelMemory:
         quota = self.settings.quota
         return (
             self.draining
-            or (quota is not None and self.started_since_pickup >= quota)
+            or (quota is not None and self.started_since_pickup >= quota and not self._may_fill())
             or (self.settings.max_staleness == 0 and self.closing)
         )
+
+    def _may_fill(self) -> bool:
+        """``fill_idle``: another micro-step from the newest model is allowed and would end before a
+        slower worker's."""
+        return (
+            self.started_since_pickup < (self.settings.quota or 0) + self.settings.fill_idle
+            and self.step_s > 0
+            and self.picked_up == self.version == self.fill_version
+            and time.monotonic() + self.step_s <= self.fill_until
+        )
+
+    def time_steps(self, now: float, starting: bool) -> None:
+        """Before a micro-step: ``now`` ends the previous one's cycle (unless the worker was paused in
+        between); ``starting``: the new one starts now (after any wait)."""
+        if starting:
+            self.started_at = now
+            return
+        if self.started_at is not None and not self.paused:
+            cycle = now - self.started_at
+            self.step_s = cycle if self.step_s == 0 else 0.7 * self.step_s + 0.3 * cycle
+        self.started_at = None
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -88,6 +128,9 @@ class SharedModelMemory:
         row[DRAIN] = int(self.draining)
         row[EPOCH_END] = int(self.epoch_ended)
         row[READY] = self.ready_buckets
+        row[STEP_MS] = round(self.step_s * 1000)
+        started = self.started_at if self.in_flight >= 0 else None
+        row[ELAPSED_MS] = -1 if started is None else round((time.monotonic() - started) * 1000)
         self.event = False
         return row
 

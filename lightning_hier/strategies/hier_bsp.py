@@ -78,6 +78,17 @@ class HierBSPStrategy(DDPStrategy):
             changes gradients after backward would miss the buckets already pushed); off on CPU,
             where the pushes take the cores backward runs on (measured slower, docs/hier_bsp.md).
             Ignored in other modes.
+        fill_idle: with ``max_staleness=0`` and ``superstep_steps``: a worker that has folded its
+            ``superstep_steps`` and would wait for a slower worker computes up to this many more
+            micro-steps from the same model, each if it expects to finish before that worker (from
+            recent step times). Gradients
+            stay fresh and equally fast workers still fold the same number, but a straggler no longer
+            idles the others; workers then take different numbers of steps (as with
+            ``max_staleness >= 1``: shared batches, epoch-based length and checkpoints).
+        gradient_average: ``"folded"`` (default): the server steps with the mean gradient per micro-step
+            folded into the superstep. ``"nominal"``: the sum divided by ``superstep_steps x world_size``,
+            so each micro-step weighs what one worker's step weighs in ``ddp`` and a superstep that
+            holds more micro-steps (``fill_idle``) takes a proportionally larger step.
 
     Unless workers run in lockstep (``max_staleness=0`` with ``superstep_steps``: with ``max_staleness >= 1``
     or ``superstep_seconds`` a faster worker takes more steps) workers run different numbers of steps, so
@@ -99,6 +110,8 @@ class HierBSPStrategy(DDPStrategy):
         elementwise_optimizers: Sequence[str] = (),
         share_batches: bool | None = None,
         early_push: bool | None = None,
+        fill_idle: int = 0,
+        gradient_average: Literal["folded", "nominal"] = "folded",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -108,7 +121,9 @@ class HierBSPStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.settings = BSPSettings(superstep_steps, superstep_seconds, max_staleness)
+        self.settings = BSPSettings(
+            superstep_steps, superstep_seconds, max_staleness, fill_idle, gradient_average
+        )
         if devices_per_node is not None:
             validate_layout(devices_per_node, devices_per_node)
         if not bucket_cap_mb > 0:
@@ -168,7 +183,7 @@ class HierBSPStrategy(DDPStrategy):
         trainer = module._trainer
         if trainer is None or self.settings.lockstep:
             return
-        mode, lockstep = self._uneven_mode(), "use max_staleness=0 with superstep_steps"
+        mode, lockstep = self._uneven_mode(), "use max_staleness=0 with superstep_steps and no fill_idle"
         if trainer.max_steps not in (-1, None):
             raise ValueError(
                 f"max_steps={trainer.max_steps} with HierBSPStrategy({mode}): workers run different numbers "
@@ -193,6 +208,8 @@ class HierBSPStrategy(DDPStrategy):
         """The setting that lets workers take different numbers of steps, for error messages."""
         if self.settings.max_staleness > 0:
             return f"max_staleness={self.settings.max_staleness}"
+        if self.settings.fill_idle:
+            return f"fill_idle={self.settings.fill_idle}"
         return f"superstep_seconds={self.settings.superstep_seconds}"
 
     # ------------------------------------------------------------------ setup

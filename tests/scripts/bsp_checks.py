@@ -11,6 +11,10 @@
   staleness), so the test can check that nothing was lost and the bound held.
 - ``timed``: the same with ``superstep_seconds=0.1, max_staleness=0`` (supersteps by the controller's
   clock; every gradient applied in the superstep right after its model).
+- ``fill``: ``superstep_steps=1, max_staleness=0, fill_idle=2, gradient_average="nominal"``, rank 3
+  three times slower, plain SGD on ``loss = sum of all parameters`` (every gradient is exactly 1): the
+  final parameters must have moved by ``lr x micro-steps applied / 4``, the superstep records tell
+  how the micro-steps were spread.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ def loss_of(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return nn.functional.mse_loss(model(x), y)
 
 
-def engine_for(model: nn.Module, settings: BSPSettings) -> BSPEngine:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+def engine_for(model: nn.Module, settings: BSPSettings, momentum: float = 0.9) -> BSPEngine:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     topology = Topology.from_world(dist.get_world_size(), dist.get_rank(), 2, 2).build_groups(
         timedelta(seconds=60), dedicated=True
     )
@@ -120,10 +124,38 @@ def straggler(
     }
 
 
+def fill(steps: int = 24, slow_rank: int = 3, sleep_s: float = 0.03) -> dict:
+    rank = dist.get_rank()
+    model = make_model()
+    start = [p.detach().clone() for p in model.parameters()]
+    settings = BSPSettings(superstep_steps=1, max_staleness=0, fill_idle=2, gradient_average="nominal")
+    engine = engine_for(model, settings, momentum=0.0)
+    computed = 0
+    for _ in range(steps):
+        if engine.epoch_should_end:
+            break
+        engine.begin_step()
+        engine.zero_grad()
+        sum(p.sum() for p in model.parameters()).backward()  # d/dp = 1 for every element
+        time.sleep(sleep_s * (3 if rank == slow_rank else 1))
+        engine.end_step()
+        computed += 1
+    engine.drain(epoch_end=True)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, computed)
+    records = [r.to_dict() for r in engine.records]
+    # every element moved by the same amount: lr x (sum of 1-gradients) / (superstep_steps x world)
+    moved = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(start, model.parameters())])
+    engine.close()
+    extremes = {"moved_min": moved.min().item(), "moved_max": moved.max().item()}
+    return {"computed": counts, "records": records, **extremes}
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     timed = BSPSettings(superstep_steps=None, superstep_seconds=0.1, max_staleness=0)
     results = {"plain": plain(), "straggler": straggler(), "timed": straggler(steps=30, settings=timed)}
+    results["fill"] = fill()
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
