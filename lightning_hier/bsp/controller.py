@@ -88,18 +88,32 @@ def safe_to_close(rows: Sequence[Sequence[int]], version: int, max_staleness: in
     return True
 
 
-def slowest_remaining_s(rows: Sequence[Sequence[int]], settings: BSPSettings, version: int) -> float:
+# a worker fills only while waiting for one whose recent steps take at least this much longer than its
+# own: equally fast workers differ by jitter from step to step, and filling then would only enlarge
+# supersteps that ddp would not have enlarged
+FILL_SLOWER = 1.5
+
+
+def slowest_remaining_s(
+    rows: Sequence[Sequence[int]], settings: BSPSettings, version: int, own_step_ms: int
+) -> float:
     """How long, in seconds from when ``rows`` were taken, the slowest worker that still owes its
-    ``superstep_steps`` micro-steps from model ``version`` is expected to compute (``fill_idle``);
-    0 when none does or its step time is not known yet.
+    ``superstep_steps`` micro-steps from model ``version``, and is a straggler (its step time at least
+    ``FILL_SLOWER`` x ``own_step_ms``), is expected to compute (``fill_idle``); 0 when there is none or
+    a step time is not known yet.
 
     A worker at its quota may start another micro-step from the same model if it expects to finish
     within this: the superstep cannot close before that worker's micro-step is folded anyway.
     """
     owed = settings.superstep_steps or 0
+    if own_step_ms <= 0:
+        return 0.0
     remaining_ms = [
         row[STEP_MS] - row[ELAPSED_MS]
         for row in rows
-        if row[INFLIGHT] == version and row[FOLDED] < owed and row[STEP_MS] > 0 and row[ELAPSED_MS] >= 0
+        if row[INFLIGHT] == version
+        and row[FOLDED] < owed
+        and row[STEP_MS] >= FILL_SLOWER * own_step_ms
+        and row[ELAPSED_MS] >= 0
     ]
     return max(max(remaining_ms, default=0), 0) / 1000.0

@@ -18,7 +18,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_hier.bsp.controller import DEADLINE, EPOCH_END, INFLIGHT, READY, decide, slowest_remaining_s
+from lightning_hier.bsp.controller import (
+    DEADLINE,
+    EPOCH_END,
+    INFLIGHT,
+    READY,
+    STEP_MS,
+    decide,
+    slowest_remaining_s,
+)
 from lightning_hier.bsp.liveness import Heartbeat, describe_loss, lost_ranks, new_run_key
 from lightning_hier.bsp.server import ShardedParameterServer
 from lightning_hier.bsp.settings import BSPSettings
@@ -120,7 +128,9 @@ class LocalBSPModule(threading.Thread):
                 if decision.closing:
                     memory.closing = True
                 if self.settings.fill_idle:  # a worker waiting at its quota may now start another
-                    memory.fill_until = time.monotonic() + slowest_remaining_s(table, self.settings, version)
+                    own = table[self.topology.rank][STEP_MS]
+                    window = slowest_remaining_s(table, self.settings, version, own)
+                    memory.fill_until = time.monotonic() + window
                     memory.fill_version = version
                     memory.cond.notify_all()
             ready = min(r[READY] for r in table)  # -1 unless every worker is in its last micro-step

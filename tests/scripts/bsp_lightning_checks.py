@@ -11,6 +11,8 @@
   others' must validate too, or the ranks' collectives do not pair up (hung before the fix).
 - ``timed``: ``superstep_seconds=0.05, max_staleness=0`` with the same straggler and validation: no
   gradient is ever stale, yet the fast workers fold more micro-steps per superstep than the straggler.
+- ``fill``: ``superstep_steps=1, max_staleness=0, fill_idle=1, gradient_average="nominal"``, the same
+  straggler and validation: never stale, fast workers fold up to two micro-steps per superstep.
 - ``resume``: plain BSP (``superstep_steps=1, max_staleness=0``), Adam: two epochs in one run against
   one epoch, a checkpoint, and the second epoch resumed from it; also the checkpoint loaded into
   a bare module.
@@ -142,6 +144,10 @@ def main() -> None:
         "timed": straggler(
             out / "timed", validate=True, superstep_steps=None, superstep_seconds=0.05, max_staleness=0
         ),
+        "fill": straggler(
+            out / "fill", validate=True, superstep_steps=1, max_staleness=0, fill_idle=1,
+            gradient_average="nominal",
+        ),  # fmt: skip
         "resume": resume(out / "resume"),
     }
     if dist.get_rank() == 0:
