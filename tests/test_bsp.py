@@ -4,6 +4,7 @@ plain-torch processes; the strategy against Lightning's ddp."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from scripts.bsp_equivalence import SCENARIOS
 from lightning_hier.bsp.aggregate import GradientAggregate
 from lightning_hier.bsp.controller import (
     BLOCKED,
+    BUSY_MS,
     DEADLINE,
     DRAIN,
     ELAPSED_MS,
@@ -180,9 +182,9 @@ def test_plain_bsp_closes_only_when_every_worker_folded_its_step() -> None:
     assert decide(done, settings, version=3).close is True
 
 
-def timed_row(folded: int, in_flight: int, step_ms: int, elapsed_ms: int) -> list[int]:
+def timed_row(folded: int, in_flight: int, step_ms: int, elapsed: int, busy_ms: int | None = None) -> list:
     r = row(folded, in_flight=in_flight)
-    r[STEP_MS], r[ELAPSED_MS] = step_ms, elapsed_ms
+    r[STEP_MS], r[BUSY_MS], r[ELAPSED_MS] = step_ms, step_ms if busy_ms is None else busy_ms, elapsed
     return r
 
 
@@ -193,18 +195,28 @@ def test_fill_idle_closes_when_every_worker_folded_its_share_and_fills_until_the
     rows = [timed_row(2, -1, 10, -1), timed_row(2, 7, 10, 4), timed_row(0, 7, 50, 20)]
     assert decide(rows, settings, version=7) == TickDecision()  # neither close nor closing
     assert decide(rows, BSPSettings(superstep_steps=1, max_staleness=0), version=7).closing
-    # the slow worker, which still owes its step, is expected for 50 - 20 ms more; a filling worker
-    # (already at its share) does not extend the window
-    assert slowest_remaining_s(rows, settings, version=7, own_step_ms=10) == pytest.approx(0.030)
+    # the slow worker, which still owes its step, folds in 50 - 20 ms; a filling worker (already at
+    # its share) does not extend the window
+    window = partial(slowest_remaining_s, settings=settings, version=7, own_step_ms=10)
+    assert window(rows) == pytest.approx(0.030)
     rows[1] = timed_row(2, 7, 90, 1)
-    assert slowest_remaining_s(rows, settings, version=7, own_step_ms=10) == pytest.approx(0.030)
+    assert window(rows) == pytest.approx(0.030)
+    # slow outside its step (50 ms cycles, 8 ms of them from start to fold), now between steps 30 ms
+    # into its cycle: it starts again in 20 ms and folds 8 ms later
+    assert window([timed_row(0, -1, 50, 30, busy_ms=8)]) == pytest.approx(0.028)
     # a worker less than 1.5x slower is jitter, not a straggler: nobody fills for it
     assert slowest_remaining_s(rows, settings, version=7, own_step_ms=34) == 0
-    # unknown step times, another model, or overdue: no window
+    # unknown times, another model, blocked, or overdue: no window
     assert slowest_remaining_s(rows, settings, version=7, own_step_ms=0) == 0
-    assert slowest_remaining_s([timed_row(0, 7, 0, 20)], settings, version=7, own_step_ms=10) == 0
-    assert slowest_remaining_s([timed_row(0, 6, 50, 20)], settings, version=7, own_step_ms=10) == 0
-    assert slowest_remaining_s([timed_row(0, 7, 50, 80)], settings, version=7, own_step_ms=10) == 0
+    assert window([timed_row(0, 7, 0, 20)]) == 0
+    assert window([timed_row(0, 7, 50, -1)]) == 0
+    assert window([timed_row(0, 6, 50, 20)]) == 0
+    assert window([timed_row(0, 7, 50, 80)]) == 0
+    waiting = timed_row(0, -1, 50, 20)
+    waiting[BLOCKED] = 1  # between steps, the newest model not picked up yet: it will start from it
+    assert window([waiting]) == pytest.approx(0.080)
+    waiting[STUCK] = 1  # it cannot start from the newest model either (drained)
+    assert window([waiting]) == 0
     done = [timed_row(3, -1, 10, -1), timed_row(1, -1, 10, -1), timed_row(1, -1, 50, -1)]
     for r in done:
         r[BLOCKED] = r[STUCK] = 1

@@ -24,9 +24,10 @@ DEADLINE = 4  # rank 0 only: 1 once superstep_seconds have passed since the supe
 EPOCH_END = 5  # 1: the worker ran out of batches (every worker then ends its epoch)
 STUCK = 6  # 1: blocked even with the newest model picked up (drained, or at its quota since that model)
 READY = 7  # in the worker's last micro-step of a plain-BSP superstep: buckets folded so far; else -1
-STEP_MS = 8  # the worker's recent micro-step time (start to start, waits excluded), ms; 0 unknown
-ELAPSED_MS = 9  # ms since the worker started its micro-step in flight; -1 between micro-steps
-ROW = 10
+STEP_MS = 8  # the worker's recent micro-step cycle (start to next start, waits excluded), ms; 0 unknown
+BUSY_MS = 9  # of that, from its start to its fold (forward, backward, hooks), ms; 0 unknown
+ELAPSED_MS = 10  # ms since the worker's current cycle started; -1 while it waits or is unknown
+ROW = 11
 
 
 @dataclass(frozen=True)
@@ -97,23 +98,28 @@ FILL_SLOWER = 1.5
 def slowest_remaining_s(
     rows: Sequence[Sequence[int]], settings: BSPSettings, version: int, own_step_ms: int
 ) -> float:
-    """How long, in seconds from when ``rows`` were taken, the slowest worker that still owes its
-    ``superstep_steps`` micro-steps from model ``version``, and is a straggler (its step time at least
-    ``FILL_SLOWER`` x ``own_step_ms``), is expected to compute (``fill_idle``); 0 when there is none or
-    a step time is not known yet.
+    """How long, in seconds from when ``rows`` were taken, until the slowest straggler that still owes
+    micro-steps from model ``version`` folds its next one (``fill_idle``); 0 when there is none or a
+    time is not known yet. A straggler's cycle takes at least ``FILL_SLOWER`` x ``own_step_ms``.
 
-    A worker at its quota may start another micro-step from the same model if it expects to finish
-    within this: the superstep cannot close before that worker's micro-step is folded anyway.
+    From a worker's own times: in a micro-step, its fold is ``BUSY - ELAPSED`` away; between two (its
+    slow part may be outside the step: data loading, a hook), its next start is ``STEP - ELAPSED``
+    away and its fold ``BUSY`` after that. A worker at its quota may start another micro-step from the
+    same model if it expects to fold it within this: the superstep cannot close before then anyway.
     """
     owed = settings.superstep_steps or 0
     if own_step_ms <= 0:
         return 0.0
     remaining_ms = [
-        row[STEP_MS] - row[ELAPSED_MS]
+        row[BUSY_MS] - row[ELAPSED_MS]
+        if row[INFLIGHT] >= 0
+        else max(row[STEP_MS] - row[ELAPSED_MS], 0) + row[BUSY_MS]
         for row in rows
-        if row[INFLIGHT] == version
-        and row[FOLDED] < owed
+        if row[FOLDED] < owed
+        and row[INFLIGHT] in (version, -1)
+        and not (row[STUCK] or row[DRAIN])  # BLOCKED alone: it has not picked up the newest model yet
         and row[STEP_MS] >= FILL_SLOWER * own_step_ms
+        and row[BUSY_MS] > 0
         and row[ELAPSED_MS] >= 0
     ]
     return max(max(remaining_ms, default=0), 0) / 1000.0

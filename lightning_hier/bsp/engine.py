@@ -136,7 +136,7 @@ class BSPEngine:
         memory = self.memory
         with memory.cond:
             memory.raise_if_failed()
-            memory.time_steps(time.monotonic(), starting=False)
+            memory.cycle_ends(time.monotonic())
             if memory.paused:
                 memory.paused = memory.draining = memory.epoch_ended = memory.peer_epoch_ended = False
                 memory.notify()
@@ -147,7 +147,7 @@ class BSPEngine:
                 memory.wait(self.timeout_s, "new model from the parameter server")
             memory.in_flight = memory.picked_up
             memory.started_since_pickup += 1
-            memory.time_steps(time.monotonic(), starting=True)
+            memory.cycle_starts(time.monotonic())
         self.zero_grad()
 
     @torch.no_grad()
@@ -167,6 +167,7 @@ class BSPEngine:
                     {k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups
                 ]
             memory.in_flight = -1
+            memory.micro_step_folded(time.monotonic())
             memory.notify()
         self._completing, self._armed, self._folded_early = False, None, 0
 

@@ -128,6 +128,7 @@ class LocalBSPModule(threading.Thread):
                 if decision.closing:
                     memory.closing = True
                 if self.settings.fill_idle:  # a worker waiting at its quota may now start another
+                    # (its own cycle time is in its row: the straggler test compares cycles)
                     own = table[self.topology.rank][STEP_MS]
                     window = slowest_remaining_s(table, self.settings, version, own)
                     memory.fill_until = time.monotonic() + window

@@ -66,6 +66,8 @@ class ShardedParameterServer:
             optimizer, self.buckets, bucket_group, original_groups, params, topology.intra_group
         )
         self._slice_grads = [bucket.grads[slice(*bucket.owned_range)] for bucket in self.buckets]
+        intra = topology.intra_group
+        self._gloo_intra = dist.get_world_size(intra) > 1 and dist.get_backend(intra) == "gloo"
         for shard, grad in zip(self.sharding.shards, self._slice_grads):
             shard.grad = grad
 
@@ -82,7 +84,14 @@ class ShardedParameterServer:
         sent = 0
         for b in range(len(self.buckets)) if buckets is None else buckets:
             bucket, total, grad = self.buckets[b], sums[b], self._slice_grads[b]
-            reduce_scatter_into(grad, total, bucket.bounds, intra)
+            if self._gloo_intra:
+                # gloo's reduce-scatter is slower than its all-reduce of the whole bucket (4 ranks,
+                # 4.5 MB: 10.0 ms against 7.3 ms on a 2-core host), so sum everything and keep the
+                # slice; the sums are the aggregate's read-out buffer, zeroed after the push anyway
+                dist.all_reduce(total, group=intra)
+                grad.copy_(total[slice(*bucket.owned_range)])
+            else:
+                reduce_scatter_into(grad, total, bucket.bounds, intra)
             if dist.get_world_size(inter) > 1:
                 dist.all_reduce(grad, group=inter)
             sent += _ring_bytes(total, dist.get_world_size(intra)) + _ring_bytes(

@@ -19,6 +19,7 @@ import torch
 from lightning_hier.bsp.aggregate import GradientAggregate, ReadOut
 from lightning_hier.bsp.controller import (
     BLOCKED,
+    BUSY_MS,
     DRAIN,
     ELAPSED_MS,
     EPOCH_END,
@@ -63,9 +64,11 @@ class SharedModelMemory:
         # buckets of the superstep's last micro-step already folded, while the worker is in it (the
         # local module may push those before the close); -1 otherwise
         self.ready_buckets = -1
-        # the worker's micro-step time (start to start, waits excluded; an average of the recent ones)
-        # and when its micro-step in flight started (time.monotonic())
+        # the worker's micro-step cycle (start to next start, waits excluded) and of that the part from
+        # start to fold, each an average of the recent ones; when its current cycle started
+        # (time.monotonic(); None while it waits)
         self.step_s = 0.0
+        self.busy_s = 0.0
         self.started_at: float | None = None
         # fill_idle: until when (time.monotonic()) a slower worker is expected to compute from model
         # fill_version, as the local module last heard
@@ -87,21 +90,25 @@ class SharedModelMemory:
         slower worker's."""
         return (
             self.started_since_pickup < (self.settings.quota or 0) + self.settings.fill_idle
-            and self.step_s > 0
+            and self.busy_s > 0
             and self.picked_up == self.version == self.fill_version
-            and time.monotonic() + self.step_s <= self.fill_until
+            and time.monotonic() + self.busy_s <= self.fill_until
         )
 
-    def time_steps(self, now: float, starting: bool) -> None:
-        """Before a micro-step: ``now`` ends the previous one's cycle (unless the worker was paused in
-        between); ``starting``: the new one starts now (after any wait)."""
-        if starting:
-            self.started_at = now
-            return
+    def cycle_ends(self, now: float) -> None:
+        """At the start of ``begin_step``: the cycle that started with the previous micro-step ends
+        (not counted when the worker was paused in between: validation, a checkpoint)."""
         if self.started_at is not None and not self.paused:
-            cycle = now - self.started_at
-            self.step_s = cycle if self.step_s == 0 else 0.7 * self.step_s + 0.3 * cycle
+            self.step_s = _recent_mean(self.step_s, now - self.started_at)
         self.started_at = None
+
+    def cycle_starts(self, now: float) -> None:
+        """A micro-step starts (after any wait for a model)."""
+        self.started_at = now
+
+    def micro_step_folded(self, now: float) -> None:
+        if self.started_at is not None:
+            self.busy_s = _recent_mean(self.busy_s, now - self.started_at)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -129,7 +136,8 @@ class SharedModelMemory:
         row[EPOCH_END] = int(self.epoch_ended)
         row[READY] = self.ready_buckets
         row[STEP_MS] = round(self.step_s * 1000)
-        started = self.started_at if self.in_flight >= 0 else None
+        row[BUSY_MS] = round(self.busy_s * 1000)
+        started = self.started_at
         row[ELAPSED_MS] = -1 if started is None else round((time.monotonic() - started) * 1000)
         self.event = False
         return row
@@ -152,3 +160,8 @@ class SharedModelMemory:
             if self.error is None:
                 self.error = error
             self.cond.notify_all()
+
+
+def _recent_mean(mean: float, sample: float) -> float:
+    """An exponential average that follows a worker whose speed changes within a few micro-steps."""
+    return sample if mean == 0 else 0.7 * mean + 0.3 * sample
