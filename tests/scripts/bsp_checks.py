@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -93,25 +94,34 @@ def plain(steps: int = 6) -> dict:
     return {"max_rel_diff": diff, "reference_moved": moved, "supersteps": supersteps}
 
 
-def straggler(
-    steps: int = 24, slow_rank: int = 3, sleep_s: float = 0.03, settings: BSPSettings | None = None
-) -> dict:
-    rank = dist.get_rank()
-    model = make_model()
-    engine = engine_for(model, settings or BSPSettings(superstep_steps=2, max_staleness=1))
+def run_uneven(
+    engine: BSPEngine, loss: Callable[[int], torch.Tensor], steps: int, slow_rank: int, sleep_s: float
+) -> list[int]:
+    """Micro-steps of ``loss(step)`` with a sleep after each backward, three times as long on
+    ``slow_rank``, until the first worker has done ``steps``; then a drain. The steps of every rank."""
     computed = 0
     for step in range(steps):
         if engine.epoch_should_end:
             break
         engine.begin_step()
         engine.zero_grad()
-        loss_of(model, batch(rank, step)).backward()
-        time.sleep(sleep_s * (3 if rank == slow_rank else 1))
+        loss(step).backward()
+        time.sleep(sleep_s * (3 if dist.get_rank() == slow_rank else 1))
         engine.end_step()
         computed += 1
     engine.drain(epoch_end=True)
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, computed)
+    return counts
+
+
+def straggler(
+    steps: int = 24, slow_rank: int = 3, sleep_s: float = 0.03, settings: BSPSettings | None = None
+) -> dict:
+    rank = dist.get_rank()
+    model = make_model()
+    engine = engine_for(model, settings or BSPSettings(superstep_steps=2, max_staleness=1))
+    counts = run_uneven(engine, lambda step: loss_of(model, batch(rank, step)), steps, slow_rank, sleep_s)
     records = [r.to_dict() for r in engine.records]
     state = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     states = [torch.empty_like(state) for _ in range(dist.get_world_size())]
@@ -125,24 +135,12 @@ def straggler(
 
 
 def fill(steps: int = 24, slow_rank: int = 3, sleep_s: float = 0.03) -> dict:
-    rank = dist.get_rank()
     model = make_model()
     start = [p.detach().clone() for p in model.parameters()]
     settings = BSPSettings(superstep_steps=1, max_staleness=0, fill_idle=2, gradient_average="nominal")
     engine = engine_for(model, settings, momentum=0.0)
-    computed = 0
-    for _ in range(steps):
-        if engine.epoch_should_end:
-            break
-        engine.begin_step()
-        engine.zero_grad()
-        sum(p.sum() for p in model.parameters()).backward()  # d/dp = 1 for every element
-        time.sleep(sleep_s * (3 if rank == slow_rank else 1))
-        engine.end_step()
-        computed += 1
-    engine.drain(epoch_end=True)
-    counts = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, computed)
+    unit_gradients = lambda step: sum(p.sum() for p in model.parameters())  # noqa: E731 - d/dp = 1 everywhere
+    counts = run_uneven(engine, unit_gradients, steps, slow_rank, sleep_s)
     records = [r.to_dict() for r in engine.records]
     # every element moved by the same amount: lr x (sum of 1-gradients) / (superstep_steps x world)
     moved = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(start, model.parameters())])
