@@ -223,6 +223,41 @@ def test_fill_idle_closes_when_every_worker_folded_its_share_and_fills_until_the
     assert decide(done, settings, version=7).close
 
 
+def test_a_worker_fills_only_inside_the_window_and_up_to_fill_idle() -> None:
+    import time
+
+    from lightning_hier.bsp.shared_memory import SharedModelMemory
+
+    settings = BSPSettings(superstep_steps=1, max_staleness=0, fill_idle=1)
+    memory = SharedModelMemory([torch.zeros(4)], settings)
+    memory.paused = False
+    # two micro-steps: 30 ms cycles, 10 ms of each from start to fold
+    start = 100.0
+    for k in range(2):
+        memory.cycle_ends(start + 0.030 * k)
+        memory.cycle_starts(start + 0.030 * k)
+        memory.micro_step_folded(start + 0.030 * k + 0.010)
+    assert memory.step_s == pytest.approx(0.030) and memory.busy_s == pytest.approx(0.010)
+    memory.started_since_pickup = 1  # at its quota (superstep_steps=1)
+    memory.fill_version = memory.version
+    memory.fill_until = time.monotonic() + 0.5  # a straggler folds in 0.5 s: room for a 10 ms step
+    assert not memory.blocked()
+    memory.fill_until = time.monotonic() + 0.005  # 5 ms left: the fill would hold up the close
+    assert memory.blocked()
+    memory.fill_until = time.monotonic() + 0.5
+    memory.started_since_pickup = 2  # already filled once: fill_idle=1
+    assert memory.blocked()
+    memory.started_since_pickup = 1
+    memory.fill_version = memory.version - 1  # a window heard for an older model
+    assert memory.blocked()
+    memory.fill_version, memory.closing = memory.version, True  # the close is due: nobody starts
+    assert memory.blocked()
+    # a pause (validation, a checkpoint) between two micro-steps is not part of a cycle
+    memory.closing, memory.paused = False, True
+    memory.cycle_ends(start + 60.0)
+    assert memory.step_s == pytest.approx(0.030)
+
+
 def test_staleness_bound_holds_the_close_for_a_slow_worker() -> None:
     # version 5 is out; a worker still computes from version 3: closing now would apply its gradient
     # at superstep 7, three supersteps after its model (> 2), so the close waits for it
