@@ -139,7 +139,6 @@ class LocalBSPModule(threading.Thread):
                 self._push_early(ready, during_backward=busy)
             if decision.close:
                 self._close(version + 1)
-
             if decision.pause and not self._pause():
                 return
 

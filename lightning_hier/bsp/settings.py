@@ -84,8 +84,8 @@ class BSPSettings:
     @property
     def lockstep(self) -> bool:
         """Whether every worker takes the same number of micro-steps per superstep (``max_staleness=0``
-        with ``superstep_steps``). Otherwise a faster worker takes more, so workers reach a given step
-        number at different times and run out of a fixed share of batches at different times."""
+        with ``superstep_steps`` and no ``fill_idle``). Otherwise a faster worker takes more, so workers
+        reach a given step number, and the end of a fixed share of batches, at different times."""
         return self.max_staleness == 0 and self.superstep_steps is not None and self.fill_idle == 0
 
     def gradient_divisor(self, folded: int, world_size: int) -> int:

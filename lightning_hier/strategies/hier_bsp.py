@@ -66,9 +66,9 @@ class HierBSPStrategy(DDPStrategy):
             you vouch is elementwise (the server shards it by flat slices).
         share_batches: workers take the epoch's batches from one shared counter instead of a fixed
             ``1/world_size`` each, so a faster worker trains on more of them and nobody idles at the
-            epoch's end (``None``: on unless workers run in lockstep, i.e. with ``max_staleness=0`` and
-            ``superstep_steps``). The train loader is then unsized
-            (the progress bar shows no total, ``trainer.estimated_stepping_batches`` is infinite);
+            epoch's end (``None``: on unless workers run in lockstep, i.e. with ``max_staleness=0``,
+            ``superstep_steps`` and no ``fill_idle``). The train loader is then unsized (the progress
+            bar shows no total, ``trainer.estimated_stepping_batches`` is infinite);
             see ``lightning_hier.bsp.batch_claims``.
         early_push: in plain BSP (``max_staleness=0`` with ``superstep_steps``), push each gradient
             bucket of a worker's last micro-step of a superstep as soon as its gradients are in, while
@@ -81,20 +81,19 @@ class HierBSPStrategy(DDPStrategy):
         fill_idle: with ``max_staleness=0`` and ``superstep_steps``: a worker that has folded its
             ``superstep_steps`` and would wait for a slower worker computes up to this many more
             micro-steps from the same model, each if it expects to finish before that worker (from
-            recent step times). Gradients
-            stay fresh and equally fast workers still fold the same number, but a straggler no longer
-            idles the others; workers then take different numbers of steps (as with
-            ``max_staleness >= 1``: shared batches, epoch-based length and checkpoints).
+            recent step times). Gradients stay fresh and equally fast workers still fold the same
+            number, but a straggler no longer idles the others; workers then take different numbers
+            of steps (as with ``max_staleness >= 1``: shared batches, epoch-based length and
+            checkpoints).
         gradient_average: ``"folded"`` (default): the server steps with the mean gradient per micro-step
             folded into the superstep. ``"nominal"``: the sum divided by ``superstep_steps x world_size``,
             so each micro-step weighs what one worker's step weighs in ``ddp`` and a superstep that
             holds more micro-steps (``fill_idle``) takes a proportionally larger step.
 
-    Unless workers run in lockstep (``max_staleness=0`` with ``superstep_steps``: with ``max_staleness >= 1``
-    or ``superstep_seconds`` a faster worker takes more steps) workers run different numbers of steps, so
-    the training length must be
-    in epochs (``max_epochs``; an epoch ends for everyone when the first worker runs out of batches),
-    and checkpoints and validation happen at epoch ends. See ``docs/hier_bsp.md``.
+    Unless workers run in lockstep (``max_staleness=0`` with ``superstep_steps`` and no ``fill_idle``;
+    otherwise a faster worker takes more steps) workers run different numbers of steps, so the training
+    length must be in epochs (``max_epochs``; an epoch ends for everyone when the first worker runs out
+    of batches), and checkpoints and validation happen at epoch ends. See ``docs/hier_bsp.md``.
     """
 
     strategy_name = "hier_bsp"
