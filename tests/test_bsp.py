@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import run_torchrun
 from scripts.bsp_equivalence import SCENARIOS
+from torch.utils.data.distributed import DistributedSampler
 
 from lightning_hier.bsp.aggregate import GradientAggregate
 from lightning_hier.bsp.controller import (
@@ -349,6 +350,27 @@ def test_shared_batches_cover_the_epoch_once_and_a_faster_worker_takes_more() ->
     assert ClaimingSampler(n, batch, True, "d", 0, 2, store=store).num_chunks == 12
     with pytest.raises(ValueError, match="cannot be shared by 4 workers"):
         ClaimingSampler(20, 8, False, "e", 0, 4, store=store)
+
+
+def test_equally_fast_workers_fold_the_samples_of_ddps_steps() -> None:
+    from lightning_hier.bsp.batch_claims import ClaimingSampler
+
+    store, n, batch, world = CountingStore(), 1437, 32, 4  # the digits benchmark's epoch
+    samplers = [ClaimingSampler(n, batch, False, "q", r, world, seed=42, store=store) for r in range(world)]
+    streams = [iter(s) for s in samplers]
+    ddp = []
+    for rank in range(world):
+        sampler = DistributedSampler(list(range(n)), num_replicas=world, rank=rank, shuffle=True, seed=42)
+        ddp.append(list(sampler))
+    # round j: every worker takes one batch (claims in whatever order); together they hold the samples
+    # of ddp's step j on the four ranks, in all 11 steps whose batches are full, so a superstep of one
+    # micro-step each sums what ddp's step sums (which worker trains on which of them may differ)
+    for j in range(11):
+        claimed = [next(stream) for stream in streams[::-1] for _ in range(batch)]
+        step = [index for rank in range(world) for index in ddp[rank][j * batch : (j + 1) * batch]]
+        assert sorted(claimed) == sorted(step), j
+    rest = [index for stream in streams for index in stream]
+    assert len(rest) == n - 11 * world * batch  # 29 samples, each once (ddp pads them to 4 x 8 with repeats)
 
 
 def test_only_lightnings_own_distributed_sampler_is_taken_over() -> None:
