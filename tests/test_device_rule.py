@@ -154,12 +154,19 @@ CASES = {
     "bsp": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py", "sliced/piece_sharding.py"),
     # plain BSP: the buckets of each superstep's last micro-step are pushed as they fill
     "bsp_plain": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py"),
+    # fresh gradients with fill_idle: time-dependent rows, the same decision on every rank
+    "bsp_fill": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py"),
     "pipeline_1f1b": (
         "pipeline/schedule.py", "pipeline/migration.py", "pipeline/engine.py", "strategies/hier_pipeline.py",
     ),
     "pipeline_gpipe": ("pipeline/schedule.py", "pipeline/engine.py", "strategies/stage_metrics_sync.py"),
 }  # fmt: skip
-BACKGROUND_THREADS = {"bsp": "hier-bsp-rank", "bsp_plain": "hier-bsp-rank", "hybrid": "lightning_hier-tables"}
+BACKGROUND_THREADS = {
+    "bsp": "hier-bsp-rank",
+    "bsp_plain": "hier-bsp-rank",
+    "bsp_fill": "hier-bsp-rank",
+    "hybrid": "lightning_hier-tables",
+}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

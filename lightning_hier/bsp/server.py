@@ -28,7 +28,7 @@ from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
 from lightning_hier.sliced.piece_sharding import PieceSharding
 from lightning_hier.sliced.reducer import all_gather_slices, reduce_scatter_into
 from lightning_hier.sliced.slicing import SlicePlan
-from lightning_hier.topology import Topology
+from lightning_hier.topology import Topology, emulating_cuda
 
 
 class ShardedParameterServer:
@@ -66,8 +66,11 @@ class ShardedParameterServer:
             optimizer, self.buckets, bucket_group, original_groups, params, topology.intra_group
         )
         self._slice_grads = [bucket.grads[slice(*bucket.owned_range)] for bucket in self.buckets]
+        # a CPU run's gloo group (not the device-rule audit's stand-in for NCCL, which must take NCCL's path)
         intra = topology.intra_group
-        self._gloo_intra = dist.get_world_size(intra) > 1 and dist.get_backend(intra) == "gloo"
+        self._gloo_intra = (
+            dist.get_world_size(intra) > 1 and dist.get_backend(intra) == "gloo" and not emulating_cuda()
+        )
         for shard, grad in zip(self.sharding.shards, self._slice_grads):
             shard.grad = grad
 

@@ -96,11 +96,13 @@ def hybrid(out: Path) -> None:
     run.fit(resumed, hybrid_loader(), ckpt_path=str(out / "hybrid.ckpt"))
 
 
-def bsp(out: Path, max_staleness: int = 1) -> None:
-    # max_staleness=0 is plain BSP: there (on CUDA, as emulated here) buckets are pushed during backward
+def bsp(out: Path, max_staleness: int = 1, fill_idle: int = 0) -> None:
+    # max_staleness=0 is plain BSP: there (on CUDA, as emulated here) buckets are pushed during backward;
+    # with fill_idle workers take different step counts (shared batches, no early push)
     strategy = HierBSPStrategy(
-        superstep_steps=1, max_staleness=max_staleness, devices_per_node=2, bucket_cap_mb=0.002
-    )
+        superstep_steps=1, max_staleness=max_staleness, devices_per_node=2, bucket_cap_mb=0.002,
+        fill_idle=fill_idle, gradient_average="nominal" if fill_idle else "folded",
+    )  # fmt: skip
     model = LoggedModel(optimizer="adam")
     checkpoint = ModelCheckpoint(dirpath=str(out / "ckpt"), monitor="val_loss", save_top_k=1)
     run = trainer(
@@ -108,7 +110,7 @@ def bsp(out: Path, max_staleness: int = 1) -> None:
         callbacks=[checkpoint],
     )  # fmt: skip
     run.fit(model, loader(), loader())
-    if max_staleness == 0:  # the audit must have seen pushes during backward (early_push: on under CUDA)
+    if max_staleness == 0 and not fill_idle:  # the audit must have seen pushes during backward (early_push)
         ready = [r.ready_buckets for r in strategy.engine.records]
         assert ready and all(r > 0 for r in ready), ready
     run.test(model, loader(), ckpt_path="best")
@@ -144,6 +146,8 @@ def main() -> None:
         bsp(out)
     elif case == "bsp_plain":
         bsp(out, max_staleness=0)
+    elif case == "bsp_fill":
+        bsp(out, max_staleness=0, fill_idle=1)
     elif case in ("pipeline_1f1b", "pipeline_gpipe"):
         pipeline(out, case.split("_")[1])
     else:
