@@ -416,6 +416,11 @@ class HybridEmbedding(nn.Module):
         else:
             self._jobs.submit(job)
 
+    def run_exchanges_inline(self) -> None:
+        """Forget the tables' thread and its groups (they are being shut down): later exchanges run on
+        the calling thread over the attach groups."""
+        self._exchange_groups, self._jobs = None, None
+
     def wait_for_updates(self) -> None:
         """Block until this process's queued exchanges and updates have run (raising their error)."""
         if self._jobs is not None and self._jobs.busy:

@@ -77,7 +77,7 @@ class NodeTables:
             jobs.close()
         finally:
             for _, module in self.modules:
-                module._exchange_groups, module._jobs = None, None
+                module.run_exchanges_inline()
 
     def finite_checks(self) -> list[Callable[[], bool]]:
         """One check per table: are its averaged gradients finite (folded into the loss scaler's decision)."""
