@@ -5,11 +5,13 @@ model (:mod:`lightning_hier.sliced.flat_buckets`); each rank owns slice ``local_
 and the user's optimizer state for that slice only
 (:class:`~lightning_hier.sliced.piece_sharding.PieceSharding`: one optimizer parameter per model
 parameter and slice, so a parameter no worker used keeps its state and step count).
-One superstep: every worker's gradient sums are reduce-scattered inside the node and all-reduced
-across nodes, then scaled by one over the job-wide micro-step count (the job-wide mean gradient per
-micro-step, slice by slice; in plain BSP the buckets of the last micro-step may go while its backward
-still runs), clipped by the global norm when asked, stepped by the user's optimizer on
-the owned slices, and all-gathered inside the node into the full master model.
+One superstep: every worker's gradient sums are reduce-scattered inside the node (on gloo: all-reduced,
+each rank keeping its slice) and all-reduced across nodes, then scaled by one over the job-wide
+micro-step count (the job-wide mean gradient per micro-step, slice by slice; with
+``gradient_average="nominal"`` one over ``superstep_steps x world_size``; in plain BSP the buckets of
+the last micro-step may go while its backward still runs), clipped by the global norm when asked,
+stepped by the user's optimizer on the owned slices, and all-gathered inside the node into the full
+master model.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class ShardedParameterServer:
 
     @torch.no_grad()
     def scale(self, factor: float) -> None:
-        """Multiply the reduced gradient slices by ``factor`` (one over the superstep's micro-steps)."""
+        """Multiply the reduced gradient slices by ``factor`` (one over ``BSPSettings.gradient_divisor``:
+        the superstep's micro-steps, or ``superstep_steps x world_size`` with ``"nominal"``)."""
         for grad in self._slice_grads:
             grad.mul_(factor)
 

@@ -107,6 +107,7 @@ class SharedModelMemory:
         self.started_at = now
 
     def micro_step_folded(self, now: float) -> None:
+        """The micro-step's gradients are folded: its start-to-fold time joins the average."""
         if self.started_at is not None:
             self.busy_s = _recent_mean(self.busy_s, now - self.started_at)
 
