@@ -2,7 +2,7 @@
 ``CommProfiler``, interleaved, per strategy; rank 0 writes ``JOB_DIR/result.json``.
 
 ``_comm_profiler_worker.py CONFIG_JSON JOB_DIR``; CONFIG_JSON holds strategies, rounds, hidden,
-layers, batch_size, warmup, steps.
+layers, batch_size, warmup, steps and gpu (one process on CUDA device 0).
 """
 
 from __future__ import annotations
@@ -32,8 +32,12 @@ def fit_once(config: dict[str, Any], strategy: str, profiled: bool) -> float:
     if profiled:
         out = tempfile.mkdtemp(prefix="lhbench-commprof-")
         callbacks.append(CommProfiler(output_dir=out, save_figure=False, print_summary=False))
-    chosen = HierSlicedStrategy(devices_per_node=2) if strategy == "hier_sliced" else "ddp"
-    trainer = quiet_trainer(devices=4, strategy=chosen, max_steps=steps, callbacks=callbacks)
+    gpu = config.get("gpu", False)
+    chosen = HierSlicedStrategy(devices_per_node=1 if gpu else 2) if strategy == "hier_sliced" else "ddp"
+    trainer = quiet_trainer(
+        accelerator="gpu" if gpu else "cpu", devices=1 if gpu else 4, strategy=chosen, max_steps=steps,
+        callbacks=callbacks,
+    )  # fmt: skip
     trainer.fit(MLP(hidden, config["layers"], 1e-3), DataLoader(data, batch_size=batch))
     return window.summary()["median_step_s"]
 

@@ -5,6 +5,9 @@ done ``--rounds`` times without and with ``CommProfiler`` (interleaved, alternat
 the ratio of the medians of the per-fit median step times is the overhead (target <= 1.03)::
 
     python benchmarks/bench_comm_profiler.py [--rounds 5] [--steps 20]
+
+``--gpu``: one process on the first CUDA device instead (NCCL with world size 1, CommProfiler's
+CUDA-event clock; step times taken after ``torch.cuda.synchronize``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ OPTIONS = """
 --hidden     int   512              MLP width
 --layers     int   4                Linear(hidden, hidden) layers
 --batch-size int   16               per process
+--gpu        flag  -                one process on CUDA device 0 (NCCL) instead of four CPU processes
 """
 
 
@@ -43,11 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     jobs.exit_on_sigterm()
     config = jobs.pick(args, "rounds", "warmup", "steps", "hidden", "layers", "batch_size")
     config["strategies"] = cli.comma_list(args.strategies)
+    config["gpu"] = args.gpu
     if args.wait_idle > 0:
         jobs.wait_idle(args.wait_idle)
     with jobs.job_dir("lhbench-commprof-", args.keep_logs, show=True) as workdir:
         before = jobs.cpu_snapshot()
-        with jobs.torchrun(4, WORKER, [json.dumps(config), str(workdir)], workdir) as proc:
+        with jobs.torchrun(1 if args.gpu else 4, WORKER, [json.dumps(config), str(workdir)], workdir) as proc:
             try:
                 code = proc.wait(timeout=args.timeout)
             except subprocess.TimeoutExpired:

@@ -69,6 +69,18 @@ def test_bad_settings_name_the_setting(kwargs: dict, names: str) -> None:
         HierBSPStrategy(**kwargs)
 
 
+def test_a_failure_of_the_bsp_thread_is_named_for_what_it_was() -> None:
+    from lightning_hier.bsp.liveness import describe_loss
+
+    assert describe_loss(KeyError("sum"), []).startswith("the BSP thread failed")  # not a collective
+    assert "KeyError: 'sum'" in describe_loss(KeyError("sum"), [])
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert describe_loss(gloo, []).startswith("a collective failed")
+    nccl = torch.distributed.DistBackendError("NCCL error: unhandled system error")
+    assert describe_loss(nccl, []).startswith("a collective failed")
+    assert describe_loss(KeyError("sum"), [2]).startswith("lost rank(s) [2]")
+
+
 def test_quota_is_one_superstep_per_staleness_step() -> None:
     assert BSPSettings(superstep_steps=3, max_staleness=0).quota == 3
     assert BSPSettings(superstep_steps=3, max_staleness=2).quota == 9

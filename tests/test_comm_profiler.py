@@ -72,6 +72,43 @@ def test_exposed_is_blocked_time_while_communication_runs() -> None:
     assert "inter" in summary_table(rows)
 
 
+class _DeviceStamp:
+    """A stand-in for a recorded ``torch.cuda.Event``: a moment the device reaches when told."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.reached = seconds, False
+
+    def query(self) -> bool:
+        return self.reached
+
+
+def test_steps_timed_on_the_device_are_accounted_once_it_got_there() -> None:
+    stats = CommStats()
+    origin = stats.clock._origin_host
+    host = stats.clock.seconds
+    stats.clock.seconds = lambda stamp: stamp.seconds if isinstance(stamp, _DeviceStamp) else host(stamp)
+    issued, done = _DeviceStamp(0.25), _DeviceStamp(0.75)
+    stats.begin_step(0)
+    stats._events.append(CommEvent("all_reduce", "world", 8, 8, True, True, issued, done))
+    assert stats.end_step() == []  # the device has not finished the step's collective
+    stats.begin_step(1)
+    assert stats.end_step() == []  # a later step waits behind it: steps are accounted in order
+    issued.reached = done.reached = True
+    stats.begin_step(2)
+    accounted = stats.end_step()
+    assert [step.index for step in accounted] == [0, 1, 2] and stats.steps == accounted
+    assert accounted[0].kinds["world"].time_s == pytest.approx(0.5)
+    assert accounted[0].kinds["world"].nbytes == 8 and not accounted[1].kinds
+    late = _DeviceStamp(1.5)
+    stats.begin_step(3)
+    stats._events.append(CommEvent("all_reduce", "world", 16, 16, True, True, late, _DeviceStamp(2.0)))
+    assert stats.end_step() == []
+    stats.stop()  # waits for the device: nothing measured is dropped
+    assert [step.index for step in stats.steps] == [0, 1, 2, 3]
+    assert stats.steps[3].kinds["world"].time_s == pytest.approx(0.5)
+    assert stats.unobserved_completions == 0 and origin == stats.clock._origin_host
+
+
 def test_start_and_stop_restore_every_function() -> None:
     before = {name: getattr(dist, name) for name in WATCHED}
     wait = dist.Work.wait

@@ -32,13 +32,26 @@ def test_every_strategy_on_cuda_matches_lightning(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     audit_dir = tmp_path / "audit"
     run_torchrun("gpu_checks.py", 1, str(out), env={"LIGHTNING_HIER_AUDIT_DIR": str(audit_dir)}, timeout=900)
-    results = json.loads(out.read_text())
+    check_gpu_results(json.loads(out.read_text()), audit_dir)
+
+
+def check_gpu_results(results: dict, audit_dir: Path) -> None:
+    """What ``gpu_checks.py`` wrote must match Lightning; the audit must find NCCL-legal collectives."""
     failures = {case: r["trace"] for case, r in results.items() if "error" in r}
     assert not failures, "\n".join(f"{case}:\n{trace}" for case, trace in failures.items())
     for case, result in results.items():
         tolerance = next((t for key, t in TOLERANCE.items() if key in case), 1e-5)
         assert result["reference_moved"] > 1e-3, (case, result)
         assert result["max_rel_diff"] < tolerance, (case, result)
+    # CommProfiler's CUDA-event clock under real NCCL: ddp all-reduces every gradient byte each step
+    ddp = results["profiler_ddp"]
+    assert ddp["events"] > 0 and ddp["cuda_events"] == ddp["events"], ddp
+    assert ddp["unobserved_completions"] == 0, ddp  # each all-reduce's end stamped on the device
+    assert [step["kinds"]["world"][1] for step in ddp["steps"]] == [ddp["param_bytes"]] * len(ddp["steps"])
+    for step in ddp["steps"]:
+        _count, _bytes, time_ms, exposed_ms = step["kinds"]["world"]
+        assert time_ms >= 0 and 0 <= exposed_ms <= time_ms + 1e-6 and exposed_ms <= step["step_ms"], step
+    assert all(results[case]["csv_written"] for case in results if case.startswith("profiler_"))
     report = analyze(audit_dir)
     report.raise_if_problems()
     devices = {d for r in report.records[0] for d in r.get("tensor_devices", [])}

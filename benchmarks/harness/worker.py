@@ -32,10 +32,10 @@ def setup(interop_threads: bool = False) -> None:
     isinstance(torch.zeros(1), Metric)
 
 
-def quiet_trainer(**kwargs: Any) -> Trainer:
-    """A CPU ``Trainer`` without logger, checkpoints, progress bar or model summary."""
+def quiet_trainer(accelerator: str = "cpu", **kwargs: Any) -> Trainer:
+    """A ``Trainer`` (CPU unless told) without logger, checkpoints, progress bar or model summary."""
     return Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -130,7 +130,9 @@ class MarkedWindow(Callback):
             self.mark_step()
 
     def mark_step(self) -> None:
-        """Record a step start (a subclass may sample more here)."""
+        """Record a step start (a subclass may sample more here); on CUDA once the device is done."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         self.step_starts.append(time.perf_counter())
 
     def summary(self) -> dict[str, Any]:

@@ -67,4 +67,14 @@ def describe_loss(error: BaseException, lost: list[int] | None) -> str:
         )
     if lost:
         return f"lost rank(s) {lost}: their heartbeats stopped; the collective failed with: {error}"
+    if not _from_communication(error):
+        return f"the BSP thread failed while every rank is still alive: {type(error).__name__}: {error}"
     return f"a collective failed while every rank is still alive: {error}"
+
+
+def _from_communication(error: BaseException) -> bool:
+    """Whether ``error`` came from torch.distributed (a backend, the network or the store)."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(word in text for word in ("gloo", "nccl", "connection"))

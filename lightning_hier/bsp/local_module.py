@@ -95,7 +95,9 @@ class LocalBSPModule(threading.Thread):
                 self._loop()
         except BaseException as error:  # noqa: BLE001 - handed to the worker, which raises it
             lost = lost_ranks(self.run_key, self.topology.world_size)
-            self.memory.fail(RuntimeError(describe_loss(error, lost)))
+            failure = RuntimeError(describe_loss(error, lost))
+            failure.__cause__ = error  # the BSP thread's own traceback goes with it
+            self.memory.fail(failure)
         finally:
             self.heartbeat.stop()
 

@@ -160,7 +160,8 @@ def server_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     copied = copy.copy(optimizer)
     copied.__dict__.pop("step", None)  # an LR scheduler's wrapper calls the original's step
     copied.param_groups = [dict(group) for group in optimizer.param_groups]
-    copied.state = defaultdict(dict)
+    # a state of its own, starting as the user's (some optimizers make it in the constructor)
+    copied.state = defaultdict(dict, optimizer.state)
     return copied
 
 

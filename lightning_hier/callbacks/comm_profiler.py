@@ -69,6 +69,7 @@ class CommProfiler(Callback):
         self.figure_path: Path | None = None
         self.summary: str = ""
         self._batches = 0
+        self._global_steps: dict[int, int] = {}  # per training batch not yet logged: the Trainer's step
         self._ddp = False
         self._backward_start = 0.0
 
@@ -78,7 +79,7 @@ class CommProfiler(Callback):
         stats = CommStats()
         self._register_groups(stats, trainer.strategy)
         self._ddp = self._install_ddp_hook(trainer.strategy)
-        self.stats, self.rows, self._batches = stats, [], 0
+        self.stats, self.rows, self._batches, self._global_steps = stats, [], 0, {}
         stats.start()
 
     @staticmethod
@@ -148,20 +149,27 @@ class CommProfiler(Callback):
     ) -> None:
         if self.stats is None:
             return
-        step = self.stats.end_step()
+        self._global_steps[self._batches] = trainer.global_step
         self._batches += 1
+        self._log(trainer, self.stats.end_step())  # on CUDA: the steps the device has finished by now
+
+    def _log(self, trainer: pl.Trainer, steps: list[StepStats]) -> None:
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
-        if step is not None and (step.index + 1) % every == 0 and trainer.loggers:
-            metrics = _metrics(step)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        for step in steps:
+            global_step = self._global_steps.pop(step.index, trainer.global_step)
+            if (step.index + 1) % every == 0 and trainer.loggers:
+                metrics = _metrics(step)
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=global_step)
 
     # ------------------------------------------------------------------ end
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stats = self.stats
         if stats is None:
             return
-        self._stop()
+        accounted = len(stats.steps)
+        self._stop()  # accounts the steps still waiting for the device
+        self._log(trainer, stats.steps[accounted:])
         rank = trainer.global_rank
         mine = step_rows(stats.steps, rank)
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():

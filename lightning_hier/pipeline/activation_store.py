@@ -479,13 +479,15 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 def _graph_leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Leaf tensors that require grad reachable from ``outputs`` (parameters, leaf inputs)."""
     leaves: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    # the nodes themselves are kept: a graph node's Python object lives only while referenced (in torch
+    # 2.11 at least), and a freed one's id can come back for another node, which would then be skipped
+    seen: dict[int, Any] = {}
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             leaves[id(variable)] = variable

@@ -145,6 +145,11 @@ class _Clock:
         stamp.synchronize()
         return self._origin_event.elapsed_time(stamp) / 1000.0
 
+    @staticmethod
+    def ready(stamp: Any) -> bool:
+        """Whether :meth:`seconds` can read ``stamp`` without waiting for the device."""
+        return isinstance(stamp, float) or stamp.query()
+
 
 # ---------------------------------------------------------------------- records
 @dataclass
@@ -219,9 +224,15 @@ class CommStats:
         self._thread = threading.get_ident()
         self._window: int | None = None
         self._window_start: float = 0.0
+        # closed steps whose CUDA stamps the device has not reached yet: accounted once it has, so the
+        # profiler never makes the host wait for the device (which would cost the overlap it measures)
+        self._deferred: list[tuple[int, list[CommEvent], list[tuple[Any, Any]], float, float]] = []
         self._rank = 0
         self._world = 1
         self._params: dict[str, list[str]] = {}
+        # operations found finished at a step's end whose moment of completion nobody saw (counted as
+        # ending there, or on CUDA at their issue); a diagnostic of the timing, not of the bytes
+        self.unobserved_completions = 0
         self.last_training_issue: float = float("-inf")  # host time of the training thread's latest issue
 
     # ------------------------------------------------------------------ setup
@@ -281,7 +292,9 @@ class CommStats:
         dist.Work.wait = self._wrap_wait(self._work_wait)  # type: ignore[method-assign]
 
     def stop(self) -> None:
-        """Undo every wrapping (idempotent); what is still in flight is accounted as outside steps."""
+        """Undo every wrapping (idempotent); closed steps are accounted (waiting for the device where
+        needed), what is still in flight is accounted as outside steps."""
+        self._account_ready(wait=True)
         if not self._active and not self._originals and self._work_wait is None:
             return
         self._active = False
@@ -311,25 +324,45 @@ class CommStats:
             self._window_start = self.clock.host()
             self._blocked = []
 
-    def end_step(self) -> StepStats | None:
-        """Account the step that :meth:`begin_step` opened; ``None`` when none is open."""
+    def end_step(self) -> list[StepStats]:
+        """Close the step that :meth:`begin_step` opened; returns the steps accounted now, in order.
+
+        A step timed with CUDA events is accounted once the device has passed all of them (at a later
+        step's end, or at :meth:`stop`), so the list may be empty, or hold earlier steps too.
+        """
         end = self.clock.host()
         with self._lock:
             if self._window is None:
-                return None
+                return []
             index, start = self._window, self._window_start
             self._window = None
             for work, events in list(self._pending.values()):
                 for event in events:
                     if event.done is None and _completed(work):
                         event.done = event.issued if event.cuda else end  # finished, moment unknown
+                        self.unobserved_completions += 1
             finished = [e for e in self._events if e.done is not None]
             self._events = [e for e in self._events if e.done is None]
             self._pending = {k: v for k, v in self._pending.items() if any(e.done is None for e in v[1])}
             blocked, self._blocked = self._blocked, []
-        stats = self._account(index, finished, blocked, start, end)
-        self.steps.append(stats)
-        return stats
+        self._deferred.append((index, finished, blocked, start, end))
+        return self._account_ready(wait=False)
+
+    def _account_ready(self, wait: bool) -> list[StepStats]:
+        """Account deferred steps in order while the device has reached their stamps (all if ``wait``)."""
+        accounted = []
+        while self._deferred:
+            index, events, blocked, start, end = self._deferred[0]
+            stamps = (
+                [e.issued for e in events] + [e.done for e in events] + [s for pair in blocked for s in pair]
+            )
+            if not wait and not all(self.clock.ready(stamp) for stamp in stamps):
+                break
+            self._deferred.pop(0)
+            stats = self._account(index, events, blocked, start, end)
+            self.steps.append(stats)
+            accounted.append(stats)
+        return accounted
 
     def _account(
         self, index: int, events: list[CommEvent], blocked: list[tuple[Any, Any]], start: float, end: float
@@ -489,15 +522,17 @@ class CommStats:
         key = id(work)
         with self._lock:
             self._pending[key] = (work, events)
-        if events[0].cuda:
-            return
         try:
             future = work.get_future()
         except Exception:  # noqa: BLE001 - some works have no future; a wait or end_step completes them
             return
+        cuda = events[0].cuda
 
         def completed(_: Any) -> None:
-            now = self.clock.host()
+            # on CUDA the callback runs at once (NCCL's future completes when the collective is queued)
+            # with current streams made to wait for the collective: an event recorded here fires when
+            # the device has finished it, whether or not anyone waits on the work (DDP's comm hook never does)
+            now = self.clock.stamp(cuda)
             for event in events:
                 if event.done is None:
                     event.done = now

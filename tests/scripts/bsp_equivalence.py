@@ -42,6 +42,11 @@ SCENARIOS: dict[str, dict] = {
         bsp=dict(devices_per_node=2, bucket_cap_mb=25, early_push=True),
         ddp=dict(find_unused_parameters=True),
     ),
+    # state made in the optimizer's constructor (Adagrad in torch 2.11 and before) must exist for the pieces
+    "optimizer_state_made_at_construction": dict(
+        model=dict(optimizer="constructed_state_sgd"),
+        bsp=dict(devices_per_node=2, early_push=True, elementwise_optimizers=["ConstructedStateSGD"]),
+    ),
     "sgd_clip_value_no_early_push": dict(
         model=dict(optimizer="sgd"),
         bsp=dict(devices_per_node=2),  # early_push=None: off on CPU

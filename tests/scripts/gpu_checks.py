@@ -28,7 +28,8 @@ from models import EquivModel, loader  # noqa: E402
 from pipeline_models import SkewedNet  # noqa: E402
 from pipeline_models import loader as pipeline_loader  # noqa: E402
 
-from lightning_hier import HierPipelineStrategy, HierSlicedStrategy  # noqa: E402
+from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy  # noqa: E402
+from lightning_hier.profiling.comm_stats import CommStats  # noqa: E402
 
 SLICED = {
     "sliced_sgd_size": (dict(optimizer="sgd", quirks=True, batch_norm=True), {}, {}),
@@ -52,6 +53,18 @@ PIPELINE = {
     "pipeline_recompute_gpipe": dict(activation_policy="recompute", schedule="gpipe"),
 }
 HYBRID = {"hybrid_adagrad_16_mixed": "16-mixed", "hybrid_sgd_32": "32-true"}
+# plain BSP (superstep_steps=1, max_staleness=0) applies each step's gradients together: ddp's result
+BSP = {
+    "bsp_plain_sgd_early_push": (dict(optimizer="sgd"), dict(early_push=True), {}),
+    "bsp_plain_adamw_clip_accumulate": (
+        dict(optimizer="adamw_groups", scheduler=True),
+        {},
+        dict(gradient_clip_val=0.05, accumulate_grad_batches=2),
+    ),
+    "bsp_plain_bf16_mixed": (dict(optimizer="adam"), {}, dict(precision="bf16-mixed")),
+}
+# CommProfiler on CUDA tensors (CUDA-event timing): the profiled fit against the same fit without it
+PROFILED = ("profiler_ddp", "profiler_hier_sliced", "profiler_hier_bsp")
 
 
 def trainer(strategy, steps: int, **kwargs) -> pl.Trainer:  # noqa: ANN001, ANN003
@@ -128,12 +141,95 @@ def hybrid(case: str) -> dict:
     }
 
 
+def bsp(case: str) -> dict:
+    model_kwargs, bsp_kwargs, trainer_kwargs = BSP[case]
+    steps = 6 * trainer_kwargs.get("accumulate_grad_batches", 1)
+    results = []
+    for strategy in (
+        DDPStrategy(),
+        HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **bsp_kwargs),
+    ):
+        pl.seed_everything(1234, verbose=False)
+        model = EquivModel(**model_kwargs)
+        initial = state(model)
+        trainer(strategy, steps, **trainer_kwargs).fit(model, loader())
+        results.append(state(model))
+    return {
+        "max_rel_diff": max_rel_diff(results[0], results[1]),
+        "reference_moved": max_rel_diff(results[0], initial),
+        "supersteps": len(strategy.engine.records),
+    }
+
+
+ISSUED: list[bool] = []  # per operation the profiler saw: whether it timed it with CUDA events
+
+
+def _record_issue(original):  # noqa: ANN001, ANN202
+    def issue(self, name, kind, nbytes, wire, cuda):  # noqa: ANN001, ANN202
+        ISSUED.append(bool(cuda))
+        return original(self, name, kind, nbytes, wire, cuda)
+
+    return issue
+
+
+CommStats._issue = _record_issue(CommStats._issue)
+
+
+def _profiled_strategy(case: str):  # noqa: ANN202
+    if case == "profiler_ddp":
+        return DDPStrategy()
+    if case == "profiler_hier_sliced":
+        return HierSlicedStrategy()
+    return HierBSPStrategy(superstep_steps=1, max_staleness=0)
+
+
+def profiled(case: str) -> dict:
+    """The same fit with and without CommProfiler; what the profiler measured on the CUDA clock."""
+    steps = 6
+    results = []
+    ISSUED.clear()
+    for with_profiler in (False, True):
+        pl.seed_everything(0, verbose=False)
+        model = EquivModel(optimizer="adam")
+        initial = state(model)
+        profiler = CommProfiler(output_dir=str(Path(sys.argv[1]).parent / case), log_every_n_steps=1)
+        callbacks = [profiler] if with_profiler else []
+        trainer(_profiled_strategy(case), steps, callbacks=callbacks).fit(model, loader())
+        results.append(state(model))
+    stats = profiler.stats
+    assert stats is not None
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {
+        "max_rel_diff": max_rel_diff(results[0], results[1]),
+        "reference_moved": max_rel_diff(results[0], initial),
+        "param_bytes": param_bytes,
+        "events": len(ISSUED),
+        "cuda_events": sum(ISSUED),
+        "steps": [
+            {
+                "step_ms": 1e3 * step.step_s,
+                "kinds": {
+                    kind: [k.count, k.nbytes, 1e3 * k.time_s, 1e3 * k.exposed_s]
+                    for kind, k in step.kinds.items()
+                },
+            }
+            for step in stats.steps
+        ],
+        "outside": {kind: [k.count, k.nbytes] for kind, k in stats.outside.items()},
+        "csv_written": bool(profiler.csv_path and profiler.csv_path.exists()),
+        "unobserved_completions": stats.unobserved_completions,
+    }
+
+
 def main() -> None:
     out = Path(sys.argv[1])
-    cases = sys.argv[2].split(",") if len(sys.argv) > 2 else [*SLICED, *PIPELINE, *HYBRID]
+    cases = sys.argv[2].split(",") if len(sys.argv) > 2 else [*SLICED, *PIPELINE, *HYBRID, *BSP, *PROFILED]
     results: dict = {}
     for case in cases:
-        run = sliced if case in SLICED else pipeline if case in PIPELINE else hybrid
+        run = (
+            sliced if case in SLICED else pipeline if case in PIPELINE else bsp if case in BSP
+            else profiled if case in PROFILED else hybrid
+        )  # fmt: skip
         try:
             results[case] = run(case)
         except Exception as error:  # noqa: BLE001 - one broken case must not hide the others

@@ -15,6 +15,31 @@ def make_dataset(n: int = 256, features: int = 16, classes: int = 4, seed: int =
     return TensorDataset(x, y)
 
 
+class ConstructedStateSGD(torch.optim.Optimizer):
+    """Momentum SGD whose buffers exist from construction on, as torch 2.11's ``Adagrad`` does; its
+    step reads them and fails where a strategy lost them."""
+
+    def __init__(self, params, lr: float = 0.1, momentum: float = 0.9) -> None:  # noqa: ANN001
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param]["buffer"] = torch.zeros_like(param)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    buffer = self.state[param]["buffer"]
+                    buffer.mul_(group["momentum"]).add_(param.grad)
+                    param.add_(buffer, alpha=-group["lr"])
+        return loss
+
+
 class EquivModel(pl.LightningModule):
     """An MLP with optional frozen, tied and unused parameters and a BatchNorm buffer."""
 
@@ -67,6 +92,8 @@ class EquivModel(pl.LightningModule):
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
         elif self.optimizer_name == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        elif self.optimizer_name == "constructed_state_sgd":
+            optimizer = ConstructedStateSGD(self.parameters())
         elif self.optimizer_name == "adamw_groups":
             decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
             no_decay = [p for n, p in self.named_parameters() if not n.endswith("weight")]

@@ -75,6 +75,11 @@ SCENARIOS: dict[str, dict] = {
     "bf16_mixed": dict(
         model=dict(optimizer="adam"), hier=dict(devices_per_node=2), trainer=dict(precision="bf16-mixed")
     ),
+    # state made in the optimizer's constructor (Adagrad in torch 2.11 and before) must exist for the slices
+    "optimizer_state_made_at_construction": dict(
+        model=dict(optimizer="constructed_state_sgd"),
+        hier=dict(devices_per_node=2, elementwise_optimizers=["ConstructedStateSGD"]),
+    ),
 }
 
 
