@@ -26,7 +26,8 @@ from lightning_hier.profiling.report import step_rows
 
 STRATEGIES = ("ddp", "hier_sliced", "hier_pipeline", "hier_bsp")
 STEPS = 6
-WATCHED = ("all_reduce", "reduce_scatter", "all_gather_single", "broadcast", "isend", "batch_isend_irecv")
+_NAMES = ("all_reduce", "reduce_scatter", "all_gather_single", "broadcast", "isend", "batch_isend_irecv")
+WATCHED = tuple(name for name in _NAMES if hasattr(dist, name))  # all_gather_single: torch 2.13 on
 
 
 # ---------------------------------------------------------------------- unit tests (no processes)

@@ -48,6 +48,12 @@ def _is_equal(bounds: Bounds) -> bool:
     return len(sizes) == 1 and bounds[0][0] == 0
 
 
+def _flat_collective(name: str, older_name: str):  # noqa: ANN202
+    """``torch.distributed``'s collective ``name`` (torch 2.13), or ``older_name`` on releases before the
+    rename; looked up at each call, so that the wrappers of CommProfiler and the audit see the call."""
+    return getattr(dist, name, None) or getattr(dist, older_name)
+
+
 def reduce_scatter_into(
     out: torch.Tensor, flat: torch.Tensor, bounds: Bounds, group: dist.ProcessGroup, async_op: bool = False
 ) -> dist.Work | None:
@@ -56,7 +62,8 @@ def reduce_scatter_into(
         out.copy_(flat[bounds[0][0] : bounds[0][1]])
         return None
     if _is_equal(bounds) and flat.numel() == bounds[-1][1]:
-        return dist.reduce_scatter_single(out, flat, group=group, async_op=async_op)
+        reduce_scatter_flat = _flat_collective("reduce_scatter_single", "reduce_scatter_tensor")
+        return reduce_scatter_flat(out, flat, group=group, async_op=async_op)
     return dist.reduce_scatter(
         out, [flat[start:end] for start, end in bounds], group=group, async_op=async_op
     )
@@ -68,7 +75,8 @@ def all_gather_slices(flat: torch.Tensor, bounds: Bounds, group: dist.ProcessGro
         return []
     if _is_equal(bounds) and flat.numel() == bounds[-1][1]:
         mine = bounds[dist.get_rank(group)]
-        return [dist.all_gather_single(flat, flat[mine[0] : mine[1]], group=group, async_op=True)]
+        all_gather_flat = _flat_collective("all_gather_single", "all_gather_into_tensor")
+        return [all_gather_flat(flat, flat[mine[0] : mine[1]], group=group, async_op=True)]
     works = []
     for owner, (start, end) in enumerate(bounds):
         if end > start:
