@@ -277,8 +277,10 @@ def estimate_peak_bytes(
     during its backward (see :func:`_backward_peak`: recomputed layers re-materialise, swapped
     layers come back with the previous swapped layer prefetched). Layers missing from ``policies``
     count as kept. Not included, and the margin to expect against an allocator's peak: the
-    gradients flowing through backward (about two activations of the widest layer) and parameter
-    gradient temporaries (one layer's parameters).
+    gradients flowing through backward (about two activations of the widest layer), parameter
+    gradient temporaries (one layer's parameters) and one-time library workspaces (on CUDA, cuBLASLt
+    takes 1 MiB for the autograd thread's first matrix product, which a recomputed layer's forward
+    in backward can be: measured on an H200).
     """
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}.")
