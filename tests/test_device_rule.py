@@ -192,3 +192,34 @@ def test_every_collective_is_legal_under_nccl_and_issued_in_one_order(case: str,
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_backward_hook_on_an_autograd_thread_counts_as_the_main_threads() -> None:
+    """On CUDA a backward hook runs on torch's autograd device thread, which Python did not start; the
+    thread that called backward() waits for it, so the recorder credits the hook's collectives to
+    the main thread. Stood in for here by a thread started outside ``threading``."""
+    import _thread
+    import threading
+    import time
+
+    from lightning_hier.audit.recorder import issuing_thread
+
+    seen: dict[str, tuple[str, bool]] = {}
+
+    def foreign_thread() -> None:
+        seen["outside backward"] = issuing_thread()
+        x = torch.ones(2, requires_grad=True)
+        x.register_hook(lambda grad: seen.setdefault("in backward", issuing_thread()))
+        (x * 2).sum().backward()
+        seen["done"] = ("", True)
+
+    _thread.start_new_thread(foreign_thread, ())
+    deadline = time.monotonic() + 10
+    while "done" not in seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    main = threading.main_thread().name
+    assert seen["in backward"] == (main, True)
+    name, is_main = seen["outside backward"]
+    assert name != main and not is_main
+    assert issuing_thread() == (main, True)
+

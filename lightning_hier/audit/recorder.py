@@ -97,6 +97,21 @@ def p2p_op_name(op: dist.P2POp) -> str:
 Wrapper = Callable[..., Any]
 
 
+def issuing_thread() -> tuple[str, bool]:
+    """The thread a collective counts as issued by, and whether that is the main thread.
+
+    On CUDA, backward runs on the autograd engine's device thread (started by torch, not by Python)
+    while the thread that called ``backward()`` waits for it, so what a backward hook issues (DDP's
+    comm hook, the inline reducer) follows that thread's program order: it counts as the main
+    thread's, the thread that runs the training step. On the CPU backward runs on the caller itself.
+    """
+    current = threading.current_thread()
+    autograd_worker = isinstance(current, threading._DummyThread) and torch._C._current_graph_task_id() >= 0
+    if autograd_worker:
+        return threading.main_thread().name, True
+    return current.name, current is threading.main_thread()
+
+
 def patch_distributed(make_wrapper: Callable[[str, Wrapper], Wrapper]) -> dict[tuple[Any, str], Any]:
     """Replace every function named in :data:`WRAPPED` in ``torch.distributed`` and ``distributed_c10d``
     by ``make_wrapper(name, original)``; returns what :func:`restore_distributed` puts back.
@@ -238,6 +253,7 @@ class CollectiveAudit:
                 "a GPU run would refuse them (NCCL takes no CPU tensors)"
             )
         caller, package = _caller()
+        thread, is_main = issuing_thread()
         if self.rank is None:
             self.rank = dist.get_rank()
         record = CollectiveRecord(
@@ -249,8 +265,8 @@ class CollectiveAudit:
             tensors=described,
             peer=peer,
             batch=batch,
-            thread=threading.current_thread().name,
-            main_thread=threading.current_thread() is threading.main_thread(),
+            thread=thread,
+            main_thread=is_main,
             caller=caller,
             package=package,
             violation=violation,
