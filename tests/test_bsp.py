@@ -69,6 +69,31 @@ def test_bad_settings_name_the_setting(kwargs: dict, names: str) -> None:
         HierBSPStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        (dict(bucketing="none"), "bucketing='none' is not one of"),
+        (dict(bucketing="time", max_staleness=1), "bucketing='time' times the early push of plain BSP"),
+        (
+            dict(bucketing="time", superstep_steps=1, max_staleness=0, fill_idle=1),
+            "bucketing='time' times the early push of plain BSP",
+        ),
+        (
+            dict(bucketing="time", superstep_steps=1, max_staleness=0, early_push=False),
+            "needs early_push=True",
+        ),
+        (
+            dict(bucketing="time", superstep_steps=1, max_staleness=0, profile_steps=0),
+            "profile_steps must be",
+        ),
+        (dict(superstep_steps=1, max_staleness=0, min_bucket_mb=-1.0), "min_bucket_mb must be >= 0"),
+    ],
+)
+def test_bad_bucketing_settings_name_the_setting(kwargs: dict, names: str) -> None:
+    with pytest.raises(ValueError, match=names.replace("(", r"\(").replace(".", r"\.")):
+        HierBSPStrategy(**kwargs)
+
+
 def test_a_failure_of_the_bsp_thread_is_named_for_what_it_was() -> None:
     from lightning_hier.bsp.liveness import describe_loss
 
@@ -476,6 +501,14 @@ def test_plain_bsp_strategy_matches_ddp(strategy_results: dict, scenario: str) -
     # (how many while a backward still ran depends on timing: this model's backward is shorter than a
     # tick), unless turned off
     expected = 0 if scenario.endswith("no_early_push") else result["buckets"]
+    if scenario == "sgd_time_buckets":
+        # one size bucket for the warmup and the 2 profiled micro-steps, then the time plan's buckets
+        plan = result["time_plan"]
+        assert result["supersteps_before_rebuild"] == 3
+        assert sorted(i for bucket in plan["buckets"] for i in bucket) == list(range(6))
+        assert len(plan["buckets"]) == result["buckets"] >= 2
+        assert result["ready_buckets"] == [1] * 3 + [result["buckets"]] * 3
+        return
     assert result["ready_buckets"] == [expected] * 6
     if scenario == "adam_partly_used_one_bucket":  # used in steps 0 and 3 of 6: its own count
         assert sorted(set(result["step_counts"].values())) == [2.0, 6.0]

@@ -25,7 +25,9 @@ from lightning_hier.bsp.local_module import LocalBSPModule, SuperstepRecord
 from lightning_hier.bsp.server import ShardedParameterServer
 from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.bsp.shared_memory import SharedModelMemory
-from lightning_hier.bucketing.size_plan import ParamInfo, plan_size_buckets
+from lightning_hier.bucketing.size_plan import BucketPlan, ParamInfo, plan_size_buckets
+from lightning_hier.bucketing.step_clock import StepClock
+from lightning_hier.bucketing.time_plan import TimePlan, plan_time_buckets
 from lightning_hier.sliced.engine import trainable_params
 from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
 from lightning_hier.sliced.sharded_optim import check_optimizer
@@ -51,7 +53,12 @@ class BSPEngine:
         timeout_s: float = 1800.0,
         elementwise_optimizers: Sequence[str] = (),
         early_push: bool = False,
+        plan: BucketPlan | None = None,
+        profile: tuple[int, int] | None = None,
     ) -> None:
+        """``plan``: the buckets (default: by size, up to ``bucket_cap_mb``). ``profile``: ``(warmup, steps)``
+        to time when each gradient is ready in the last backward of that many micro-steps, after skipping
+        ``warmup``, for :meth:`time_plan`."""
         check_optimizer(optimizer, elementwise_optimizers)
         # plain BSP only: there a worker's last micro-step of a superstep is known before its backward
         self.early_push = early_push and settings.lockstep
@@ -63,11 +70,12 @@ class BSPEngine:
         self.params, group_of = trainable_params(original_groups)
         if not self.params:
             raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
-        infos = [
+        self.infos = [
             ParamInfo(i, p.numel(), p.element_size(), (group_of[i], p.dtype, p.device))
             for i, p in enumerate(self.params)
         ]
-        plan = plan_size_buckets(infos, int(bucket_cap_mb * 1024 * 1024))
+        plan = plan or plan_size_buckets(self.infos, int(bucket_cap_mb * 1024 * 1024))
+        self.bucket_plan = plan
         slice_plan = slice_plan or SlicePlan((1.0,) * topology.devices_per_node)
         self.server = ShardedParameterServer(
             self.params, group_of, optimizer, original_groups, topology, plan, slice_plan
@@ -90,6 +98,13 @@ class BSPEngine:
             param.register_post_accumulate_grad_hook(partial(self._mark_used, index))
             for index, param in enumerate(self.params)
         ]
+        # gradient-ready times in the profiled micro-steps' last backward: sums and counts per parameter
+        self._clock = StepClock(self.params[0].device) if profile is not None else None
+        self._profile_warmup, self._profile_steps = profile if profile is not None else (0, 0)
+        self._ready_sums = [0.0] * len(self.params)
+        self._ready_counts = [0] * len(self.params)
+        self._backward_sum = 0.0
+        self.profiled_steps = 0
         self.module = LocalBSPModule(self.memory, self.server, topology, settings, timeout_s)
         self.module.start()
 
@@ -97,6 +112,8 @@ class BSPEngine:
         self._used[index] = True
         if not self._completing:
             return
+        if self._clock is not None and self._clock.started:
+            self._clock.mark(index)
         if self._armed is None:  # begin_step has run by now: the count of micro-steps is current
             self._armed = self.early_push and self.memory.started_since_pickup == self.settings.quota
             self._ready_in_bucket = [0] * len(self.buckets)
@@ -109,9 +126,8 @@ class BSPEngine:
         """Fold the leading buckets whose gradients are all in, so the local module can push them
         while backward goes on (the push order, bucket 0 first, is the same on every rank)."""
         memory, start = self.memory, self._folded_early
-        while (
-            self._folded_early < len(self.buckets)
-            and self._ready_in_bucket[self._folded_early] == len(self.buckets[self._folded_early].slots)
+        while self._folded_early < len(self.buckets) and self._ready_in_bucket[self._folded_early] == len(
+            self.buckets[self._folded_early].slots
         ):
             self._collect_grads(self.buckets[self._folded_early])
             self._folded_early += 1
@@ -122,6 +138,11 @@ class BSPEngine:
                 memory.aggregate.fold_bucket(b, self.buckets[b].grads)
             memory.ready_buckets = self._folded_early
             memory.notify()
+
+    def backward_starts(self) -> None:
+        """The closure's backward begins (the zero of the gradient-ready times while profiling)."""
+        if self._clock is not None and self._completing:
+            self._clock.start()
 
     def expect_last_backward(self) -> None:
         """Call before the backward that completes a micro-step (with gradient accumulation, the last
@@ -170,6 +191,44 @@ class BSPEngine:
             memory.micro_step_folded(time.monotonic())
             memory.notify()
         self._completing, self._armed, self._folded_early = False, None, 0
+        if self._clock is not None:
+            self._take_ready_times(self._clock.finish() if computed else self._clock.reset())
+
+    def _take_ready_times(self, times: dict | None) -> None:
+        """Add one resolved micro-step's ready times (on CUDA the previous one's) once past the warmup."""
+        if not times:
+            return
+        if self._profile_warmup > 0:
+            self._profile_warmup -= 1
+            return
+        for index, seconds in times.items():
+            self._ready_sums[index] += seconds
+            self._ready_counts[index] += 1
+        self._backward_sum += max(times.values())
+        self.profiled_steps += 1
+
+    @property
+    def wants_time_plan(self) -> bool:
+        """Enough micro-steps profiled for :meth:`time_plan`."""
+        return self._clock is not None and self.profiled_steps >= self._profile_steps
+
+    def time_plan(self, cap_bytes: int, min_bytes: int) -> TimePlan:
+        """Buckets clustered by when gradients became ready, averaged over the profiled micro-steps and
+        every rank (drains first; the mean is a collective, issued by the local BSP module's thread).
+        Profiling stops here."""
+        self.drain()
+        mine = torch.tensor(
+            [*self._ready_sums, *self._ready_counts, self._backward_sum, self.profiled_steps],
+            dtype=torch.float64,
+        )
+        world = self.topology.world_group
+        self.module.call(lambda: torch.distributed.all_reduce(mine, group=world))
+        n = len(self.params)
+        sums, counts = mine[:n].tolist(), mine[n : 2 * n].tolist()
+        ready = [total / count if count else None for total, count in zip(sums, counts)]
+        backward_s = float(mine[2 * n] / max(float(mine[2 * n + 1]), 1.0))
+        self._clock = None
+        return plan_time_buckets(self.infos, ready, backward_s, cap_bytes, min_bytes)
 
     @torch.no_grad()
     def zero_grad(self) -> None:

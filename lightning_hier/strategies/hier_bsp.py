@@ -33,7 +33,11 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_hier.bsp.batch_claims import ClaimingSampler, why_not_claimed
 from lightning_hier.bsp.engine import BSPEngine
 from lightning_hier.bsp.liveness import new_run_key
+from lightning_hier.bsp.local_module import SuperstepRecord
 from lightning_hier.bsp.settings import BSPSettings
+from lightning_hier.bucketing.size_plan import BucketPlan
+from lightning_hier.bucketing.time_bucketing import validate_time_settings
+from lightning_hier.bucketing.time_plan import TimePlan
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, emulating_cuda, resolve_backend, validate_layout
 
@@ -85,6 +89,16 @@ class HierBSPStrategy(DDPStrategy):
             number, but a straggler no longer idles the others; workers then take different numbers
             of steps (as with ``max_staleness >= 1``: shared batches, epoch-based length and
             checkpoints).
+        bucketing: ``"size"`` (default): gradient buckets of up to ``bucket_cap_mb``. ``"time"``: in plain
+            BSP with early push (which it turns on where ``early_push`` is ``None``), the first
+            ``profile_steps`` micro-steps after ``profile_warmup_steps`` time when each gradient is ready;
+            the buckets are then rebuilt from those times, clustered as ``hier_sliced``'s time buckets
+            (at least ``min_bucket_mb``, at most ``bucket_cap_mb``), so each bucket goes out at a gap in
+            backward instead of when a size fills (seed 002's parameter-server variant; what goes in a
+            bucket is the plan's, when it goes is the early push's).
+        profile_steps: micro-steps timed for ``bucketing="time"``.
+        profile_warmup_steps: micro-steps skipped before timing (the first is slowed by lazy set-up).
+        min_bucket_mb: smallest time bucket; smaller clusters join the next.
         gradient_average: ``"folded"`` (default): the server steps with the mean gradient per micro-step
             folded into the superstep. ``"nominal"``: the sum divided by ``superstep_steps x world_size``,
             so each micro-step weighs what one worker's step weighs in ``ddp`` and a superstep that
@@ -111,6 +125,10 @@ class HierBSPStrategy(DDPStrategy):
         early_push: bool | None = None,
         fill_idle: int = 0,
         gradient_average: Literal["folded", "nominal"] = "folded",
+        bucketing: Literal["size", "time"] = "size",
+        profile_steps: int = 3,
+        profile_warmup_steps: int = 1,
+        min_bucket_mb: float = 1.0,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -127,6 +145,9 @@ class HierBSPStrategy(DDPStrategy):
             validate_layout(devices_per_node, devices_per_node)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
+        _validate_bucketing(
+            self.settings, bucketing, early_push, profile_steps, profile_warmup_steps, min_bucket_mb
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -143,6 +164,12 @@ class HierBSPStrategy(DDPStrategy):
         self.elementwise_optimizers = tuple(elementwise_optimizers)
         self.share_batches = not self.settings.lockstep if share_batches is None else bool(share_batches)
         self.early_push = early_push
+        self.bucketing = bucketing
+        self.profile_steps = profile_steps
+        self.profile_warmup_steps = profile_warmup_steps
+        self.min_bucket_mb = float(min_bucket_mb)
+        self.time_plan: TimePlan | None = None  # the plan the buckets were rebuilt from, once profiled
+        self._earlier_records: list[SuperstepRecord] = []  # of engines replaced by a rebuild
         self._claiming = False  # the train loader now in use draws from a ClaimingSampler
         self._loading_train_data = False
         self.topology: Topology | None = None
@@ -240,8 +267,29 @@ class HierBSPStrategy(DDPStrategy):
         if self.engine is not None:
             self.engine.close()
         groups = self.topology.build_groups(self._timeout, dedicated=True)  # the BSP thread's own
+        early_push = self._early_push_wanted()
+        profile = None
+        if self.bucketing == "time" and early_push:
+            profile = (self.profile_warmup_steps, self.profile_steps)
+        elif self.bucketing == "time":
+            rank_zero_warn(
+                "HierBSPStrategy(bucketing='time') keeps size buckets: a hook that may change gradients "
+                "after backward (on_after_backward or on_before_optimizer_step) rules out the early push "
+                "that time buckets are for; pass early_push=True if it does not."
+            )
+        self._earlier_records, self.time_plan = [], None
+        self.engine = self._new_engine(groups, early_push, profile=profile)
+
+    def _new_engine(
+        self,
+        groups: Topology,
+        early_push: bool,
+        plan: BucketPlan | None = None,
+        profile: tuple[int, int] | None = None,
+    ) -> BSPEngine:
+        assert self.lightning_module is not None
         timeout_s = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        self.engine = BSPEngine(
+        return BSPEngine(
             self.lightning_module,
             self.optimizers[0],
             groups,
@@ -249,15 +297,38 @@ class HierBSPStrategy(DDPStrategy):
             bucket_cap_mb=self.bucket_cap_mb,
             timeout_s=timeout_s,
             elementwise_optimizers=self.elementwise_optimizers,
-            early_push=self._early_push_wanted(),
+            early_push=early_push,
+            plan=plan,
+            profile=profile,
         )
+
+    def _rebuild_with_time_plan(self) -> None:
+        """Replace the size-bucketed engine by one on the profiled time plan, keeping the model and the
+        optimizer state (every rank at the same micro-step: workers run in lockstep here)."""
+        old = self.engine
+        assert old is not None
+        cap = int(self.bucket_cap_mb * 1024 * 1024)
+        self.time_plan = old.time_plan(cap, int(self.min_bucket_mb * 1024 * 1024))
+        state = old.optimizer_state_dict()
+        self._earlier_records += old.records
+        old.close()
+        self.engine = self._new_engine(old.topology, old.early_push, plan=self.time_plan.plan)
+        self.engine.load_optimizer_state_dict(state)
+        self.engine.load_params()
+        self._route_to_engine()
+        log.info("hier_bsp: buckets rebuilt from gradient-ready times: %s", self.time_plan.describe())
+
+    @property
+    def superstep_records(self) -> list[SuperstepRecord]:
+        """Every superstep of this fit so far (also those before a time-plan rebuild)."""
+        return self._earlier_records + (self.engine.records if self.engine is not None else [])
 
     def _early_push_wanted(self) -> bool:
         """``early_push``, with ``None`` resolved: on CUDA, unless user code may change gradients after
         backward (a CPU run that builds its groups as on CUDA, for the device-rule audit, counts as CUDA)."""
         if self.early_push is not None:
             return self.early_push
-        if self.root_device.type != "cuda" and not emulating_cuda():
+        if self.root_device.type != "cuda" and not emulating_cuda() and self.bucketing != "time":
             return False
         module = self.lightning_module
         assert module is not None
@@ -330,9 +401,18 @@ class HierBSPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ step
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self.engine is not None and not self._in_step:
+            if self.engine.wants_time_plan:
+                self._rebuild_with_time_plan()
             self.engine.begin_step()  # the newest model, before this optimizer step's first forward
             self._in_step = True
         return super().training_step(*args, **kwargs)
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Any:
+        if self.engine is not None:
+            self.engine.backward_starts()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def optimizer_step(
         self,
@@ -346,6 +426,8 @@ class HierBSPStrategy(DDPStrategy):
         model = model if model is not None else self.lightning_module
         assert isinstance(model, pl.LightningModule)
         # forward, backward and the hooks before the step; the step itself is the server's
+        if not self._in_step and self.engine.wants_time_plan:  # before this step's micro-step begins
+            self._rebuild_with_time_plan()
         self.engine.expect_last_backward()  # this closure's backward completes the micro-step
         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
         if self._in_step:
@@ -367,11 +449,11 @@ class HierBSPStrategy(DDPStrategy):
 
     def _log_supersteps(self, trainer: pl.Trainer) -> None:
         assert self.engine is not None
-        records = self.engine.records
+        records = self.superstep_records
         if not (self.log_supersteps and self.is_global_zero and trainer.loggers):
             self._logged = len(records)
             return
-        for record in records[self._logged : len(records)]:
+        for number, record in enumerate(records[self._logged : len(records)], start=self._logged):
             metrics: dict[str, float] = {
                 "bsp/staleness_max": record.max_staleness,
                 "bsp/micro_steps": sum(record.micro_steps),
@@ -384,7 +466,7 @@ class HierBSPStrategy(DDPStrategy):
             }
             metrics.update({f"bsp/micro_steps_rank{r}": n for r, n in enumerate(record.micro_steps)})
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=record.index)
+                logger.log_metrics(metrics, step=number + 1)  # superstep numbers go on across a rebuild
             self._logged += 1
 
     def on_validation_start(self) -> None:
@@ -455,6 +537,31 @@ class HierBSPStrategy(DDPStrategy):
             cls,
             description="Bulk-synchronous parameter server (sharded like hier_sliced) with asynchronous "
             "workers that fold gradients into a local aggregate",
+        )
+
+
+def _validate_bucketing(
+    settings: BSPSettings,
+    bucketing: str,
+    early_push: bool | None,
+    profile_steps: int,
+    profile_warmup_steps: int,
+    min_bucket_mb: float,
+) -> None:
+    """``ValueError`` naming the setting, before any process group exists."""
+    if bucketing not in ("size", "time"):
+        raise ValueError(f"bucketing={bucketing!r} is not one of ['size', 'time'].")
+    validate_time_settings(bucketing, profile_steps, profile_warmup_steps, 1.0)
+    if not min_bucket_mb >= 0:
+        raise ValueError(f"min_bucket_mb must be >= 0, got {min_bucket_mb!r}.")
+    if bucketing == "time" and not settings.lockstep:
+        raise ValueError(
+            "bucketing='time' times the early push of plain BSP: it needs max_staleness=0 with "
+            "superstep_steps and no fill_idle."
+        )
+    if bucketing == "time" and early_push is False:
+        raise ValueError(
+            "bucketing='time' plans when buckets are pushed early: it needs early_push=True or None."
         )
 
 

@@ -47,6 +47,14 @@ SCENARIOS: dict[str, dict] = {
         model=dict(optimizer="constructed_state_sgd"),
         bsp=dict(devices_per_node=2, early_push=True, elementwise_optimizers=["ConstructedStateSGD"]),
     ),
+    # buckets rebuilt from gradient-ready times after 1 + 2 micro-steps (one bucket by size before)
+    "sgd_time_buckets": dict(
+        model=dict(optimizer="sgd"),
+        bsp=dict(
+            devices_per_node=2, bucket_cap_mb=25, bucketing="time", profile_steps=2, profile_warmup_steps=1,
+            min_bucket_mb=0,
+        ),
+    ),
     "sgd_clip_value_no_early_push": dict(
         model=dict(optimizer="sgd"),
         bsp=dict(devices_per_node=2),  # early_push=None: off on CPU
@@ -70,13 +78,15 @@ def main() -> None:
         results[name] = {
             "max_rel_diff": max_rel_diff(reference, state),
             "reference_moved": max_rel_diff(reference, initial_state(spec["model"])),
-            "supersteps": len(strategy.engine.records),
+            "supersteps": len(strategy.superstep_records),
             # per parameter, as the unsharded optimizer's state_dict has them: ddp's, then hier_bsp's
             "step_counts": {str(k): v for k, v in STEP_COUNTS[-2].items()},
             "step_counts_bsp": {str(k): v for k, v in STEP_COUNTS[-1].items()},
-            "micro_steps": [r.micro_steps for r in strategy.engine.records],
-            "ready_buckets": [r.ready_buckets for r in strategy.engine.records],
+            "micro_steps": [r.micro_steps for r in strategy.superstep_records],
+            "ready_buckets": [r.ready_buckets for r in strategy.superstep_records],
             "buckets": len(strategy.engine.buckets),
+            "supersteps_before_rebuild": len(strategy._earlier_records),
+            "time_plan": strategy.time_plan.to_dict() if strategy.time_plan is not None else None,
             "scheduler_before_optimizer_warnings": sum(
                 "before `optimizer.step()`" in str(w.message) for w in caught
             ),
