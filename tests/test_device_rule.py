@@ -156,6 +156,8 @@ CASES = {
     "bsp_plain": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py"),
     # fresh gradients with fill_idle: time-dependent rows, the same decision on every rank
     "bsp_fill": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py"),
+    # time buckets: the profile's mean over ranks, then an engine rebuilt on the plan (a new BSP thread)
+    "bsp_time": ("bsp/engine.py", "bsp/local_module.py", "bsp/server.py", "sliced/piece_sharding.py"),
     "pipeline_1f1b": (
         "pipeline/schedule.py", "pipeline/migration.py", "pipeline/engine.py", "strategies/hier_pipeline.py",
     ),
@@ -165,6 +167,7 @@ BACKGROUND_THREADS = {
     "bsp": "hier-bsp-rank",
     "bsp_plain": "hier-bsp-rank",
     "bsp_fill": "hier-bsp-rank",
+    "bsp_time": "hier-bsp-rank",
     "hybrid": "lightning_hier-tables",
 }
 
@@ -189,9 +192,6 @@ def test_every_collective_is_legal_under_nccl_and_issued_in_one_order(case: str,
     served = {tuple(sorted(r["group_devices"])) for rs in report.records.values() for r in rs}
     assert served == {("cpu", "cuda")}
 
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
 
 
 def test_a_backward_hook_on_an_autograd_thread_counts_as_the_main_threads() -> None:
@@ -223,3 +223,6 @@ def test_a_backward_hook_on_an_autograd_thread_counts_as_the_main_threads() -> N
     assert name != main and not is_main
     assert issuing_thread() == (main, True)
 
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -96,12 +96,15 @@ def hybrid(out: Path) -> None:
     run.fit(resumed, hybrid_loader(), ckpt_path=str(out / "hybrid.ckpt"))
 
 
-def bsp(out: Path, max_staleness: int = 1, fill_idle: int = 0) -> None:
+def bsp(out: Path, max_staleness: int = 1, fill_idle: int = 0, bucketing: str = "size") -> None:
     # max_staleness=0 is plain BSP: there (on CUDA, as emulated here) buckets are pushed during backward;
-    # with fill_idle workers take different step counts (shared batches, no early push)
+    # with fill_idle workers take different step counts (shared batches, no early push); time buckets
+    # rebuild the engine after one profiled micro-step
+    timed = dict(bucketing="time", profile_steps=1, profile_warmup_steps=0, min_bucket_mb=0.0)
     strategy = HierBSPStrategy(
         superstep_steps=1, max_staleness=max_staleness, devices_per_node=2, bucket_cap_mb=0.002,
         fill_idle=fill_idle, gradient_average="nominal" if fill_idle else "folded",
+        **(timed if bucketing == "time" else {}),
     )  # fmt: skip
     model = LoggedModel(optimizer="adam")
     checkpoint = ModelCheckpoint(dirpath=str(out / "ckpt"), monitor="val_loss", save_top_k=1)
@@ -111,8 +114,10 @@ def bsp(out: Path, max_staleness: int = 1, fill_idle: int = 0) -> None:
     )  # fmt: skip
     run.fit(model, loader(), loader())
     if max_staleness == 0 and not fill_idle:  # the audit must have seen pushes during backward (early_push)
-        ready = [r.ready_buckets for r in strategy.engine.records]
+        ready = [r.ready_buckets for r in strategy.superstep_records]
         assert ready and all(r > 0 for r in ready), ready
+    if bucketing == "time":
+        assert strategy.time_plan is not None and strategy._earlier_records
     run.test(model, loader(), ckpt_path="best")
 
 
@@ -148,6 +153,8 @@ def main() -> None:
         bsp(out, max_staleness=0)
     elif case == "bsp_fill":
         bsp(out, max_staleness=0, fill_idle=1)
+    elif case == "bsp_time":
+        bsp(out, max_staleness=0, bucketing="time")
     elif case in ("pipeline_1f1b", "pipeline_gpipe"):
         pipeline(out, case.split("_")[1])
     else:
