@@ -1,4 +1,6 @@
-"""hier_bsp in plain BSP: buckets pushed during backward (``early_push=True``) vs after it, vs ``ddp``.
+"""hier_bsp in plain BSP: buckets pushed during backward (``early_push=True``) vs after it, vs ``ddp``;
+with ``--modes ...,time``, also early push of buckets planned from gradient-ready times
+(``bucketing="time"``).
 
 Each contender runs as one ``torch.distributed.run --standalone`` job of ``--processes`` CPU processes
 (gloo) training the same MLP; the driver runs the contenders ``--repeats`` times, interleaved, and
@@ -18,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_bsp_overlap_worker.py"
-MODES = ("early", "late", "ddp")
+MODES = ("early", "late", "time", "ddp")
 
 
 def run_job(args: argparse.Namespace, mode: str) -> dict:
@@ -48,10 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--modes", default="early,late,ddp", help=f"comma-separated, of {', '.join(MODES)}")
     args = p.parse_args(argv)
-    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := set(modes) - set(MODES):
+        p.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for repeat in range(args.repeats):
-        for mode in MODES:
+        for mode in modes:
             result = run_job(args, mode)
             results[mode].append(result)
             extra = ""
@@ -60,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[repeat {repeat + 1}] {mode:<5} {result['step_ms']:.1f} ms per step{extra}", flush=True)
     median = {mode: statistics.median(r["step_ms"] for r in runs) for mode, runs in results.items()}
     print("\nmedian step [ms]: " + ", ".join(f"{mode} {ms:.1f}" for mode, ms in median.items()))
-    late, ddp = median["early"] / median["late"], median["early"] / median["ddp"]
-    print(f"early / late: {late:.3f}   early / ddp: {ddp:.3f}")
+    pairs = [("early", "late"), ("early", "ddp"), ("time", "early"), ("time", "ddp")]
+    ratios = [f"{a} / {b}: {median[a] / median[b]:.3f}" for a, b in pairs if a in median and b in median]
+    print("   ".join(ratios))
     return 0
 
 
