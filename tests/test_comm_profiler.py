@@ -133,7 +133,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("comm_profiler")
     run_torchrun(str(Path(__file__).resolve()), 4, str(out), timeout=400)
     results: dict[str, Any] = {}
-    for name in (*STRATEGIES, "ddp_raises"):
+    for name in (*STRATEGIES, "ddp_raises", "hier_bsp_time"):
         results[name] = [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(4)]
     return results
 
@@ -212,6 +212,14 @@ def test_csv_figure_and_logged_metrics(measured: dict, name: str) -> None:
     assert logged_bytes == [b for b in _per_step(rank0, kind) if b] and logged_bytes  # rank 0's values
 
 
+def test_hier_bsp_waits_stay_watched_when_time_buckets_rebuild_its_engine(measured: dict) -> None:
+    for result in measured["hier_bsp_time"]:
+        assert result["rebuilt"]  # the strategy replaced its engine during the fit
+        # from the first batch on the new engine on, its waits for the server's model are watched
+        assert result["watched"] and all(result["watched"]), result["watched"]
+        assert result["unwrapped_after_fit"], result["still_wrapped"]
+
+
 @pytest.mark.parametrize("name", (*STRATEGIES, "ddp_raises"))
 def test_nothing_stays_wrapped_after_fit(measured: dict, name: str) -> None:
     for result in measured[name]:
@@ -232,15 +240,18 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
     from pipeline_models import loader as pipeline_loader
 
     from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy
+    from lightning_hier.bsp.shared_memory import SharedModelMemory
     from lightning_hier.pipeline.schedule import _HEADER
 
     originals = {name: getattr(dist, name) for name in WATCHED}
     original_wait = dist.Work.wait
+    memory_wait = SharedModelMemory.wait  # hier_bsp's worker waiting for the server's model
 
     def still_wrapped() -> list[str]:
         names = [
             n for n in WATCHED if getattr(dist, n) is not originals[n] or getattr(c10d, n) is not originals[n]
         ]
+        names += ["SharedModelMemory.wait"] if SharedModelMemory.wait is not memory_wait else []
         return names + (["Work.wait"] if dist.Work.wait is not original_wait else [])
 
     class Independent(Callback):
@@ -270,8 +281,39 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
                 raise RuntimeError("raised on purpose at batch 2")
             return super().training_step(batch, batch_idx)
 
-    for name in (*STRATEGIES, "ddp_raises"):
+    class WatchedWaits(Callback):
+        """After hier_bsp rebuilt its engine: whether the new engine's waits are wrapped, per batch."""
+
+        def __init__(self) -> None:
+            self.first_engine: Any = None
+            self.watched: list[bool] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            engine = trainer.strategy.engine
+            self.first_engine = self.first_engine or engine
+            if engine is not self.first_engine:
+                self.watched.append(type(engine.memory).wait is not memory_wait)
+
+    for name in (*STRATEGIES, "ddp_raises", "hier_bsp_time"):
         pl.seed_everything(0, verbose=False)
+        if name == "hier_bsp_time":
+            waits, profiler = WatchedWaits(), CommProfiler(save_figure=False, print_summary=False)
+            strategy = HierBSPStrategy(
+                devices_per_node=2, superstep_steps=1, max_staleness=0, bucketing="time", profile_steps=1,
+                profile_warmup_steps=0, min_bucket_mb=0.0,
+            )  # fmt: skip
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, default_root_dir=str(out),
+                callbacks=[profiler, waits], logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False,
+            )  # fmt: skip
+            trainer.fit(EquivModel(hidden=64), train_dataloaders=loader(n=256))
+            result = {
+                "rebuilt": strategy.time_plan is not None, "watched": waits.watched,
+                "still_wrapped": still_wrapped(), "unwrapped_after_fit": not still_wrapped(),
+            }  # fmt: skip
+            (out / f"{name}_rank{dist.get_rank()}.json").write_text(json.dumps(result))
+            continue
         if name == "ddp_raises":
             independent, profiler = Independent(), CommProfiler()
             trainer = pl.Trainer(

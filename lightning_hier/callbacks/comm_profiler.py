@@ -48,6 +48,9 @@ class CommProfiler(Callback):
         print_summary: print the table at the end of training (rank 0).
     """
 
+    # its on_after_backward reads the clock only: hier_bsp keeps pushing buckets during backward with it
+    leaves_gradients_alone = True
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,
@@ -100,7 +103,9 @@ class CommProfiler(Callback):
             stats.register_group(engine.topology.world_group, "world")  # the BSP thread's ticks
             stats.register_group(engine.topology.intra_group, PS)
             stats.register_group(engine.topology.inter_group, PS)
-            stats.watch(engine.memory, "wait")  # a worker waiting for the server's model
+            # a worker waiting for the server's model; watched on the class, so that an engine rebuilt on a
+            # time plan (bucketing="time") mid-batch is covered from its first wait on
+            stats.watch(type(engine.memory), "wait")
         elif isinstance(strategy, HierPipelineStrategy) and engine is not None:
             stats.register_group(engine.group, "world")  # sends and receives on it are "p2p"
 

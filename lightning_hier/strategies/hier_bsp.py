@@ -79,7 +79,8 @@ class HierBSPStrategy(DDPStrategy):
             backward goes on, instead of all after it (DDP's overlap, on the parameter server).
             ``None`` (default): on there when training on CUDA, unless the LightningModule or a
             callback overrides ``on_after_backward`` or ``on_before_optimizer_step`` (a hook that
-            changes gradients after backward would miss the buckets already pushed); off on CPU,
+            changes gradients after backward would miss the buckets already pushed; a callback with
+            ``leaves_gradients_alone = True``, such as ``CommProfiler``, does not count); off on CPU,
             where the pushes take the cores backward runs on (measured slower, docs/hier_bsp.md).
             Ignored in other modes.
         fill_idle: with ``max_staleness=0`` and ``superstep_steps``: a worker that has folded its
@@ -337,6 +338,7 @@ class HierBSPStrategy(DDPStrategy):
         changes_gradients = any(is_overridden(hook, module) for hook in hooks) or any(
             getattr(type(callback), hook) is not getattr(pl.Callback, hook)
             for callback in callbacks
+            if not getattr(callback, "leaves_gradients_alone", False)  # e.g. CommProfiler only reads the time
             for hook in hooks
         )
         return not changes_gradients
