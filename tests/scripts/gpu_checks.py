@@ -87,14 +87,11 @@ def max_rel_diff(a: dict, b: dict) -> float:
     return worst
 
 
-def sliced(case: str) -> dict:
-    model_kwargs, hier_kwargs, trainer_kwargs = SLICED[case]
+def against_ddp(ddp: DDPStrategy, contender: object, model_kwargs: dict, trainer_kwargs: dict) -> dict:
+    """``EquivModel`` trained for 6 optimizer steps under ``ddp`` and under ``contender``."""
     steps = 6 * trainer_kwargs.get("accumulate_grad_batches", 1)
     results = []
-    for strategy in (
-        DDPStrategy(find_unused_parameters=True),
-        HierSlicedStrategy(bucket_cap_mb=0.002, **hier_kwargs),
-    ):
+    for strategy in (ddp, contender):
         pl.seed_everything(1234, verbose=False)
         model = EquivModel(**model_kwargs)
         initial = state(model)
@@ -104,6 +101,12 @@ def sliced(case: str) -> dict:
         "max_rel_diff": max_rel_diff(results[0], results[1]),
         "reference_moved": max_rel_diff(results[0], initial),
     }
+
+
+def sliced(case: str) -> dict:
+    model_kwargs, hier_kwargs, trainer_kwargs = SLICED[case]
+    contender = HierSlicedStrategy(bucket_cap_mb=0.002, **hier_kwargs)
+    return against_ddp(DDPStrategy(find_unused_parameters=True), contender, model_kwargs, trainer_kwargs)
 
 
 def pipeline(case: str) -> dict:
@@ -151,22 +154,9 @@ def hybrid(case: str) -> dict:
 
 def bsp(case: str) -> dict:
     model_kwargs, bsp_kwargs, trainer_kwargs = BSP[case]
-    steps = 6 * trainer_kwargs.get("accumulate_grad_batches", 1)
-    results = []
-    for strategy in (
-        DDPStrategy(),
-        HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **bsp_kwargs),
-    ):
-        pl.seed_everything(1234, verbose=False)
-        model = EquivModel(**model_kwargs)
-        initial = state(model)
-        trainer(strategy, steps, **trainer_kwargs).fit(model, loader())
-        results.append(state(model))
-    return {
-        "max_rel_diff": max_rel_diff(results[0], results[1]),
-        "reference_moved": max_rel_diff(results[0], initial),
-        "supersteps": len(strategy.engine.records),
-    }
+    contender = HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **bsp_kwargs)
+    result = against_ddp(DDPStrategy(), contender, model_kwargs, trainer_kwargs)
+    return {**result, "supersteps": len(contender.superstep_records)}
 
 
 ISSUED: list[bool] = []  # per operation the profiler saw: whether it timed it with CUDA events
