@@ -614,10 +614,13 @@ def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results:
         assert min(fast) > 2 * 512 / 4 / 8, result  # each fast worker trained on more than a quarter
 
 
-def test_plain_bsp_resume_equals_an_uninterrupted_run(lightning_results: dict) -> None:
-    result = lightning_results["resume"]
+@pytest.mark.parametrize("scenario", ["resume", "resume_time_buckets"])
+def test_plain_bsp_resume_equals_an_uninterrupted_run(lightning_results: dict, scenario: str) -> None:
+    result = lightning_results[scenario]
     assert result["halfway_moved"] > 1e-2
-    assert result["max_rel_diff"] < 1e-6, result
+    # time buckets: the two runs sum in buckets of other layouts after their rebuilds (float order)
+    assert result["max_rel_diff"] < (1e-6 if scenario == "resume" else 1e-5), result
+    assert result["rebuilt"] == [scenario == "resume_time_buckets"] * 3  # whole, first half, resumed
     assert result["bare_equals_halfway"] == 0.0  # the checkpoint loads into a module without the plugin
 
 

@@ -13,7 +13,8 @@
   gradient is ever stale, yet the fast workers fold more micro-steps per superstep than the straggler.
 - ``fill``: ``superstep_steps=1, max_staleness=0, fill_idle=1, gradient_average="nominal"``, the same
   straggler and validation: never stale, fast workers fold up to two micro-steps per superstep.
-- ``resume``: plain BSP (``superstep_steps=1, max_staleness=0``), Adam: two epochs in one run against
+- ``resume`` (and ``resume_time_buckets``, with ``bucketing="time"``): plain BSP (``superstep_steps=1,
+  max_staleness=0``), Adam: two epochs in one run against
   one epoch, a checkpoint, and the second epoch resumed from it; also the checkpoint loaded into
   a bare module.
 """
@@ -111,16 +112,24 @@ def straggler(
     }
 
 
-def resume(out: Path) -> dict:
+def resume(out: Path, bucketing: str = "size") -> dict:
+    # time buckets: each run profiles one micro-step and rebuilds its engine (the resumed one again,
+    # after the checkpoint was loaded into size buckets)
+    timed = dict(bucketing="time", profile_steps=1, profile_warmup_steps=0, min_bucket_mb=0.0)
+
     def fit(epochs: int, ckpt: str | None = None) -> tuple[EquivModel, pl.Trainer]:
         pl.seed_everything(11, verbose=False)
         model = EquivModel(optimizer="adam")
         strategy = HierBSPStrategy(
-            superstep_steps=1, max_staleness=0, devices_per_node=2, bucket_cap_mb=0.002
-        )
+            superstep_steps=1, max_staleness=0, devices_per_node=2, bucket_cap_mb=0.002,
+            **(timed if bucketing == "time" else {}),
+        )  # fmt: skip
         run = trainer(strategy, out, max_epochs=epochs, logger=False, enable_checkpointing=False)
         run.fit(model, train_dataloaders=loader(), ckpt_path=ckpt)
+        rebuilt.append(strategy.time_plan is not None)
         return model, run
+
+    rebuilt: list[bool] = []  # per fit: whether its engine was rebuilt on a time plan
 
     whole, _ = fit(2)
     first, run = fit(1)
@@ -133,6 +142,7 @@ def resume(out: Path) -> dict:
         "max_rel_diff": max_rel_diff(whole.state_dict(), resumed.state_dict()),
         "halfway_moved": max_rel_diff(whole.state_dict(), first.state_dict()),
         "bare_equals_halfway": max_rel_diff(first.state_dict(), bare.state_dict()),
+        "rebuilt": rebuilt,
     }
 
 
@@ -149,6 +159,7 @@ def main() -> None:
             gradient_average="nominal",
         ),  # fmt: skip
         "resume": resume(out / "resume"),
+        "resume_time_buckets": resume(out / "resume_time", bucketing="time"),
     }
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=2))
