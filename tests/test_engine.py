@@ -273,3 +273,31 @@ def test_unknown_optimizers_are_refused_unless_declared_elementwise() -> None:
     with pytest.raises(ValueError, match=r"elementwise_optimizers=\['MySGD'\]"):
         check_optimizer(MySGD(params, lr=0.1))
     check_optimizer(MySGD(params, lr=0.1), declared_elementwise=["MySGD"])  # the user vouches for it
+
+
+def test_state_made_in_the_constructor_is_made_again_for_slices() -> None:
+    from lightning_hier.sliced.sharded_optim import constructed_state
+
+    class Eager(torch.optim.Optimizer):  # makes its state in the constructor, as torch 2.11's Adagrad
+        def __init__(self, params, lr: float = 0.1, start: float = 0.5) -> None:  # noqa: ANN001
+            super().__init__(params, {"lr": lr, "start": start})
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["acc"] = torch.full_like(p, group["start"])
+
+    model = nn.Linear(3, 2)
+    optimizer = Eager([{"params": [model.weight]}, {"params": [model.bias], "start": 2.0}])
+    slices = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(1))]
+    optimizer.param_groups[0]["params"], optimizer.param_groups[1]["params"] = [slices[0]], [slices[1]]
+    state = constructed_state(optimizer)
+    assert set(state) == set(slices)  # keyed by the slices, built with each group's own settings
+    assert torch.equal(state[slices[0]]["acc"], torch.full((4,), 0.5))
+    assert torch.equal(state[slices[1]]["acc"], torch.full((1,), 2.0))
+
+    class NeedsMore(Eager):  # a constructor that cannot be called from its defaults: a warning, no state
+        def __init__(self, params, extra, lr: float = 0.1) -> None:  # noqa: ANN001
+            super().__init__(params, lr)
+
+    odd = NeedsMore([model.weight], extra=1)
+    with pytest.warns(UserWarning, match="could not be rebuilt for the parameter slices"):
+        assert constructed_state(odd) == {}
