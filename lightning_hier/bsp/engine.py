@@ -27,6 +27,7 @@ from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.bsp.shared_memory import SharedModelMemory
 from lightning_hier.bucketing.size_plan import BucketPlan, ParamInfo, plan_size_buckets
 from lightning_hier.bucketing.step_clock import StepClock
+from lightning_hier.bucketing.time_bucketing import ReadyTimes
 from lightning_hier.bucketing.time_plan import TimePlan, plan_time_buckets
 from lightning_hier.sliced.engine import trainable_params
 from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
@@ -98,13 +99,10 @@ class BSPEngine:
             param.register_post_accumulate_grad_hook(partial(self._mark_used, index))
             for index, param in enumerate(self.params)
         ]
-        # gradient-ready times in the profiled micro-steps' last backward: sums and counts per parameter
+        # gradient-ready times in the profiled micro-steps' last backward
         self._clock = StepClock(self.params[0].device) if profile is not None else None
         self._profile_warmup, self._profile_steps = profile if profile is not None else (0, 0)
-        self._ready_sums = [0.0] * len(self.params)
-        self._ready_counts = [0] * len(self.params)
-        self._backward_sum = 0.0
-        self.profiled_steps = 0
+        self._ready = ReadyTimes(len(self.params))
         self.module = LocalBSPModule(self.memory, self.server, topology, settings, timeout_s)
         self.module.start()
 
@@ -201,32 +199,21 @@ class BSPEngine:
         if self._profile_warmup > 0:
             self._profile_warmup -= 1
             return
-        for index, seconds in times.items():
-            self._ready_sums[index] += seconds
-            self._ready_counts[index] += 1
-        self._backward_sum += max(times.values())
-        self.profiled_steps += 1
+        self._ready.add([times.get(i) for i in range(len(self.params))], max(times.values()))
 
     @property
     def wants_time_plan(self) -> bool:
         """Enough micro-steps profiled for :meth:`time_plan`."""
-        return self._clock is not None and self.profiled_steps >= self._profile_steps
+        return self._clock is not None and self._ready.steps >= self._profile_steps
 
     def time_plan(self, cap_bytes: int, min_bytes: int) -> TimePlan:
         """Buckets clustered by when gradients became ready, averaged over the profiled micro-steps and
         every rank (drains first; the mean is a collective, issued by the local BSP module's thread).
         Profiling stops here."""
         self.drain()
-        mine = torch.tensor(
-            [*self._ready_sums, *self._ready_counts, self._backward_sum, self.profiled_steps],
-            dtype=torch.float64,
-        )
-        world = self.topology.world_group
-        self.module.call(lambda: torch.distributed.all_reduce(mine, group=world))
-        n = len(self.params)
-        sums, counts = mine[:n].tolist(), mine[n : 2 * n].tolist()
-        ready = [total / count if count else None for total, count in zip(sums, counts)]
-        backward_s = float(mine[2 * n] / max(float(mine[2 * n + 1]), 1.0))
+        stats, world = self._ready.packed(), self.topology.world_group
+        self.module.call(lambda: torch.distributed.all_reduce(stats, group=world))
+        ready, backward_s = ReadyTimes.means(stats)
         self._clock = None
         return plan_time_buckets(self.infos, ready, backward_s, cap_bytes, min_bytes)
 

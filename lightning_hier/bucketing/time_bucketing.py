@@ -98,6 +98,44 @@ class TimeBucketingConfig:
             raise ValueError(f"min_bucket_mb must be >= 0, got {self.min_bucket_mb!r}.")
 
 
+class ReadyTimes:
+    """Per-parameter gradient-ready times summed over profiled steps; :meth:`packed` sums over ranks with
+    one all-reduce (issued by the caller, on whatever thread owns the group) and :meth:`means` reads it."""
+
+    def __init__(self, num_params: int) -> None:
+        self._sums = torch.zeros(num_params, dtype=torch.float64)
+        self._counts = torch.zeros(num_params, dtype=torch.float64)
+        self._backward_sum = 0.0
+        self.steps = 0
+
+    def add(self, ready: Sequence[float | None], backward_seconds: float) -> None:
+        """One profiled step: each parameter's ready time (``None``: no gradient) and backward's length."""
+        for i, seconds in enumerate(ready):
+            if seconds is not None:
+                self._sums[i] += seconds
+                self._counts[i] += 1
+        self._backward_sum += backward_seconds
+        self.steps += 1
+
+    def clear(self) -> None:
+        self._sums.zero_()
+        self._counts.zero_()
+        self._backward_sum = 0.0
+        self.steps = 0
+
+    def packed(self) -> torch.Tensor:
+        """Sums, counts, backward sum and steps in one host tensor: all-reduced, every rank's together."""
+        return torch.cat([self._sums, self._counts, torch.tensor([self._backward_sum, float(self.steps)])])
+
+    @staticmethod
+    def means(packed: torch.Tensor) -> tuple[list[float | None], float]:
+        """Mean ready time per parameter (``None`` if it never had a gradient) and mean backward length."""
+        n = (packed.numel() - 2) // 2
+        sums, counts = packed[:n], packed[n : 2 * n]
+        backward = float(packed[2 * n] / max(packed[2 * n + 1].item(), 1.0))
+        return [float(sums[i] / counts[i]) if counts[i] > 0 else None for i in range(n)], backward
+
+
 class TimeBucketing:
     """The profiling / planning / drift-watching state machine for ``bucketing="time"``."""
 
@@ -125,10 +163,7 @@ class TimeBucketing:
         self.drift = 0.0
         self._steps_since_start = 0
         self._profile_start = config.warmup_steps
-        self._sums = torch.zeros(len(self.params), dtype=torch.float64)
-        self._counts = torch.zeros(len(self.params), dtype=torch.float64)
-        self._backward_sum = 0.0
-        self._profiled = 0
+        self._ready = ReadyTimes(len(self.params))
         self._used_at_plan: frozenset[int] | None = None
         self._reprofile_requested = False
 
@@ -153,12 +188,7 @@ class TimeBucketing:
     def observe(self, timeline: StepTimeline, globally_used: frozenset[int]) -> None:
         """Record one synchronising step (called on every rank after the gradients are reduced)."""
         if self.profiling:
-            for i, ready in enumerate(timeline.ready):
-                if ready is not None:
-                    self._sums[i] += ready
-                    self._counts[i] += 1
-            self._backward_sum += timeline.backward_seconds
-            self._profiled += 1
+            self._ready.add(timeline.ready, timeline.backward_seconds)
         elif self.plan is not None:
             if self._used_at_plan is None:
                 self._used_at_plan = globally_used
@@ -211,23 +241,15 @@ class TimeBucketing:
 
     def _start_profiling(self) -> None:
         self._profile_start = self._steps_since_start
-        self._sums.zero_()
-        self._counts.zero_()
-        self._backward_sum = 0.0
-        self._profiled = 0
+        self._ready.clear()
 
     def _decide_plan(self) -> TimePlan:
         """Average over steps and ranks; rank 0 clusters and broadcasts the plan."""
-        stats = torch.cat(
-            [self._sums, self._counts, torch.tensor([self._backward_sum, float(self._profiled)])]
-        )
+        stats = self._ready.packed()
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         if distributed:
             dist.all_reduce(stats, group=self.group)
-        n = len(self.params)
-        sums, counts = stats[:n], stats[n : 2 * n]
-        backward = float(stats[2 * n] / max(stats[2 * n + 1].item(), 1.0))
-        ready = [float(sums[i] / counts[i]) if counts[i] > 0 else None for i in range(n)]
+        ready, backward = ReadyTimes.means(stats)
         payload: list[TimePlan | None] = [None]
         if not distributed or dist.get_rank() == 0:
             payload[0] = plan_time_buckets(

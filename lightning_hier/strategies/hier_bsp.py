@@ -303,11 +303,15 @@ class HierBSPStrategy(DDPStrategy):
             profile=profile,
         )
 
-    def _rebuild_with_time_plan(self) -> None:
-        """Replace the size-bucketed engine by one on the profiled time plan, keeping the model and the
-        optimizer state (every rank at the same micro-step: workers run in lockstep here)."""
+    def _rebuild_when_profiled(self) -> None:
+        """Before an optimizer step's first micro-batch (in ``training_step``, or in ``optimizer_step``
+        before the closure when that runs it): once profiled, replace the size-bucketed engine by one on
+        the time plan, keeping the model and the optimizer state (every rank at the same micro-step:
+        workers run in lockstep here)."""
         old = self.engine
         assert old is not None
+        if not old.wants_time_plan:
+            return
         cap = int(self.bucket_cap_mb * 1024 * 1024)
         self.time_plan = old.time_plan(cap, int(self.min_bucket_mb * 1024 * 1024))
         state = old.optimizer_state_dict()
@@ -403,8 +407,7 @@ class HierBSPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ step
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self.engine is not None and not self._in_step:
-            if self.engine.wants_time_plan:
-                self._rebuild_with_time_plan()
+            self._rebuild_when_profiled()
             self.engine.begin_step()  # the newest model, before this optimizer step's first forward
             self._in_step = True
         return super().training_step(*args, **kwargs)
@@ -428,8 +431,8 @@ class HierBSPStrategy(DDPStrategy):
         model = model if model is not None else self.lightning_module
         assert isinstance(model, pl.LightningModule)
         # forward, backward and the hooks before the step; the step itself is the server's
-        if not self._in_step and self.engine.wants_time_plan:  # before this step's micro-step begins
-            self._rebuild_with_time_plan()
+        if not self._in_step:  # this optimizer step's first micro-batch runs inside the closure
+            self._rebuild_when_profiled()
         self.engine.expect_last_backward()  # this closure's backward completes the micro-step
         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
         if self._in_step:
