@@ -451,6 +451,29 @@ def test_straggler_contributes_less_and_nothing_is_lost(engine_results: dict) ->
     assert result["same_model_everywhere"]
 
 
+@pytest.mark.parametrize("scenario", ["handoff_plain", "handoff_straggler"])
+def test_every_access_the_two_threads_share_is_ordered_for_separate_streams(
+    engine_results: dict, scenario: str
+) -> None:
+    """On CUDA the local BSP module queues on a stream of its own; the CPU run checks, with counters in
+    place of the events, that each shared access waits for the other side's hand-over."""
+    result = engine_results[scenario]
+    assert result["unordered"] == [], result
+    accesses = result["accesses"]
+    assert accesses["push"] > 0 and accesses["announce"] > 0 and accesses["_pick_up"] > 0, accesses
+    assert accesses["recycle"] > 0 and accesses["call"] == 1 and result["state_entries"] > 0, accesses
+    if scenario == "handoff_plain":
+        assert accesses["fold_bucket"] > 0 and result["early_or_ready_buckets"] > 0, result
+
+
+def test_the_stream_checker_finds_a_missing_take_over(engine_results: dict) -> None:
+    """Without the module's waits the same run reads folds, overwrites a model being copied and runs a
+    task unordered: the checker above can fail."""
+    found = engine_results["handoff_broken"]["unordered"]
+    assert "push of bucket 0 before its fold was handed over" in found, found
+    assert "task ran before the worker's hand-over" in found, found
+
+
 def test_supersteps_by_the_controllers_clock(engine_results: dict) -> None:
     result = engine_results["timed"]
     computed, records = result["computed"], result["records"]

@@ -87,4 +87,3 @@ class GradientAggregate:
         for tensor in out.sums:
             tensor.zero_()
         self._spare = out.sums
-

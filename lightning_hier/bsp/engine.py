@@ -134,6 +134,7 @@ class BSPEngine:
         with memory.cond:
             for b in range(start, self._folded_early):
                 memory.aggregate.fold_bucket(b, self.buckets[b].grads)
+            memory.handoff.worker_hands_over()
             memory.ready_buckets = self._folded_early
             memory.notify()
 
@@ -158,6 +159,7 @@ class BSPEngine:
             memory.cycle_ends(time.monotonic())
             if memory.paused:
                 memory.paused = memory.draining = memory.epoch_ended = memory.peer_epoch_ended = False
+                memory.handoff.worker_hands_over()  # what the worker wrote meanwhile (a checkpoint's load)
                 memory.notify()
             while True:
                 self._pick_up()
@@ -179,6 +181,7 @@ class BSPEngine:
             if computed:
                 grads = [b.grads for b in self.buckets]
                 memory.aggregate.fold(grads, memory.in_flight, self._used, folded=self._folded_early)
+                memory.handoff.worker_hands_over()
                 if self._armed:
                     memory.ready_buckets = len(self.buckets)  # the rest may go with the others' buckets
                 # the settings this step was taken with (an LR scheduler may change them before the close)
@@ -258,8 +261,10 @@ class BSPEngine:
     def _pick_up(self) -> None:
         memory = self.memory
         if memory.picked_up != memory.version:
+            memory.handoff.worker_takes_over()
             for bucket, published in zip(self.buckets, memory.published):
                 bucket.params.copy_(published)
+            memory.handoff.worker_hands_over()  # the module may overwrite the published model after this
             memory.picked_up = memory.version
             memory.started_since_pickup = 0
 

@@ -91,8 +91,10 @@ class LocalBSPModule(threading.Thread):
     def run(self) -> None:
         self.heartbeat.start()
         try:
-            if self._paused():  # until the first training step: setup and sanity checks are the main thread's
-                self._loop()
+            # paused until the first training step: setup and sanity checks are the main thread's
+            with self.memory.handoff.module_stream():
+                if self._paused():
+                    self._loop()
         except BaseException as error:  # noqa: BLE001 - handed to the worker, which raises it
             lost = lost_ranks(self.run_key, self.topology.world_size)
             failure = RuntimeError(describe_loss(error, lost))
@@ -151,8 +153,9 @@ class LocalBSPModule(threading.Thread):
         started = time.perf_counter()
         with self.memory.cond:
             sums = list(self.memory.aggregate.sums)
+            self.memory.handoff.module_takes_over()  # the folds of those buckets
         self._early_bytes += self.server.push(sums, range(self._pushed, upto))
-        _sync(sums)
+        self.memory.handoff.module_synchronize()
         if during_backward:
             self._early += upto - self._pushed
             self._early_push_s += time.perf_counter() - started
@@ -162,6 +165,7 @@ class LocalBSPModule(threading.Thread):
         memory, world = self.memory, self.topology.world_group
         with memory.cond:
             out = memory.read_out()
+            memory.handoff.module_takes_over()  # every fold in the read-out
             clip = memory.clip
             hyper = memory.hyper
         started = time.perf_counter()
@@ -180,7 +184,7 @@ class LocalBSPModule(threading.Thread):
         unused = torch.nonzero(used_anywhere == 0).flatten().tolist()
         push_bytes = self._early_bytes + self.server.push(out.sums, range(self._pushed, len(out.sums)))
         self.server.scale(1.0 / self.settings.gradient_divisor(sum(per_worker), len(per_worker)))
-        _sync(out.sums)
+        memory.handoff.module_synchronize()
         early, early_s, ready = self._early, self._early_push_s, self._pushed
         self._pushed, self._early, self._early_push_s, self._early_bytes = 0, 0, 0.0, 0
         pushed = time.perf_counter()
@@ -193,7 +197,7 @@ class LocalBSPModule(threading.Thread):
         self.server.step(clip, self._sent_hyper, unused)
         stepped = time.perf_counter()
         pull_bytes = self.server.pull()
-        _sync(self.server.flat_params())
+        memory.handoff.module_synchronize()
         pulled = time.perf_counter()
         counts_by_staleness: dict[int, int] = {}
         for s in staleness:
@@ -223,6 +227,7 @@ class LocalBSPModule(threading.Thread):
             while memory.paused and not memory.stopping:
                 if self._task is not None:
                     task, self._task = self._task, None
+                    memory.handoff.module_takes_over()
                     memory.cond.release()
                     try:
                         result: Any = task()
@@ -230,10 +235,12 @@ class LocalBSPModule(threading.Thread):
                         result = _Failed(error)
                     finally:
                         memory.cond.acquire()
+                    memory.handoff.module_hands_over()
                     self._result = result
                     memory.cond.notify_all()
                     continue
                 memory.cond.wait()
+            memory.handoff.module_takes_over()  # resumed: what the worker wrote while the module paused
             return not memory.stopping
 
     def call(self, task: Callable[[], Any]) -> Any:
@@ -244,13 +251,14 @@ class LocalBSPModule(threading.Thread):
             if not memory.paused or not self.is_alive():
                 raise RuntimeError("the local BSP module runs work for the worker only while paused.")
             self._task, self._result = task, _NOTHING
+            memory.handoff.worker_hands_over()
             memory.cond.notify_all()
             while self._result is _NOTHING:
                 memory.wait(self.timeout_s, "answer from the local BSP module")
             result, self._result = self._result, _NOTHING
-        if isinstance(result, _Failed):
-            raise result.error
-        return result
+            if isinstance(result, _Failed):
+                raise result.error
+            return memory.handoff.worker_takes_result(result)
 
 
 _NOTHING = object()
@@ -269,9 +277,3 @@ def _changed(hyper: list[dict] | None, sent: list[dict] | None) -> bool:
         return bool(hyper != sent)
     except RuntimeError:  # a tensor setting compared elementwise
         return True
-
-
-def _sync(tensors: list[torch.Tensor]) -> None:
-    """Wait for the device before reading a host clock (a CUDA-only no-op elsewhere)."""
-    if tensors and tensors[0].is_cuda:
-        torch.cuda.synchronize(tensors[0].device)

@@ -31,6 +31,7 @@ from lightning_hier.bsp.controller import (
     STUCK,
 )
 from lightning_hier.bsp.settings import BSPSettings
+from lightning_hier.bsp.stream_handoff import StreamHandoff
 
 
 class BSPStopped(RuntimeError):
@@ -45,6 +46,8 @@ class SharedModelMemory:
     ) -> None:
         self.settings = settings
         self.cond = threading.Condition()
+        # on CUDA the local BSP module's own stream, and the events ordering it against the worker's
+        self.handoff = StreamHandoff(flat_params[0].device)
         self.published = [t.detach().clone() for t in flat_params]
         self.version = 0  # models announced so far (the initial one is version 0)
         self.aggregate = GradientAggregate(flat_params, num_params)
@@ -149,8 +152,10 @@ class SharedModelMemory:
     @torch.no_grad()
     def announce(self, flat_params: Sequence[torch.Tensor]) -> None:
         """Publish a new model version (called by the local BSP module after a pull)."""
+        self.handoff.module_takes_over()  # the worker's copy of the previous version is done
         for target, source in zip(self.published, flat_params):
             target.copy_(source)
+        self.handoff.module_hands_over()
         self.version += 1
         self.closing = False
         self.ready_buckets = -1  # a new superstep opens: nothing of it is ready to push

@@ -11,9 +11,11 @@ code paths (inline reducer, CUDA-event step clock, pinned swap, the sharded grad
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ from pipeline_models import SkewedNet  # noqa: E402
 from pipeline_models import loader as pipeline_loader  # noqa: E402
 
 from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy  # noqa: E402
+from lightning_hier.bsp.stream_handoff import StreamHandoff  # noqa: E402
 from lightning_hier.profiling.comm_stats import CommStats  # noqa: E402
 
 SLICED = {
@@ -62,7 +65,13 @@ BSP = {
         dict(gradient_clip_val=0.05, accumulate_grad_batches=2),
     ),
     "bsp_plain_bf16_mixed": (dict(optimizer="adam"), {}, dict(precision="bf16-mixed")),
+    "bsp_plain_time_buckets": (dict(optimizer="sgd"), dict(bucketing="time", profile_steps=2), {}),
+    # the worker's stream held back on the device: the local BSP module's own stream must wait for folds
+    "bsp_lagging_worker_stream": (dict(optimizer="adam"), dict(early_push=True), {}),
+    # the same with the module's waits removed: must NOT match (the check above can fail on a GPU)
+    "bsp_lagging_unordered": (dict(optimizer="adam"), dict(early_push=True), {}),
 }
+NEGATIVE_CONTROLS = ("bsp_lagging_unordered",)
 # CommProfiler on CUDA tensors (CUDA-event timing): the profiled fit against the same fit without it
 PROFILED = ("profiler_ddp", "profiler_hier_sliced", "profiler_hier_bsp")
 
@@ -87,13 +96,29 @@ def max_rel_diff(a: dict, b: dict) -> float:
     return worst
 
 
-def against_ddp(ddp: DDPStrategy, contender: object, model_kwargs: dict, trainer_kwargs: dict) -> dict:
-    """``EquivModel`` trained for 6 optimizer steps under ``ddp`` and under ``contender``."""
+class LaggingModel(EquivModel):
+    """``EquivModel`` whose every step first queues ~20 ms of sleep on the device: the host runs ahead of
+    the worker's stream, so anything read on another stream without waiting sees values not yet
+    computed."""
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        torch.cuda._sleep(40_000_000)
+        return super().training_step(batch, batch_idx)
+
+
+def against_ddp(
+    ddp: DDPStrategy,
+    contender: object,
+    model_kwargs: dict,
+    trainer_kwargs: dict,
+    model_class: type = EquivModel,
+) -> dict:
+    """``model_class`` trained for 6 optimizer steps under ``ddp`` and under ``contender``."""
     steps = 6 * trainer_kwargs.get("accumulate_grad_batches", 1)
     results = []
     for strategy in (ddp, contender):
         pl.seed_everything(1234, verbose=False)
-        model = EquivModel(**model_kwargs)
+        model = model_class(**model_kwargs)
         initial = state(model)
         trainer(strategy, steps, **trainer_kwargs).fit(model, loader())
         results.append(state(model))
@@ -155,8 +180,22 @@ def hybrid(case: str) -> dict:
 def bsp(case: str) -> dict:
     model_kwargs, bsp_kwargs, trainer_kwargs = BSP[case]
     contender = HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **bsp_kwargs)
-    result = against_ddp(DDPStrategy(), contender, model_kwargs, trainer_kwargs)
-    return {**result, "supersteps": len(contender.superstep_records)}
+    lagging = "lagging" in case
+    unordered = (
+        mock.patch.object(StreamHandoff, "module_takes_over", lambda self: None)
+        if case in NEGATIVE_CONTROLS else contextlib.nullcontext()
+    )  # fmt: skip
+    with unordered:
+        result = against_ddp(
+            DDPStrategy(), contender, model_kwargs, trainer_kwargs, LaggingModel if lagging else EquivModel
+        )
+    records = contender.superstep_records
+    return {
+        **result,
+        "supersteps": len(records),
+        "early_buckets": sum(r.early_buckets for r in records),
+        "rebuilt_on_time_plan": contender.time_plan is not None,
+    }
 
 
 ISSUED: list[bool] = []  # per operation the profiler saw: whether it timed it with CUDA events
