@@ -22,7 +22,7 @@ from harness import cli, jobs, report
 WORKER = jobs.BENCH_DIR / "_comm_profiler_worker.py"
 TARGET = 1.03
 OPTIONS = """
---strategies str   ddp,hier_sliced  comma-separated: ddp, hier_sliced
+--strategies str   ddp,hier_sliced  ddp, hier_sliced, ddp_python_hook (torch's Python hook, both runs)
 --rounds     int   5                fits per strategy with and (as many) without the profiler
 --warmup     int   3                steps before the measured window of each fit
 --steps      int   20               measured steps per fit

@@ -118,11 +118,11 @@ class CommProfiler(Callback):
         model = getattr(strategy, "model", None)
         if not isinstance(model, DistributedDataParallel):
             return False
+        if getattr(model, "_profiled_by_comm_profiler", False):  # the hook installed by an earlier fit
+            return True
         if getattr(model, "_comm_hooks", None):
             log.warning("CommProfiler: DDP already has a comm hook; its gradient buckets are not counted.")
             return False
-        if getattr(model, "_profiled_by_comm_profiler", False):
-            return True
         try:
             model.register_comm_hook(None, allreduce_hook)
         except RuntimeError as error:
