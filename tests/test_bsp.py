@@ -94,6 +94,20 @@ def test_bad_bucketing_settings_name_the_setting(kwargs: dict, names: str) -> No
         HierBSPStrategy(**kwargs)
 
 
+def test_all_gather_is_refused_while_workers_run_free_and_works_when_drained() -> None:
+    """In a training step the workers are not in step (and with staleness take different step counts):
+    a gather there would pair different steps, or wait forever for one a peer never takes."""
+    from types import SimpleNamespace
+
+    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=1)
+    strategy.engine = SimpleNamespace(memory=SimpleNamespace(paused=False))  # between drains
+    value = torch.tensor([1.0, 2.0])
+    with pytest.raises(RuntimeError, match="all_gather while hier_bsp's workers run free"):
+        strategy.all_gather(value)
+    strategy.engine.memory.paused = True  # drained (validation, epoch end): Lightning's own gather
+    assert torch.equal(strategy.all_gather(value), value)  # one process: Lightning returns it as is
+
+
 def test_a_failure_of_the_bsp_thread_is_named_for_what_it_was() -> None:
     from lightning_hier.bsp.liveness import describe_loss
 
@@ -647,7 +661,9 @@ def test_plain_bsp_resume_equals_an_uninterrupted_run(lightning_results: dict, s
     assert result["bare_equals_halfway"] == 0.0  # the checkpoint loads into a module without the plugin
 
 
-def test_a_dead_worker_ends_the_others_with_its_rank_and_the_last_checkpoint_loads(tmp_path: Path) -> None:
+def run_separate_ranks(script: str, args: list[str], world: int, env: dict[str, str], log: Path) -> None:
+    """One process per rank, started here as separate node agents would (Lightning's launcher and
+    torchrun kill every process of the job as soon as one dies, so they cannot show what survivors do)."""
     import contextlib
     import os
     import signal
@@ -655,23 +671,26 @@ def test_a_dead_worker_ends_the_others_with_its_rank_and_the_last_checkpoint_loa
     import sys
 
     from helpers import SCRIPTS, free_port
-    from scripts.models import EquivModel
 
-    # one process per rank, started here as separate node agents would (Lightning's launcher and
-    # torchrun kill every process of the job as soon as one dies, so they cannot show what survivors do)
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()), "WORLD_SIZE": "4", "NODE_RANK": "0"}  # fmt: skip
-    log = tmp_path / "log.txt"
+            "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), **env}  # fmt: skip
     with open(log, "wb") as sink:
         procs = [
             subprocess.Popen(
-                [sys.executable, str(SCRIPTS / "bsp_dead_worker.py"), str(tmp_path)],
-                env={**base, "LOCAL_RANK": str(rank)},
+                [sys.executable, str(SCRIPTS / script), *args],
+                env={
+                    **base,
+                    **(
+                        {"NODE_RANK": "0", "LOCAL_RANK": str(rank)}
+                        if "NODE_RANK" not in env
+                        else {"NODE_RANK": str(rank), "LOCAL_RANK": "0"}
+                    ),
+                },
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
-            for rank in range(4)
+            for rank in range(world)
         ]
         try:
             for proc in procs:
@@ -680,6 +699,13 @@ def test_a_dead_worker_ends_the_others_with_its_rank_and_the_last_checkpoint_loa
             for proc in procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_dead_worker_ends_the_others_with_its_rank_and_the_last_checkpoint_loads(tmp_path: Path) -> None:
+    from scripts.models import EquivModel
+
+    log = tmp_path / "log.txt"
+    run_separate_ranks("bsp_dead_worker.py", [str(tmp_path)], 4, {}, log)
     results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert (tmp_path / "died_at").exists(), (results, log.read_text()[-3000:])
     died = float((tmp_path / "died_at").read_text())
@@ -695,3 +721,23 @@ def test_a_dead_worker_ends_the_others_with_its_rank_and_the_last_checkpoint_loa
     model = EquivModel(optimizer="sgd")
     model.load_state_dict(checkpoint["state_dict"])
     assert len(checkpoint["optimizer_states"][0]["state"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("who", ["every", "one"])
+def test_an_error_in_training_step_ends_every_worker_promptly(tmp_path: Path, who: str) -> None:
+    """A step that raises leaves its micro-step unfinished; before, teardown's drain then waited for that
+    step's gradients until the strategy's timeout (here 120 s). Now the failing worker stops without a
+    drain and the others stop with it, naming the rank."""
+    log = tmp_path / "log.txt"
+    run_separate_ranks("bsp_raising_step.py", [str(tmp_path), who], 2, {"NODE_RANK": "per rank"}, log)
+    results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == ["rank0", "rank1"], (results, log.read_text()[-3000:])
+    raised = float((tmp_path / "raised_at").read_text())
+    assert results["rank1"]["error"] == "ValueError: boom on rank 1", results
+    if who == "every":
+        assert results["rank0"]["error"] == "ValueError: boom on rank 0", results
+    else:
+        error = results["rank0"]["error"]
+        assert error.startswith("BSPStopped") and "rank(s) [1] stopped" in error, results
+    for result in results.values():
+        assert result["ended"] - raised < 30, (results, log.read_text()[-3000:])  # not the 120 s timeout

@@ -20,7 +20,7 @@ from helpers import SCRIPTS, run_torchrun
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(SCRIPTS))
-from pipeline_models import DropNet, SkewedNet, TwiceNet, loader  # noqa: E402
+from pipeline_models import DropNet, GatherNet, SkewedNet, TwiceNet, loader  # noqa: E402
 
 from lightning_hier.pipeline.partition import StagePartition  # noqa: E402
 
@@ -212,6 +212,23 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
         best, loader(batch_size=32, seed=1), ckpt_path=result["best_path"]
     )
     assert abs(result["fresh_validate_val_loss"] - metrics[0]["val_loss"]) < 1e-5
+
+
+def test_all_gather_in_steps_and_hooks_returns_what_one_process_returns(tmp_path: Path) -> None:
+    """A pipeline is one data-parallel replica: ``self.all_gather`` gives what Lightning gives one process
+    (the tensor unchanged), in the steps only the last stage runs (before: a gather the other stages
+    never joined, a hang) and in hooks every stage runs."""
+    result = run_scenario("all_gather", 2, tmp_path)
+    pl.seed_everything(0, verbose=False)
+    model = GatherNet(optimizer="adam")
+    trainer = _plain_trainer(_Losses(), max_epochs=1, limit_train_batches=3, limit_val_batches=2)
+    trainer.fit(model, loader(), loader(batch_size=32, seed=1))
+    gathered = result["gathered"]  # the last stage's (rank 0)
+    assert len(gathered["train"]) == 3 and len(gathered["val"]) == 2, gathered
+    assert gathered["val"] == model.gathered["val"], (gathered, model.gathered)
+    for got, want in zip(gathered["train"], model.gathered["train"]):
+        assert abs(got - want) <= LOSS_RTOL * abs(want), (gathered, model.gathered)
+    assert gathered["epoch_end"] == model.gathered["epoch_end"] == [[7.0]]
 
 
 def test_top_k_checkpoints_follow_an_improving_loss_like_lightning_alone(tmp_path: Path) -> None:

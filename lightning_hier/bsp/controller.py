@@ -27,7 +27,8 @@ READY = 7  # in the worker's last micro-step of a plain-BSP superstep: buckets f
 STEP_MS = 8  # the worker's recent micro-step cycle (start to next start, waits excluded), ms; 0 unknown
 BUSY_MS = 9  # of that, from its start to its fold (forward, backward, hooks), ms; 0 unknown
 ELAPSED_MS = 10  # ms since the worker's current cycle started; -1 while it waits or is unknown
-ROW = 11
+ABORT = 11  # 1: the worker's training raised; every local module stops after this tick, none drains
+ROW = 12
 
 
 @dataclass(frozen=True)

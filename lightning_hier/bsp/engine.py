@@ -277,9 +277,19 @@ class BSPEngine:
     def records(self) -> list[SuperstepRecord]:
         return self.module.records
 
+    def abort(self) -> None:
+        """The worker's training raised: leave the micro-step it was in, and stop without a drain. The
+        local module tells the others at its next tick; their workers stop with an error naming this rank
+        instead of waiting for its gradients until the timeout. :meth:`close` then only ends the thread."""
+        with self.memory.cond:
+            self.memory.aborted = self.memory.stopping = True
+            self.memory.in_flight = -1
+            self.memory.notify()
+
     def close(self) -> None:
-        """Drain, then stop the local BSP module (a collective: every rank calls it)."""
-        if self.module.is_alive() and self.memory.error is None:
+        """Drain, then stop the local BSP module (a collective: every rank calls it; after :meth:`abort`
+        or a failure, only the stop)."""
+        if self.module.is_alive() and self.memory.error is None and not self.memory.aborted:
             self.drain()
         with self.memory.cond:
             self.memory.stopping = True

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hier.bsp.controller import (
+    ABORT,
     DEADLINE,
     EPOCH_END,
     INFLIGHT,
@@ -120,6 +121,12 @@ class LocalBSPModule(threading.Thread):
             gathered = [torch.empty_like(rows) for _ in range(self.topology.world_size)]
             dist.all_gather(gathered, rows, group=world)
             table = [g.tolist() for g in gathered]
+            aborted = [rank for rank, r in enumerate(table) if r[ABORT]]
+            if aborted:  # every module sees it in the same tick, so all stop here and none waits on another
+                if not memory.aborted:
+                    stopped = f"rank(s) {aborted} stopped: their training raised an error (see their log)."
+                    memory.fail(RuntimeError(stopped))
+                return
             decision = decide(table, self.settings, version)
             busy = any(r[INFLIGHT] >= 0 for r in table)
             interval = (

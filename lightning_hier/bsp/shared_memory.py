@@ -18,6 +18,7 @@ import torch
 
 from lightning_hier.bsp.aggregate import GradientAggregate, ReadOut
 from lightning_hier.bsp.controller import (
+    ABORT,
     BLOCKED,
     BUSY_MS,
     DRAIN,
@@ -58,6 +59,7 @@ class SharedModelMemory:
         self.draining = False
         self.paused = True  # the local BSP module starts paused; the first begin_step resumes it
         self.stopping = False
+        self.aborted = False  # the worker's training raised: stop with the others, without a drain
         self.epoch_ended = False  # this worker ran out of batches (set with draining)
         self.peer_epoch_ended = False  # some worker ran out of batches: end this epoch too
         self.error: BaseException | None = None
@@ -143,6 +145,7 @@ class SharedModelMemory:
         row[BUSY_MS] = round(self.busy_s * 1000)
         started = self.started_at
         row[ELAPSED_MS] = -1 if started is None else round((time.monotonic() - started) * 1000)
+        row[ABORT] = int(self.aborted)
         self.event = False
         return row
 

@@ -489,6 +489,21 @@ class HierBSPStrategy(DDPStrategy):
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
+        """Between drains the workers run free, so a gather would pair different steps of different workers
+        (and, with ``max_staleness >= 1``, one worker's last gather would wait for a step its peers never
+        take), beside the BSP thread's collectives on the device: refused with the hooks where it works."""
+        if self.engine is not None and not self.engine.memory.paused:
+            raise RuntimeError(
+                "all_gather while hier_bsp's workers run free (in training_step or a per-batch training "
+                "hook): workers are not in step there, so the gather cannot pair them. Gather in "
+                "validation, in on_train_epoch_end or after fit, where every worker has drained to the "
+                "same model; a value logged with sync_dist=True inside training stays the worker's own."
+            )
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
     # ------------------------------------------------------------------ checkpoints
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -524,6 +539,13 @@ class HierBSPStrategy(DDPStrategy):
         return None
 
     # ------------------------------------------------------------------ teardown
+    def on_exception(self, exception: BaseException) -> None:
+        """Training raised on this rank: the other workers are told at the next tick and stop with an
+        error naming it, and teardown does not drain (a drain would wait for this worker's step)."""
+        super().on_exception(exception)
+        if self.engine is not None:
+            self.engine.abort()
+
     def teardown(self) -> None:
         if self.engine is not None:
             self.engine.close()

@@ -429,6 +429,14 @@ class HierPipelineStrategy(DDPStrategy):
         # only the last stage logs in a step, so this must not be a collective
         return tensor
 
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
+        """``LightningModule.all_gather`` gathers over data-parallel replicas, and a pipeline is one
+        replica: the tensor comes back as Lightning returns it for one process (unchanged). A gather
+        over the stage processes would wait forever in a step, which only the last stage runs."""
+        return tensor
+
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """The last stage (rank 0), which computes the loss and the metrics, decides for every stage.
 

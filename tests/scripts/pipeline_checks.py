@@ -55,6 +55,14 @@ SCENARIOS: dict[str, dict] = {
         strategy=dict(partition="uniform", rebalance="never"),
         trainer=dict(max_steps=6, precision="64-true"),
     ),
+    # self.all_gather in the steps (which only the last stage runs) and in an epoch-end hook
+    "all_gather": dict(
+        model=dict(optimizer="adam"),
+        model_class="gather",
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=1),
+        trainer=dict(max_epochs=1, limit_train_batches=3, limit_val_batches=2),
+        validate=True,
+    ),
     "gpipe_sgd_clip_accumulate": dict(
         model=dict(optimizer="sgd"),
         strategy=dict(partition="uniform", schedule="gpipe", rebalance=3, micro_batches=3),
@@ -263,7 +271,8 @@ def main() -> None:
         ckpt_path = str(workdir / "every" / "last.ckpt")
     elif resume is not None:
         ckpt_path = str(workdir / f"{resume}.ckpt")
-    val_loader = loader(batch_size=32, seed=1) if spec.get("monitor") or spec.get("top_k") else None
+    validate = spec.get("monitor") or spec.get("top_k") or spec.get("validate")
+    val_loader = loader(batch_size=32, seed=1) if validate else None
     trainer.fit(
         model,
         loader(batch_size=spec.get("batch_size", 32), shuffle=spec.get("shuffle", False)),
@@ -319,6 +328,7 @@ def main() -> None:
     result["memory_plan_by_rank"] = [g["memory_plan"] for g in gathered]
     result["headers_sent_by_rank"] = [g["headers_sent"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
+    result["gathered"] = getattr(model, "gathered", None)
     if trainer.is_global_zero:
         out.write_text(json.dumps(result))
 

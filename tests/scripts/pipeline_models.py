@@ -99,7 +99,29 @@ class DropNet(SkewedNet):
             block.append(nn.Dropout(p))
 
 
-MODELS = {"skewed": SkewedNet, "twice": TwiceNet, "drop": DropNet}
+class GatherNet(SkewedNet):
+    """Calls ``self.all_gather`` where users do: on the loss in ``training_step``, on the predictions in
+    ``validation_step`` (steps a pipeline runs on its last stage only), and in an epoch-end hook (every
+    process). Records what came back."""
+
+    def __init__(self, optimizer: str = "adam") -> None:
+        super().__init__(optimizer=optimizer)
+        self.gathered: dict[str, list] = {"train": [], "val": [], "epoch_end": []}
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        loss = super().training_step(batch, batch_idx)
+        self.gathered["train"].append(self.all_gather(loss.detach()).tolist())
+        return loss
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001
+        super().validation_step(batch, batch_idx)
+        self.gathered["val"].append(self.all_gather(self(batch[0]).argmax(-1)).tolist())
+
+    def on_validation_epoch_end(self) -> None:
+        self.gathered["epoch_end"].append(self.all_gather(torch.tensor([7.0])).tolist())
+
+
+MODELS = {"skewed": SkewedNet, "twice": TwiceNet, "drop": DropNet, "gather": GatherNet}
 
 
 def dataset(n: int = 256, in_features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
