@@ -30,8 +30,8 @@ from lightning_hier.bucketing.step_clock import StepClock
 from lightning_hier.bucketing.time_bucketing import ReadyTimes
 from lightning_hier.bucketing.time_plan import TimePlan, plan_time_buckets
 from lightning_hier.sliced.engine import trainable_params
-from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
-from lightning_hier.sliced.sharded_optim import check_optimizer
+from lightning_hier.sliced.flat_buckets import FlatBucket, adopt_gradient, build_flat_buckets
+from lightning_hier.sliced.sharded_optim import check_no_new_parameters, check_optimizer
 from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.topology import Topology
 
@@ -68,6 +68,10 @@ class BSPEngine:
         self.timeout_s = timeout_s
         self.optimizer = optimizer
         original_groups = [list(group["params"]) for group in optimizer.param_groups]
+        # what the server's optimizer cannot take in later (check_no_new_parameters)
+        self._model = module
+        self._groups_at_setup = len(original_groups)
+        self._frozen_at_setup = {id(p) for p in module.parameters() if not p.requires_grad}
         self.params, group_of = trainable_params(original_groups)
         if not self.params:
             raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
@@ -175,6 +179,14 @@ class BSPEngine:
     def end_step(self, computed: bool = True) -> None:
         """Fold this micro-step's gradients into the aggregate (``computed=False``: a skipped step)."""
         memory = self.memory
+        if computed:
+            check_no_new_parameters(
+                self.optimizer,
+                self._groups_at_setup,
+                list(self._model.named_parameters()),
+                self._frozen_at_setup,
+                "hier_bsp",
+            )
         for bucket in self.buckets[self._folded_early :]:
             self._collect_grads(bucket)
         with memory.cond:
@@ -231,12 +243,9 @@ class BSPEngine:
 
     @torch.no_grad()
     def _collect_grads(self, bucket: FlatBucket) -> None:
-        """Take in gradients that autograd put elsewhere (after a ``zero_grad(set_to_none=True)``)."""
+        """Take in gradients autograd put elsewhere (after a ``zero_grad(set_to_none=True)``, or sparse)."""
         for slot in bucket.slots:
-            param, view = self.params[slot.index], bucket.grad_view(slot)
-            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-                view.add_(param.grad)
-            param.grad = view
+            adopt_gradient(self.params[slot.index], bucket.grad_view(slot), accumulate=True)
 
     def set_clipping(self, clip: tuple[str, float] | None) -> None:
         """Gradient clipping the server applies to the mean gradient of every superstep."""

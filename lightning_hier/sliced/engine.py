@@ -41,9 +41,9 @@ from lightning_hier.bucketing.time_bucketing import (
     validate_time_settings,
 )
 from lightning_hier.bucketing.time_plan import TimePlan, plan_misfit
-from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets, slot_locations
+from lightning_hier.sliced.flat_buckets import FlatBucket, adopt_gradient, build_flat_buckets, slot_locations
 from lightning_hier.sliced.reducer import ReduceJob, all_gather_slices, make_reducer
-from lightning_hier.sliced.sharded_optim import OptimizerSharding, check_optimizer
+from lightning_hier.sliced.sharded_optim import OptimizerSharding, check_no_new_parameters, check_optimizer
 from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.sliced.unused import UnusedSnapshot, snapshot_unused
 from lightning_hier.topology import Topology
@@ -269,12 +269,8 @@ class HierSlicedEngine:
                 Variable._execution_engine.queue_callback(self._on_backward_end)
             bucket_index, slot = self._where[index]
             bucket = self.buckets[bucket_index]
-            view = bucket.grad_view(slot)
-            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                # somebody replaced or reset .grad (e.g. module.zero_grad(set_to_none=True))
-                if param.grad is not None:
-                    view.copy_(param.grad)
-                param.grad = view
+            # somebody replaced or reset .grad (e.g. module.zero_grad(set_to_none=True)), or it is sparse
+            adopt_gradient(param, bucket.grad_view(slot))
             self._used[index] = 1
             if not self._sync:
                 return
@@ -435,20 +431,13 @@ class HierSlicedEngine:
                 with torch.no_grad():
                     view.copy_(data)
                 param.data = view
-        for name, param in self.module.named_parameters():
-            if id(param) in self._frozen_at_setup and param.requires_grad and param.grad is not None:
-                raise RuntimeError(
-                    f"parameter {name!r} was frozen at setup and is trainable now: hier_sliced sharded the "
-                    "optimizer over the parameters trainable at setup, so it would never be updated. "
-                    "Unfreeze before trainer.fit, or save a checkpoint and resume with the new set."
-                )
-        groups_now, groups_then = len(self.optimizer.param_groups), len(self._original_groups)
-        if groups_now != groups_then:
-            raise RuntimeError(
-                f"the optimizer has {groups_now} param groups, {groups_then} at setup: add_param_group after "
-                "setup is not supported by hier_sliced (the groups hold flat slices). Create every group in "
-                "configure_optimizers."
-            )
+        check_no_new_parameters(
+            self.optimizer,
+            len(self._original_groups),
+            list(self.module.named_parameters()),
+            self._frozen_at_setup,
+            "hier_sliced",
+        )
 
     def _note_partly_used(self, bucket_used: list[bool]) -> None:
         """Parameters unused in a step while others of their bucket were used get buckets of their own.

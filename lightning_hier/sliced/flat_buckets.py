@@ -101,3 +101,19 @@ def build_flat_buckets(
 def slot_locations(buckets: Sequence[FlatBucket]) -> dict[int, tuple[int, ParamSlot]]:
     """Per parameter index: the index of its bucket and its slot there."""
     return {slot.index: (bucket.index, slot) for bucket in buckets for slot in bucket.slots}
+
+
+@torch.no_grad()
+def adopt_gradient(param: torch.Tensor, view: torch.Tensor, accumulate: bool = False) -> None:
+    """Make ``view`` (the parameter's slot in a flat gradient bucket) its ``.grad`` again, taking in a
+    gradient autograd put elsewhere: after a ``zero_grad(set_to_none=True)``, or a sparse one (from an
+    ``Embedding(sparse=True)`` whose ``.grad`` was unset), which the dense bucket holds densified, the
+    same values. ``accumulate``: add it to what the view holds instead of replacing that."""
+    grad = param.grad
+    if grad is not None and (grad.is_sparse or grad.data_ptr() != view.data_ptr()):
+        dense = grad.to_dense() if grad.is_sparse else grad
+        if accumulate:
+            view.add_(dense)
+        else:
+            view.copy_(dense)
+    param.grad = view

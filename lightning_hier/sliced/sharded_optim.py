@@ -62,6 +62,32 @@ def check_optimizer(optimizer: torch.optim.Optimizer, declared_elementwise: Sequ
         )
 
 
+def check_no_new_parameters(
+    optimizer: torch.optim.Optimizer,
+    groups_at_setup: int,
+    named_parameters: Sequence[tuple[str, nn.Parameter]],
+    frozen_at_setup: set[int],
+    strategy: str,
+) -> None:
+    """Refuse parameters the optimizer gained after setup: a param group added (``add_param_group``), or a
+    parameter frozen at setup that now has a gradient. The optimizer was sharded over the parameters
+    trainable at setup, so either would silently never be updated."""
+    for name, param in named_parameters:
+        if id(param) in frozen_at_setup and param.requires_grad and param.grad is not None:
+            raise RuntimeError(
+                f"parameter {name!r} was frozen at setup and is trainable now: {strategy} sharded the "
+                "optimizer over the parameters trainable at setup, so it would never be updated. "
+                "Unfreeze before trainer.fit, or load the weights into a new fit that trains them."
+            )
+    groups_now = len(optimizer.param_groups)
+    if groups_now != groups_at_setup:
+        raise RuntimeError(
+            f"the optimizer has {groups_now} param groups, {groups_at_setup} at setup: add_param_group after "
+            f"setup is not supported by {strategy} (the groups hold flat slices). Create every group in "
+            "configure_optimizers."
+        )
+
+
 def is_elementwise_state(key: str, value: Any, shape: torch.Size) -> bool:
     """Whether optimizer state ``key`` holds one value per element of a slice of ``shape``."""
     return key not in SCALAR_STATE_KEYS and torch.is_tensor(value) and value.shape == shape

@@ -51,9 +51,17 @@ SCENARIOS: dict[str, dict] = {
     "sgd_time_buckets": dict(
         model=dict(optimizer="sgd"),
         bsp=dict(
-            devices_per_node=2, bucket_cap_mb=25, bucketing="time", profile_steps=2, profile_warmup_steps=1,
+            devices_per_node=2,
+            bucket_cap_mb=25,
+            bucketing="time",
+            profile_steps=2,
+            profile_warmup_steps=1,
             min_bucket_mb=0,
         ),
+    ),
+    "sparse_embedding_sgd": dict(
+        model=dict(optimizer="sgd_plain", sparse_embedding=True),
+        bsp=dict(devices_per_node=2, early_push=True),
     ),
     "sgd_clip_value_no_early_push": dict(
         model=dict(optimizer="sgd"),

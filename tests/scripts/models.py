@@ -50,6 +50,7 @@ class EquivModel(pl.LightningModule):
         batch_norm: bool = False,
         scheduler: bool = False,
         partly_used: bool = False,
+        sparse_embedding: bool = False,
         features: int = 16,
         hidden: int = 32,
         classes: int = 4,
@@ -72,9 +73,13 @@ class EquivModel(pl.LightningModule):
             self.tied_out.weight = self.tied_in.weight
         if partly_used:  # in the forward of every third step only (on every rank alike)
             self.sometimes = nn.Linear(hidden, hidden)
+        # sparse gradients (nn.Embedding(sparse=True)) for ids taken from the features
+        self.emb = nn.Embedding(16, hidden, sparse=True) if sparse_embedding else None
 
     def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
         h = torch.relu(self.norm(self.inp(x)))
+        if self.emb is not None:
+            h = h + self.emb((x[:, :3].abs() * 4).long().clamp(max=15)).mean(1)
         if extra:
             h = h + torch.tanh(self.sometimes(h))
         if self.quirks:
@@ -90,6 +95,8 @@ class EquivModel(pl.LightningModule):
     def configure_optimizers(self):  # noqa: ANN201
         if self.optimizer_name == "sgd":
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+        elif self.optimizer_name == "sgd_plain":  # what sparse gradients allow
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         elif self.optimizer_name == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
         elif self.optimizer_name == "constructed_state_sgd":

@@ -1,0 +1,86 @@
+"""Parameters the optimizer gains during fit (Lightning's fine-tuning callbacks, ``add_param_group``,
+unfreezing) are refused with an error naming them, instead of failing inside the callback or, under
+``hier_bsp``, silently never being updated."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import free_port
+from lightning.pytorch.callbacks import BackboneFinetuning
+from scripts.models import EquivModel, loader
+from torch import nn
+
+from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy, Topology
+from lightning_hier.bsp.engine import BSPEngine
+from lightning_hier.bsp.settings import BSPSettings
+
+
+class WithBackbone(EquivModel):
+    """``BackboneFinetuning`` freezes ``self.backbone`` at fit start and unfreezes it at epoch 1."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="adam")
+        self.backbone = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
+        return super().forward(self.backbone(x), extra)
+
+
+@pytest.mark.parametrize(
+    "strategy", [HierSlicedStrategy, HierBSPStrategy, HierPipelineStrategy], ids=lambda s: s.__name__
+)
+def test_fine_tuning_callbacks_are_refused_before_any_process_group(tmp_path: Path, strategy: type) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy(), max_epochs=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="BackboneFinetuning unfreezes parameters during fit"):
+        trainer.fit(WithBackbone(), train_dataloaders=loader())
+    assert not dist.is_initialized()
+
+
+@pytest.fixture
+def bsp_engine():  # noqa: ANN201
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    topology = Topology(1, 0, 1).build_groups(timedelta(seconds=30), dedicated=True)
+    settings = BSPSettings(superstep_steps=1, max_staleness=0)
+    engine = BSPEngine(model, optimizer, topology, settings, timeout_s=30)
+    yield model, optimizer, engine
+    engine.abort()  # the step that raised never finished
+    engine.close()
+    dist.destroy_process_group()
+
+
+def _micro_step(model: nn.Module, engine: BSPEngine) -> None:
+    engine.begin_step()
+    model(torch.randn(2, 4)).sum().backward()
+    engine.end_step()
+
+
+def test_hier_bsp_refuses_a_parameter_unfrozen_after_setup(bsp_engine) -> None:  # noqa: ANN001
+    model, optimizer, engine = bsp_engine
+    _micro_step(model, engine)  # the unchanged model steps
+    optimizer.add_param_group({"params": [model[0].weight], "lr": 0.01})
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"'0.weight' was frozen at setup.*hier_bsp"):
+        _micro_step(model, engine)
+
+
+def test_hier_bsp_refuses_add_param_group_after_setup(bsp_engine) -> None:  # noqa: ANN001
+    model, optimizer, engine = bsp_engine
+    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(RuntimeError, match="add_param_group after setup is not supported by hier_bsp"):
+        _micro_step(model, engine)
