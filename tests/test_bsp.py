@@ -529,6 +529,7 @@ def test_plain_bsp_strategy_matches_ddp(strategy_results: dict, scenario: str) -
     result = strategy_results[scenario]
     assert result["reference_moved"] > 1e-3
     assert result["max_rel_diff"] < 1e-5, result
+    assert result["differs_across_ranks"] == 0.0, result  # parameters and buffers: one model everywhere
     assert result["micro_steps"] == [[1, 1, 1, 1]] * 6
     # torch's LR scheduler must see the optimizer as stepped (the server's copy steps for it)
     assert result["scheduler_before_optimizer_warnings"] == 0

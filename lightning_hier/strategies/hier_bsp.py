@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -479,10 +480,25 @@ class HierBSPStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         if self.engine is not None:
             self.engine.drain()
+            self._share_buffers()
 
     def on_train_end(self) -> None:
         if self.engine is not None:
             self.engine.drain()
+            self._share_buffers()
+
+    def _share_buffers(self) -> None:
+        """Rank 0's module buffers (BatchNorm's running statistics, ...) on every rank, after a drain.
+
+        The server holds parameters only; each worker updates its buffers in its own forwards. ``ddp``
+        broadcasts rank 0's buffers before every forward, so a model validated or saved has rank 0's
+        everywhere; this does the same where they are read (validation, checkpoints, the end of fit),
+        on the main thread while the workers are drained."""
+        module = self.lightning_module
+        if module is None or not dist.is_initialized() or self.world_size < 2:
+            return
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """While workers run free (between drains) a collective would pair different steps of different
@@ -514,6 +530,7 @@ class HierBSPStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.engine is not None:
             self.engine.drain()  # the server's model, in every worker's parameters
+            self._share_buffers()
         state = super().lightning_module_state_dict()
         return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 

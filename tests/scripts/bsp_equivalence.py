@@ -59,6 +59,11 @@ SCENARIOS: dict[str, dict] = {
             min_bucket_mb=0,
         ),
     ),
+    # BatchNorm's running statistics: every worker updates its own; rank 0's everywhere once drained (SGD:
+    # the bias before a BatchNorm gets a gradient of float noise, which Adam would blow up to full steps)
+    "sgd_batch_norm": dict(
+        model=dict(optimizer="sgd", batch_norm=True), bsp=dict(devices_per_node=2, early_push=True)
+    ),
     "sparse_embedding_sgd": dict(
         model=dict(optimizer="sgd_plain", sparse_embedding=True),
         bsp=dict(devices_per_node=2, early_push=True),
@@ -83,8 +88,12 @@ def main() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             state = train(strategy, spec["model"], trainer_kwargs, steps)
+        every_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, state)
         results[name] = {
             "max_rel_diff": max_rel_diff(reference, state),
+            # parameters and buffers (BatchNorm's statistics included) after the fit's final drain
+            "differs_across_ranks": max(max_rel_diff(every_rank[0], other) for other in every_rank),
             "reference_moved": max_rel_diff(reference, initial_state(spec["model"])),
             "supersteps": len(strategy.superstep_records),
             # per parameter, as the unsharded optimizer's state_dict has them: ddp's, then hier_bsp's
