@@ -39,7 +39,7 @@ from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.bucketing.time_bucketing import validate_time_settings
 from lightning_hier.bucketing.time_plan import TimePlan
-from lightning_hier.strategies.finetuning_rules import refuse_finetuning_callbacks
+from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, emulating_cuda, resolve_backend, validate_layout
 
@@ -198,7 +198,7 @@ class HierBSPStrategy(DDPStrategy):
         module = self.lightning_module
         if module is None:
             return
-        refuse_finetuning_callbacks(module, "hier_bsp")
+        refuse_unsupported_callbacks(module, "hier_bsp")
         if not module.automatic_optimization:
             raise ValueError(
                 "HierBSPStrategy supports automatic optimization only: the optimizer runs on the parameter "

@@ -29,7 +29,7 @@ from lightning_hier.pipeline.batching import input_signature, split_batch
 from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
-from lightning_hier.strategies.finetuning_rules import refuse_finetuning_callbacks
+from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
@@ -177,7 +177,7 @@ class HierPipelineStrategy(DDPStrategy):
     # ------------------------------------------------------------------ environment
     def setup_distributed(self) -> None:
         self.settings.check_world_size(self.num_nodes * self.num_processes)
-        refuse_finetuning_callbacks(self.lightning_module, "hier_pipeline")
+        refuse_unsupported_callbacks(self.lightning_module, "hier_pipeline")
         super().setup_distributed()
         destroy_process_group_at_exit()
 

@@ -32,7 +32,7 @@ from lightning_hier.sliced.reducer import REDUCERS
 from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
 from lightning_hier.sliced.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
 from lightning_hier.sparse.node_tables import NodeTables
-from lightning_hier.strategies.finetuning_rules import refuse_finetuning_callbacks
+from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
@@ -194,7 +194,7 @@ class HierSlicedStrategy(DDPStrategy):
             world_size, self.global_rank_hint(), self.devices_per_node, self.num_processes
         )
         validate_slice_weights(self.slice_weights, topology.devices_per_node)
-        refuse_finetuning_callbacks(self.lightning_module, "hier_sliced")
+        refuse_unsupported_callbacks(self.lightning_module, "hier_sliced")
         super().setup_distributed()
         destroy_process_group_at_exit()
         self.topology = Topology.from_world(

@@ -1,6 +1,6 @@
-"""Parameters the optimizer gains during fit (Lightning's fine-tuning callbacks, ``add_param_group``,
-unfreezing) are refused with an error naming them, instead of failing inside the callback or, under
-``hier_bsp``, silently never being updated."""
+"""Callbacks a strategy cannot serve, and parameters the optimizer gains during fit (Lightning's
+fine-tuning callbacks, ``add_param_group``, unfreezing), are refused with an error naming them, instead
+of failing inside the callback or, under ``hier_bsp``, silently never being updated."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import free_port
-from lightning.pytorch.callbacks import BackboneFinetuning
+from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 from scripts.models import EquivModel, loader
 from torch import nn
 
@@ -44,6 +44,18 @@ def test_fine_tuning_callbacks_are_refused_before_any_process_group(tmp_path: Pa
     )  # fmt: skip
     with pytest.raises(ValueError, match="BackboneFinetuning unfreezes parameters during fit"):
         trainer.fit(WithBackbone(), train_dataloaders=loader())
+    assert not dist.is_initialized()
+
+
+def test_weight_averaging_is_refused_by_the_pipeline_before_any_process_group(tmp_path: Path) -> None:
+    """Each pipeline process holds only its stage's parameters; the callback averages a full copy."""
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=HierPipelineStrategy(), max_epochs=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+        callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="StochasticWeightAveraging averages a full copy"):
+        trainer.fit(EquivModel(), train_dataloaders=loader())
     assert not dist.is_initialized()
 
 
