@@ -652,6 +652,14 @@ def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results:
         assert min(fast) > 2 * 512 / 4 / 8, result  # each fast worker trained on more than a quarter
 
 
+def test_fast_dev_run_trains_its_steps_on_every_worker(lightning_results: dict) -> None:
+    """fast_dev_run sets max_steps, which non-lockstep settings refuse; its batches are as few, so every
+    worker runs exactly that many steps (before 2026-11-26: refused with a max_steps error)."""
+    result = lightning_results["fast_dev_run"]
+    assert result["computed"] == [3, 3, 3, 3]
+    assert result["same_model_everywhere"]
+
+
 @pytest.mark.parametrize("scenario", ["resume", "resume_time_buckets"])
 def test_plain_bsp_resume_equals_an_uninterrupted_run(lightning_results: dict, scenario: str) -> None:
     result = lightning_results[scenario]

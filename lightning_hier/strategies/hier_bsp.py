@@ -214,7 +214,8 @@ class HierBSPStrategy(DDPStrategy):
         if trainer is None or self.settings.lockstep:
             return
         mode, lockstep = self._uneven_mode(), "use max_staleness=0 with superstep_steps and no fill_idle"
-        if trainer.max_steps not in (-1, None):
+        # fast_dev_run's max_steps comes with as few batches per worker: every worker runs that many
+        if trainer.max_steps not in (-1, None) and not trainer.fast_dev_run:
             raise ValueError(
                 f"max_steps={trainer.max_steps} with HierBSPStrategy({mode}): workers run different numbers "
                 f"of steps, so give the training length as max_epochs (or {lockstep})."

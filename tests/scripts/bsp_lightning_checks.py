@@ -146,6 +146,20 @@ def resume(out: Path, bucketing: str = "size") -> dict:
     }
 
 
+def fast_dev_run(out: Path) -> dict:
+    """Lightning's debugging run with the default, non-lockstep settings: 3 steps per worker."""
+    model = Validated()
+    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
+    run = trainer(strategy, out, fast_dev_run=3)
+    run.fit(model, train_dataloaders=loader(), val_dataloaders=loader(n=64))
+    steps = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, run.global_step)
+    state = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    states = [torch.empty_like(state) for _ in steps]
+    dist.all_gather(states, state)
+    return {"computed": steps, "same_model_everywhere": all(torch.equal(s, states[0]) for s in states)}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     results = {
@@ -155,9 +169,14 @@ def main() -> None:
             out / "timed", validate=True, superstep_steps=None, superstep_seconds=0.05, max_staleness=0
         ),
         "fill": straggler(
-            out / "fill", validate=True, superstep_steps=1, max_staleness=0, fill_idle=1,
+            out / "fill",
+            validate=True,
+            superstep_steps=1,
+            max_staleness=0,
+            fill_idle=1,
             gradient_average="nominal",
         ),  # fmt: skip
+        "fast_dev_run": fast_dev_run(out / "fast_dev_run"),
         "resume": resume(out / "resume"),
         "resume_time_buckets": resume(out / "resume_time", bucketing="time"),
     }
