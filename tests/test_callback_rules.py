@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port
+from helpers import free_port, run_torchrun
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 from scripts.models import EquivModel, loader
 from torch import nn
@@ -56,6 +56,32 @@ def test_weight_averaging_is_refused_by_the_pipeline_before_any_process_group(tm
     )  # fmt: skip
     with pytest.raises(ValueError, match="StochasticWeightAveraging averages a full copy"):
         trainer.fit(EquivModel(), train_dataloaders=loader())
+    assert not dist.is_initialized()
+
+
+def test_sync_batchnorm_as_ddp_converts_it_or_said_why_not(tmp_path: Path) -> None:
+    """hier_sliced converts BatchNorm to SyncBatchNorm for training and back afterwards, as ddp does
+    (before 2026-11-26 the flag was silently ignored); a pipeline is one replica: nothing to sync, it says
+    so and leaves the layer alone."""
+    import json
+
+    out = tmp_path / "sync_bn.json"
+    run_torchrun("sync_batchnorm_check.py", 2, str(out), timeout=300)
+    result = json.loads(out.read_text())
+    # ddp's behaviour (its setup applies the layer sync for fit, its teardown reverts it); ddp itself
+    # cannot run on CPU with SyncBatchNorm (DDP refuses it when wrapping a CPU module)
+    # (Lightning's revert makes a _BatchNormXd, a BatchNorm that takes any input rank)
+    assert result["hier_sliced"] == {"training": "SyncBatchNorm", "after": "_BatchNormXd", "warned": False}
+    assert result["hier_pipeline"] == {"training": "BatchNorm1d", "after": "BatchNorm1d", "warned": True}
+
+
+def test_hier_bsp_refuses_sync_batchnorm_before_any_process_group(tmp_path: Path) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=HierBSPStrategy(), sync_batchnorm=True, max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sync_batchnorm=True with HierBSPStrategy"):
+        trainer.fit(EquivModel(batch_norm=True), train_dataloaders=loader())
     assert not dist.is_initialized()
 
 

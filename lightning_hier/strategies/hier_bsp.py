@@ -199,6 +199,19 @@ class HierBSPStrategy(DDPStrategy):
         if module is None:
             return
         refuse_unsupported_callbacks(module, "hier_bsp")
+        if (
+            self._layer_sync is not None
+            and module._trainer is not None
+            and module.trainer.state.fn == TrainerFn.FITTING
+        ):
+            raise ValueError(
+                "sync_batchnorm=True with HierBSPStrategy: its workers compute without waiting for one "
+                "another, so a BatchNorm that synchronizes every forward across processes cannot run there "
+                "(it would pair different steps of different workers). Leave sync_batchnorm off: each "
+                "worker's BatchNorm normalizes its own batch, and the running statistics are rank 0's on "
+                "every rank at validation, checkpoints and the end of fit. Use hier_sliced or ddp for "
+                "synchronized BatchNorm."
+            )
         if not module.automatic_optimization:
             raise ValueError(
                 "HierBSPStrategy supports automatic optimization only: the optimizer runs on the parameter "

@@ -22,6 +22,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
 
@@ -178,6 +179,13 @@ class HierPipelineStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         self.settings.check_world_size(self.num_nodes * self.num_processes)
         refuse_unsupported_callbacks(self.lightning_module, "hier_pipeline")
+        if self._layer_sync is not None:
+            rank_zero_warn(
+                "sync_batchnorm=True with HierPipelineStrategy: a pipeline is one data-parallel replica, so "
+                "there is nothing to synchronize; its BatchNorm layers stay as they are (each sees a "
+                "micro-batch, as in every micro-batched pipeline)."
+            )
+            self._layer_sync = None
         super().setup_distributed()
         destroy_process_group_at_exit()
 

@@ -213,10 +213,12 @@ class HierSlicedStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:  # Trainer(sync_batchnorm=True), as ddp converts it (and reverts it)
+            self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._attach_hybrid_embeddings()
-        fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_automatic_optimization()
             self.setup_optimizers(trainer)
