@@ -160,6 +160,42 @@ def test_stages_in_sequence_equal_the_whole_model(starts: tuple[int, ...]) -> No
             assert t.forward_count[i] == 1 and t.forward[i] > 0
 
 
+class Switched(nn.Module):
+    """Branches on plain arguments, as real models do (``if extra:``, ``if mask is not None:``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(
+        self, x: torch.Tensor, extra: bool = False, mask: torch.Tensor | None = None, scale: float = 2.0
+    ):  # noqa: ANN201
+        h = torch.relu(self.a(x))
+        if extra:
+            h = h + 1
+        if mask is not None:
+            h = h * mask
+        return self.c(torch.relu(self.b(h))) * scale
+
+
+def test_plain_default_arguments_are_traced_as_their_defaults_and_other_values_fail_loudly() -> None:
+    """Before 2026-11-26 such a forward could not be traced ("symbolically traced variables cannot be
+    used as inputs to control flow"), so hier_pipeline refused the model."""
+    torch.manual_seed(0)
+    model = Switched()
+    graph = LayerGraph(model)
+    partition = StagePartition((0, 2), graph.num_clusters)
+    executors = [StageExecutor(graph, partition, s) for s in range(2)]
+    x = torch.randn(3, 4)
+    for kwargs in ({}, {"extra": False, "mask": None, "scale": 2.0}):
+        value = executors[0].forward(x, **kwargs)
+        torch.testing.assert_close(executors[1].forward(value), model(x), rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="extra has been specialized to have value False"):
+        executors[0].forward(x, extra=True)
+    with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
+        executors[0].forward(x, mask=torch.ones(3, 4))
+
+
 def test_initial_partitions_and_their_errors() -> None:
     graph = LayerGraph(BranchyNet(width=8))
     by_params = initial_partition(graph, PipelineSettings(partition="parameters"), 2)

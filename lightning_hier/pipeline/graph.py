@@ -12,6 +12,7 @@ a parameter always lives on exactly one stage.
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import traceback
 from collections.abc import Sequence
@@ -86,8 +87,9 @@ def trace_model(module: nn.Module, leaf_modules: Sequence[str] = ()) -> fx.Graph
     if missing:
         raise ValueError(f"leaf_modules {missing} are not submodules of {type(module).__name__}.")
     tracer = _LeafTracer(leaf_modules)
+    concrete = _specialized_defaults(module)
     try:
-        graph = tracer.trace(module)
+        graph = tracer.trace(module, concrete_args=concrete or None)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, ...
         raise PipelineTraceError(
             f"hier_pipeline could not trace {type(module).__name__}.forward: {exc} "
@@ -95,7 +97,30 @@ def trace_model(module: nn.Module, leaf_modules: Sequence[str] = ()) -> fx.Graph
             "that contains it in `leaf_modules` (it then runs as one opaque layer), or build the "
             "model as an nn.Sequential of such blocks."
         ) from exc
+    for node in graph.nodes:  # fx names a specialized input "extra_1": callers pass it as "extra"
+        base, _, suffix = str(node.target).rpartition("_")
+        if node.op == "placeholder" and suffix.isdigit() and base in concrete:
+            node.target = base
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def _specialized_defaults(module: nn.Module) -> dict[str, Any]:
+    """``forward``'s arguments with a plain default (``None``, a bool, a number, a string), traced as that
+    value: a branch on them (``if extra:``, ``if mask is not None:``) cannot be traced symbolically. The
+    graph checks each call's value against it (fx's "has been specialized" assertion), so passing another
+    value fails loudly instead of running the traced branch."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return {}
+    plain = (type(None), bool, int, float, str)
+    return {
+        p.name: p.default
+        for p in parameters
+        if p.default is not inspect.Parameter.empty
+        and isinstance(p.default, plain)
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
 
 
 def _state_names(root: nn.Module, node: fx.Node) -> tuple[str, tuple[str, ...]] | tuple[None, tuple]:
