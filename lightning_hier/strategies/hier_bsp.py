@@ -551,7 +551,12 @@ class HierBSPStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.engine is None:
             return super().optimizer_state(optimizer)
-        return self.engine.optimizer_state_dict()  # drains first
+        state = self.engine.optimizer_state_dict()  # drains first
+        # the settings as the training loop holds them now (an LR scheduler may have stepped since the
+        # last superstep, whose settings the server's copy holds): what the next step uses, and ddp saves
+        for saved, group in zip(state["param_groups"], optimizer.param_groups):
+            saved.update({k: v for k, v in group.items() if k != "params"})
+        return state
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)

@@ -112,14 +112,14 @@ def straggler(
     }
 
 
-def resume(out: Path, bucketing: str = "size") -> dict:
+def resume(out: Path, bucketing: str = "size", optimizer: str = "adam", scheduler: bool = False) -> dict:
     # time buckets: each run profiles one micro-step and rebuilds its engine (the resumed one again,
     # after the checkpoint was loaded into size buckets)
     timed = dict(bucketing="time", profile_steps=1, profile_warmup_steps=0, min_bucket_mb=0.0)
 
     def fit(epochs: int, ckpt: str | None = None) -> tuple[EquivModel, pl.Trainer]:
         pl.seed_everything(11, verbose=False)
-        model = EquivModel(optimizer="adam")
+        model = EquivModel(optimizer=optimizer, scheduler=scheduler)
         strategy = HierBSPStrategy(
             superstep_steps=1, max_staleness=0, devices_per_node=2, bucket_cap_mb=0.002,
             **(timed if bucketing == "time" else {}),
@@ -136,7 +136,7 @@ def resume(out: Path, bucketing: str = "size") -> dict:
     path = str(out / "half.ckpt")
     run.save_checkpoint(path)
     resumed, _ = fit(2, ckpt=path)
-    bare = EquivModel(optimizer="adam")
+    bare = EquivModel(optimizer=optimizer)
     bare.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
     return {
         "max_rel_diff": max_rel_diff(whole.state_dict(), resumed.state_dict()),
@@ -179,6 +179,8 @@ def main() -> None:
         "fast_dev_run": fast_dev_run(out / "fast_dev_run"),
         "resume": resume(out / "resume"),
         "resume_time_buckets": resume(out / "resume_time", bucketing="time"),
+        # an LR scheduler stepping every step: the checkpoint must hold the decayed rates
+        "resume_scheduler": resume(out / "resume_scheduler", optimizer="adamw_groups", scheduler=True),
     }
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=2))
