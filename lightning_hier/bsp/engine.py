@@ -31,7 +31,7 @@ from lightning_hier.bucketing.time_bucketing import ReadyTimes
 from lightning_hier.bucketing.time_plan import TimePlan, plan_time_buckets
 from lightning_hier.sliced.engine import trainable_params
 from lightning_hier.sliced.flat_buckets import FlatBucket, adopt_gradient, build_flat_buckets
-from lightning_hier.sliced.sharded_optim import check_no_new_parameters, check_optimizer
+from lightning_hier.sliced.sharded_optim import check_no_new_parameters, check_optimizer, frozen_parameters
 from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.topology import Topology
 
@@ -69,9 +69,8 @@ class BSPEngine:
         self.optimizer = optimizer
         original_groups = [list(group["params"]) for group in optimizer.param_groups]
         # what the server's optimizer cannot take in later (check_no_new_parameters)
-        self._model = module
         self._groups_at_setup = len(original_groups)
-        self._frozen_at_setup = {id(p) for p in module.parameters() if not p.requires_grad}
+        self._frozen_at_setup = frozen_parameters(module)
         self.params, group_of = trainable_params(original_groups)
         if not self.params:
             raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
@@ -180,13 +179,7 @@ class BSPEngine:
         """Fold this micro-step's gradients into the aggregate (``computed=False``: a skipped step)."""
         memory = self.memory
         if computed:
-            check_no_new_parameters(
-                self.optimizer,
-                self._groups_at_setup,
-                list(self._model.named_parameters()),
-                self._frozen_at_setup,
-                "hier_bsp",
-            )
+            check_no_new_parameters(self.optimizer, self._groups_at_setup, self._frozen_at_setup, "hier_bsp")
         for bucket in self.buckets[self._folded_early :]:
             self._collect_grads(bucket)
         with memory.cond:

@@ -43,7 +43,12 @@ from lightning_hier.bucketing.time_bucketing import (
 from lightning_hier.bucketing.time_plan import TimePlan, plan_misfit
 from lightning_hier.sliced.flat_buckets import FlatBucket, adopt_gradient, build_flat_buckets, slot_locations
 from lightning_hier.sliced.reducer import ReduceJob, all_gather_slices, make_reducer
-from lightning_hier.sliced.sharded_optim import OptimizerSharding, check_no_new_parameters, check_optimizer
+from lightning_hier.sliced.sharded_optim import (
+    OptimizerSharding,
+    check_no_new_parameters,
+    check_optimizer,
+    frozen_parameters,
+)
 from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.sliced.unused import UnusedSnapshot, snapshot_unused
 from lightning_hier.topology import Topology
@@ -98,7 +103,7 @@ class HierSlicedEngine:
         if not self.params:
             raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
         self.param_names = _names_of(module, self.params)
-        self._frozen_at_setup = {id(p) for p in module.parameters() if not p.requires_grad}
+        self._frozen_at_setup = frozen_parameters(module)
         self.param_infos = [
             ParamInfo(i, p.numel(), p.element_size(), (self._group_of[i], p.dtype, p.device))
             for i, p in enumerate(self.params)
@@ -431,13 +436,8 @@ class HierSlicedEngine:
                 with torch.no_grad():
                     view.copy_(data)
                 param.data = view
-        check_no_new_parameters(
-            self.optimizer,
-            len(self._original_groups),
-            list(self.module.named_parameters()),
-            self._frozen_at_setup,
-            "hier_sliced",
-        )
+        groups_at_setup = len(self._original_groups)
+        check_no_new_parameters(self.optimizer, groups_at_setup, self._frozen_at_setup, "hier_sliced")
 
     def _note_partly_used(self, bucket_used: list[bool]) -> None:
         """Parameters unused in a step while others of their bucket were used get buckets of their own.

@@ -62,18 +62,23 @@ def check_optimizer(optimizer: torch.optim.Optimizer, declared_elementwise: Sequ
         )
 
 
+def frozen_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s parameters that do not require a gradient now (at setup), with their names."""
+    return [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
+
+
 def check_no_new_parameters(
     optimizer: torch.optim.Optimizer,
     groups_at_setup: int,
-    named_parameters: Sequence[tuple[str, nn.Parameter]],
-    frozen_at_setup: set[int],
+    frozen_at_setup: Sequence[tuple[str, nn.Parameter]],
     strategy: str,
 ) -> None:
     """Refuse parameters the optimizer gained after setup: a param group added (``add_param_group``), or a
-    parameter frozen at setup that now has a gradient. The optimizer was sharded over the parameters
-    trainable at setup, so either would silently never be updated."""
-    for name, param in named_parameters:
-        if id(param) in frozen_at_setup and param.requires_grad and param.grad is not None:
+    parameter frozen at setup (:func:`frozen_parameters`) that now has a gradient. The optimizer was
+    sharded over the parameters trainable at setup, so either would silently never be updated. Looks at
+    the frozen parameters only: it runs every step."""
+    for name, param in frozen_at_setup:
+        if param.requires_grad and param.grad is not None:
             raise RuntimeError(
                 f"parameter {name!r} was frozen at setup and is trainable now: {strategy} sharded the "
                 "optimizer over the parameters trainable at setup, so it would never be updated. "

@@ -514,10 +514,15 @@ class HierBSPStrategy(DDPStrategy):
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
 
+    @property
+    def _running_free(self) -> bool:
+        """Between drains: workers are not in step, so a main-thread collective cannot pair them."""
+        return self.engine is not None and not self.engine.memory.paused
+
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """While workers run free (between drains) a collective would pair different steps of different
         workers: values logged with ``sync_dist=True`` then stay this worker's own."""
-        if self.engine is not None and not self.engine.memory.paused:
+        if self._running_free:
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
@@ -527,7 +532,7 @@ class HierBSPStrategy(DDPStrategy):
         """Between drains the workers run free, so a gather would pair different steps of different workers
         (and, with ``max_staleness >= 1``, one worker's last gather would wait for a step its peers never
         take), beside the BSP thread's collectives on the device: refused with the hooks where it works."""
-        if self.engine is not None and not self.engine.memory.paused:
+        if self._running_free:
             raise RuntimeError(
                 "all_gather while hier_bsp's workers run free (in training_step or a per-batch training "
                 "hook): workers are not in step there, so the gather cannot pair them. Gather in "
