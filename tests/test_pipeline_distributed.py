@@ -100,11 +100,21 @@ def assert_checkpoint_matches(
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=atol, msg=key)
 
 
+def assert_every_rank_holds(pattern: str, ranks: int, expected: dict[str, torch.Tensor]) -> None:
+    """The user's module on every rank after a run: the whole model (no stage's empty tensors)."""
+    for rank in range(ranks):
+        state = torch.load(pattern.format(rank=rank))
+        assert set(state) == set(expected), rank
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {key}")
+
+
 def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: Path) -> None:
     result = run_scenario("rebalance_adam_1f1b", 4, tmp_path)
     expected_losses, expected_state = reference("adam", max_steps=8, precision="64-true")
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state)
+    assert_every_rank_holds(result["module_after_fit"], 4, expected_state)
     history = result["history"]
     assert history, "the lopsided start [1, 1, 1, 17] must be rebalanced"
     first = history[0]
@@ -212,6 +222,7 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
         best, loader(batch_size=32, seed=1), ckpt_path=result["best_path"]
     )
     assert abs(result["fresh_validate_val_loss"] - metrics[0]["val_loss"]) < 1e-5
+    assert_every_rank_holds(result["module_after_predict"], 2, model.state_dict())
 
 
 def test_all_gather_in_steps_and_hooks_returns_what_one_process_returns(tmp_path: Path) -> None:

@@ -136,7 +136,7 @@ class PipelineEngine:
         self.layer_table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
         self._measured_bandwidth: float | None = None
         self.layer_timing = "auto"  # one of LAYER_TIMING_MODES, see times_micro_batch
-        self._release_foreign_state()
+        self.release_foreign_state()
         self._enable_memory_policy()
 
     def _rank_of_stage(self, stage: int) -> int:
@@ -165,15 +165,29 @@ class PipelineEngine:
         first, last = partition.stage_ranges()[self.stage]
         return self.graph.state_names(first, last)
 
-    def _release_foreign_state(self) -> None:
+    def release_foreign_state(self) -> None:
+        """Drop the storage of every parameter and buffer another stage owns."""
         owned = set(self.owned_state_names())
         foreign = [n for n in named_state(self.root) if n not in owned]
         release_state(self.root, foreign, self.optimizers)
 
+    def restore_full_model(self, device: torch.device | str = "cpu") -> None:
+        """Give every rank's module the whole model again, as one process would hold it (collective).
+
+        Each stage's parameters and buffers reach every rank; the ones this stage does not own are
+        materialized on ``device`` (the host by default: Lightning moves the module there at teardown,
+        and a model split for memory may not fit one device). Undone by :meth:`release_foreign_state`.
+        """
+        owned = self._owned_tensors(named_state(self.root))
+        parts: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(parts, owned, group=self.group)
+        foreign = {name: value for part in parts for name, value in part.items() if name not in owned}
+        materialize_state(self.root, foreign, torch.device(device))
+
     def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """The optimizers over the whole model; state of parameters elsewhere is dropped."""
         self.optimizers = list(optimizers)
-        self._release_foreign_state()
+        self.release_foreign_state()
 
     # ------------------------------------------------------------------ steps
     def times_micro_batch(self, micro: int, num_micro: int) -> bool:

@@ -74,6 +74,11 @@ def _forward_replaced(module: torch.nn.Module, forward: Callable[..., Any]) -> I
         del module.forward
 
 
+def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
+    """Lightning's zeroing, skipped: the strategy zeroes before the schedule (a module-level function,
+    not a lambda, so the strategy pickles for ``start_method="spawn"``)."""
+
+
 class HierPipelineStrategy(DDPStrategy):
     """Pipeline-parallel training whose stage split follows measured layer times.
 
@@ -173,7 +178,8 @@ class HierPipelineStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.engine: PipelineEngine | None = None
-        self._user_zero_grad: Callable[..., Any] = lambda *args, **kwargs: None
+        self._failed = False
+        self._user_zero_grad: Callable[..., Any] = _skip_zero_grad
 
     # ------------------------------------------------------------------ environment
     def setup_distributed(self) -> None:
@@ -227,7 +233,7 @@ class HierPipelineStrategy(DDPStrategy):
         backward runs inside ``training_step``, so the strategy zeroes them before it instead."""
         if "optimizer_zero_grad" not in module.__dict__:
             self._user_zero_grad = module.optimizer_zero_grad
-            module.optimizer_zero_grad = lambda *args, **kwargs: None  # type: ignore[method-assign]
+            module.optimizer_zero_grad = _skip_zero_grad  # type: ignore[method-assign]
 
     def _zero_grad(self, batch_idx: int) -> None:
         module = self.lightning_module
@@ -268,8 +274,13 @@ class HierPipelineStrategy(DDPStrategy):
                 "use '32-true' or 'bf16-mixed'."
             )
         self.precision_plugin.convert_module(self.model)
+        self._failed = False
+        if self.engine is not None and self.engine.root is not module:
+            self.engine = None  # another module than the last run's: its own graph and split
         if self.engine is None:
             self._build_engine()
+        else:
+            self.engine.release_foreign_state()  # the last teardown gave this rank the whole model
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
@@ -515,7 +526,15 @@ class HierPipelineStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ teardown
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown must not wait in a collective for stages that may be gone
+        super().on_exception(exception)
+
     def teardown(self) -> None:
+        """After a run every rank's module holds the whole trained model, as under ``ddp``, so the
+        user's script can save, export or run it (and ``start_method="spawn"`` can hand it back)."""
+        if self.engine is not None and not self._failed and dist.is_initialized():
+            self.engine.restore_full_model("cpu")
         remove_global_norm_clipping(self.precision_plugin)
         module = self.lightning_module
         if module is not None and "optimizer_zero_grad" in module.__dict__:

@@ -279,9 +279,13 @@ def main() -> None:
         val_dataloaders=val_loader,
         ckpt_path=ckpt_path,
     )
+    # after fit every rank's module holds the whole trained model, as under ddp
+    module_after_fit = workdir / f"{name}.module_after_fit.rank{trainer.global_rank}.pt"
+    torch.save(model.state_dict(), module_after_fit)
     final = workdir / f"{name}.ckpt"
     trainer.save_checkpoint(final)
     result: dict = {"losses": recorder.losses, "checkpoint": str(final)}
+    result["module_after_fit"] = str(workdir / f"{name}.module_after_fit.rank{{rank}}.pt")
     result["val_losses"] = recorder.val_losses
     if spec.get("top_k"):
         result["top_k_files"] = sorted(p.name for p in (workdir / "topk").iterdir())
@@ -306,6 +310,9 @@ def main() -> None:
             SkewedNet(), loader(batch_size=32, seed=1), ckpt_path=checkpoint_cb.best_model_path
         )
         result["fresh_validate_val_loss"] = float(metrics[0]["val_loss"]) if fresh.is_global_zero else None
+        # predict released the other stages' layers again and gave them back at its teardown
+        torch.save(model.state_dict(), workdir / f"{name}.module_after_predict.rank{trainer.global_rank}.pt")
+        result["module_after_predict"] = str(workdir / f"{name}.module_after_predict.rank{{rank}}.pt")
     engine = strategy.engine
     assert engine is not None
     result["history"] = [event.to_dict() for event in engine.history]
