@@ -220,13 +220,13 @@ class HierSlicedStrategy(DDPStrategy):
         self.model_to_device()
         self._attach_hybrid_embeddings()
         if fitting:
-            self._check_automatic_optimization()
             self.setup_optimizers(trainer)
             self._build_engine()
         else:
             _sync_module_states(self.model)
-        self.setup_precision_plugin()
+        self.setup_precision_plugin()  # (re)creates the LightningOptimizer wrappers
         if fitting:
+            self._route_manual_zero_grad()
             _optimizers_to_device(self.optimizers, self.root_device)
             install_global_norm_clipping(self.precision_plugin, self)
             self._install_sharded_grad_scaler()
@@ -254,19 +254,34 @@ class HierSlicedStrategy(DDPStrategy):
                 exchange_groups=(exchange.intra_group, exchange.inter_group),
             )
 
-    def _check_automatic_optimization(self) -> None:
-        assert self.lightning_module is not None
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError(
-                "HierSlicedStrategy supports automatic optimization only (the optimizer is sharded and "
-                "stepped by the strategy). Set `self.automatic_optimization = True` in your LightningModule "
-                "or use strategy='ddp' for manual optimization."
-            )
+    def _route_manual_zero_grad(self) -> None:
+        """Manual optimization: the user's ``optimizer.zero_grad()`` also clears this rank's local
+        gradient buckets. The sharded optimizer holds slices only, so its own ``zero_grad`` would leave
+        the full local gradients to be summed into the next ``manual_backward`` (under automatic
+        optimization the strategy clears them after each step, where Lightning would)."""
+        assert self.lightning_module is not None and self.engine is not None
+        if self.lightning_module.automatic_optimization:
+            return
+        optimizer, engine = self.optimizers[0], self.engine
+        clear_slices = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            clear_slices(set_to_none=set_to_none)
+            engine.zero_grad()
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        # `self.optimizers()` hands out a LightningOptimizer, whose class inherits the optimizer's own
+        # zero_grad: it gets the routed one as an attribute of its own
+        self._lightning_optimizers[0].zero_grad = zero_grad  # type: ignore[method-assign]
 
     def _build_engine(self) -> None:
         assert self.topology is not None and self.lightning_module is not None
         if len(self.optimizers) != 1:
-            raise ValueError(f"HierSlicedStrategy needs exactly one optimizer, got {len(self.optimizers)}.")
+            raise ValueError(
+                f"HierSlicedStrategy shards exactly one optimizer, got {len(self.optimizers)} from "
+                "configure_optimizers. Put the parameters in one optimizer (param groups can hold "
+                "different settings) or use strategy='ddp'."
+            )
         self._groups()
         if self.slice_plan is None:
             self.slice_plan = decide_slice_plan(

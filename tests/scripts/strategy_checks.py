@@ -1,11 +1,11 @@
 """Run under torchrun: Lightning-level checks of ``HierSlicedStrategy`` against Lightning's own strategies.
 
 ``strategy_checks.py single OUT`` (1 process): hier_sliced vs the default single-device strategy
-(SGD+momentum and Adam), and the refusal of manual optimization.
+(SGD+momentum and Adam), and manual optimization.
 
 ``strategy_checks.py eval OUT`` (4 processes, 2 x 2): fit with validation inside, then
 ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` on the same Trainer, under ``ddp``
-and under ``hier_sliced``; and the refusal of manual optimization on several processes.
+and under ``hier_sliced``; and manual optimization against ``ddp``.
 
 Rank 0 writes a JSON summary to OUT.
 """
@@ -43,22 +43,40 @@ def state(model: torch.nn.Module) -> dict:
 
 
 class ManualModel(EquivModel):
-    """Manual optimization: valid under single-device/ddp, refused by hier_sliced."""
+    """Manual optimization as Lightning documents it: ``manual_backward``, ``clip_gradients``, a step
+    (and the scheduler's) every ``accumulate`` batches, then ``zero_grad``; ``skip_every`` batches
+    backward a loss and throw its gradients away with ``zero_grad`` (a skipped step)."""
 
-    def __init__(self) -> None:
-        super().__init__(optimizer="sgd")
+    def __init__(self, optimizer: str = "sgd", accumulate: int = 1, clip: float | None = None) -> None:
+        super().__init__(optimizer=optimizer, scheduler=True, quirks=True)
         self.automatic_optimization = False
+        self.accumulate = accumulate
+        self.clip = clip
         self.steps_run = 0
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         self.steps_run += 1
         optimizer = self.optimizers()
-        optimizer.zero_grad()
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
-        self.manual_backward(loss)
-        optimizer.step()
+        if batch_idx % 5 == 4:  # a batch whose gradient is dropped before any step
+            self.manual_backward(loss)
+            optimizer.zero_grad()
+            return loss
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            if self.clip is not None:
+                self.clip_gradients(optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()
+            self.lr_schedulers().step()
         return loss
+
+
+MANUAL_VARIANTS = {
+    "sgd": dict(optimizer="sgd"),
+    "adam_accumulate_clip": dict(optimizer="adam", accumulate=2, clip=0.05),
+}
 
 
 class EvalModel(EquivModel):
@@ -88,15 +106,31 @@ class RecordValLoss(pl.Callback):
             self.values.append(float(trainer.callback_metrics["val_loss"]))
 
 
-def manual_optimization(strategy, devices: int) -> dict:  # noqa: ANN001
+def manual_optimization(strategy, devices: int, variant: str) -> dict:  # noqa: ANN001
     pl.seed_everything(3, verbose=False)
-    model = ManualModel()
-    trainer = pl.Trainer(devices=devices, strategy=strategy, max_steps=2, **TRAINER)
-    try:
-        trainer.fit(model, train_dataloaders=loader())
-    except ValueError as err:
-        return {"error": str(err), "steps_run": model.steps_run}
-    return {"error": None, "steps_run": model.steps_run, "strategy": type(trainer.strategy).__name__}
+    model = ManualModel(**MANUAL_VARIANTS[variant])
+    initial = state(model)
+    # on one process a DDP-derived strategy would inject a shuffling DistributedSampler: keep the
+    # loader's order there, so both runs see the same batches
+    trainer = pl.Trainer(
+        devices=devices, strategy=strategy, max_epochs=2, use_distributed_sampler=devices > 1, **TRAINER
+    )
+    trainer.fit(model, train_dataloaders=loader())
+    return {
+        "steps_run": model.steps_run,
+        "strategy": type(trainer.strategy).__name__,
+        "moved": max_rel_diff(state(model), initial),
+        "state": state(model),
+    }
+
+
+def compare_manual(reference: dict, hier: dict) -> dict:
+    return {
+        "strategies": [reference["strategy"], hier["strategy"]],
+        "steps_run": [reference["steps_run"], hier["steps_run"]],
+        "reference_moved": reference["moved"],
+        "max_rel_diff": max_rel_diff(reference["state"], hier["state"]),
+    }
 
 
 def rel(a: float, b: float) -> float:
@@ -128,8 +162,10 @@ def single(out: Path) -> None:
             "max_rel_diff": max_rel_diff(runs["reference"][1], runs["hier"][1]),
             "reference_moved": max_rel_diff(runs["reference"][1], initial),
         }
-    results["manual_reference"] = manual_optimization("auto", devices=1)
-    results["manual_hier"] = manual_optimization("hier_sliced", devices=1)
+    for variant in MANUAL_VARIANTS:
+        results[f"manual_{variant}"] = compare_manual(
+            manual_optimization("auto", 1, variant), manual_optimization("hier_sliced", 1, variant)
+        )
     out.write_text(json.dumps(results, indent=2))
 
 
@@ -219,7 +255,11 @@ def compare(ddp: dict, hier: dict) -> dict:
 def evaluate(out: Path) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 4
     results: dict = {"world_size": world}
-    results["manual_hier"] = manual_optimization(HierSlicedStrategy(devices_per_node=2), devices=world)
+    for variant in MANUAL_VARIANTS:
+        results[f"manual_{variant}"] = compare_manual(
+            manual_optimization(DDPStrategy(find_unused_parameters=True), world, variant),
+            manual_optimization(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002), world, variant),
+        )
     for name, batch_norm in (("plain", False), ("batch_norm", True)):
         ddp = eval_run(DDPStrategy(), world, batch_norm)
         hier = eval_run(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002), world, batch_norm)
