@@ -214,8 +214,16 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     trainer = _plain_trainer(_Losses(), max_epochs=2, limit_train_batches=4, limit_val_batches=2)
     trainer.fit(model, loader(), loader(batch_size=32, seed=1))
     assert abs(float(trainer.callback_metrics["val_loss"]) - result["val_loss_by_rank"][0]) < 1e-5
-    expected = torch.cat(trainer.predict(model, loader(batch_size=32, seed=2)))
+    expected_batches = trainer.predict(model, loader(batch_size=32, seed=2))
+    expected = torch.cat(expected_batches)
     assert torch.equal(torch.tensor(result["predictions"]), expected)
+    # one replica: the last stage (rank 0) returns and writes every prediction, the other stage none
+    # (before: a None per batch, which a writer's merge could not concatenate)
+    assert result["predict_returned_by_rank"] == [len(expected_batches), 0]
+    files = [torch.load(result["prediction_files"].format(rank=r)) for r in range(2)]
+    assert torch.equal(torch.cat(files[0]["predictions"]), expected)
+    assert len(files[0]["batch_indices"][0]) == len(expected_batches)
+    assert files[1]["predictions"] == [] and files[1]["batch_indices"] == [[]]
     # the best checkpoint, validated by a fresh Trainer with another initial split, and by Lightning alone
     best = SkewedNet()
     metrics = _plain_trainer(_Losses()).validate(

@@ -17,7 +17,8 @@ from lightning_hier.topology import control_group
 
 
 class StageMetricsSync(Callback):
-    """Copies the last stage's (rank 0's) logged metrics to every stage process.
+    """Copies the last stage's (rank 0's) logged metrics to every stage process; empties the other
+    stages' prediction lists.
 
     Only the last stage computes the loss and the metrics, but ``ModelCheckpoint`` and
     ``EarlyStopping`` read them on every rank; ``HierPipelineStrategy`` installs this callback
@@ -43,3 +44,14 @@ class StageMetricsSync(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer)
+
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Only the last stage (rank 0) computes predictions; the other stages' lists (a ``None`` per
+        batch) are emptied here, before any ``BasePredictionWriter`` reads them. A writer on every rank
+        then writes the pipeline's predictions once, from rank 0, and ``trainer.predict`` returns them
+        there and an empty list elsewhere, as ``ddp`` returns each rank's share."""
+        if trainer.global_rank != 0:
+            loop = trainer.predict_loop
+            # Lightning keeps them in these attributes (the writer reads `predictions`, a view of them)
+            loop._predictions = [[] for _ in loop._predictions]
+            loop.epoch_batch_indices = [[] for _ in loop.epoch_batch_indices]

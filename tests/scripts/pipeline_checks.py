@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint  # noqa: E402
 from pipeline_models import MODELS, SkewedNet, loader  # noqa: E402
 
 from lightning_hier import HierPipelineStrategy, StageRebalancer  # noqa: E402
@@ -156,6 +156,18 @@ class BackwardHooks(pl.Callback):
         self.after_with_grads += int(bool(owned) and all(p.grad is not None for p in owned))
 
 
+class PredictionFiles(BasePredictionWriter):
+    """Lightning's per-rank prediction files (what a user merges after a multi-process predict)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__("epoch")
+        self.directory = directory
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):  # noqa: ANN001, ANN201
+        path = self.directory / f"predictions.rank{trainer.global_rank}.pt"
+        torch.save({"predictions": predictions, "batch_indices": batch_indices}, path)
+
+
 class LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -239,6 +251,7 @@ def main() -> None:
         callbacks.append(StageRebalancer(output_dir=str(workdir / "rebalancer")))
     if spec.get("monitor"):
         callbacks.append(ModelCheckpoint(dirpath=workdir / "monitor", monitor="val_loss", save_top_k=1))
+        callbacks.append(PredictionFiles(workdir))
     if spec.get("top_k"):
         callbacks.append(
             ModelCheckpoint(
@@ -297,6 +310,7 @@ def main() -> None:
         predictions = trainer.predict(model, loader(batch_size=32, seed=2))
         if trainer.is_global_zero:
             result["predictions"] = torch.cat(predictions).tolist()
+        result["prediction_files"] = str(workdir / "predictions.rank{rank}.pt")
         # a fresh Trainer, strategy (another split) and module validate the best checkpoint
         fresh = pl.Trainer(
             accelerator="cpu",
@@ -325,6 +339,7 @@ def main() -> None:
         "backward_hooks": [hooks.before, hooks.after, hooks.after_with_grads],
         "memory_plan": engine.memory_plan.to_dict() if engine.memory_plan is not None else None,
         "headers_sent": engine.link.headers_sent,
+        "predict_returned": len(predictions) if spec.get("monitor") else None,
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
@@ -334,6 +349,7 @@ def main() -> None:
     result["backward_hooks_by_rank"] = [g["backward_hooks"] for g in gathered]
     result["memory_plan_by_rank"] = [g["memory_plan"] for g in gathered]
     result["headers_sent_by_rank"] = [g["headers_sent"] for g in gathered]
+    result["predict_returned_by_rank"] = [g["predict_returned"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     result["gathered"] = getattr(model, "gathered", None)
     if trainer.is_global_zero:
