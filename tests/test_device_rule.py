@@ -148,6 +148,8 @@ CASES = {
     ),
     "sliced_time": ("bucketing/time_bucketing.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
     "sliced_none": ("sliced/engine.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
+    # two optimizers, one engine each (a GAN, toggled and not)
+    "sliced_gan": ("sliced/engine.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
     # the tables' thread exchanges and updates beside the step, on groups of its own
     "hybrid": ("sparse/sync.py", "sparse/embedding.py", "sparse/checkpoint.py"),
     # the local BSP module thread issues the training phase's collectives; the main thread only at drains
@@ -191,7 +193,6 @@ def test_every_collective_is_legal_under_nccl_and_issued_in_one_order(case: str,
     # the groups really were built as on CUDA: every group used serves both device types
     served = {tuple(sorted(r["group_devices"])) for rs in report.records.values() for r in rs}
     assert served == {("cpu", "cuda")}
-
 
 
 def test_a_backward_hook_on_an_autograd_thread_counts_as_the_main_threads() -> None:

@@ -151,6 +151,27 @@ def eval_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("variant", ["gan_toggle", "gan_no_toggle"])
+def test_two_optimizers_gan_matches_ddp(eval_results: dict, variant: str) -> None:
+    """A GAN's generator (Adam) and discriminator (SGD, clipped) each sharded over their own buckets:
+    parameters and both optimizers' saved states as under ddp, whether each backward feeds one optimizer
+    (toggle_optimizer) or both."""
+    result = eval_results[variant]
+    assert result["strategies"] == ["DDPStrategy", "HierSlicedStrategy"]
+    assert result["steps_run"][0] == result["steps_run"][1] > 0
+    assert result["reference_moved"] > 1e-3
+    assert result["max_rel_diff"] < 1e-5, result
+    assert result["optimizer_state_rel_diff"] < 1e-5, result
+
+
+def test_two_optimizers_gan_matches_one_process(single_results: dict) -> None:
+    result = single_results["gan_toggle"]
+    assert result["strategies"] == ["SingleDeviceStrategy", "HierSlicedStrategy"]
+    assert result["reference_moved"] > 1e-3
+    assert result["max_rel_diff"] < 1e-5, result
+    assert result["optimizer_state_rel_diff"] < 1e-5, result
+
+
 @pytest.mark.parametrize("variant", ["sgd", "adam_accumulate_clip"])
 def test_manual_optimization_matches_ddp(eval_results: dict, variant: str) -> None:
     """As under ddp on 4 processes (2 x 2, several buckets), with frozen, tied and unused parameters."""

@@ -97,8 +97,8 @@ class CommProfiler(Callback):
             stats.register_group(topology.world_group, "world")
             stats.register_group(topology.intra_group, "intra")
             stats.register_group(topology.inter_group, "inter")
-            if engine is not None:  # the main thread waits there for the reducer's collectives
-                stats.watch(engine, "finish_backward")
+            for sliced_engine in strategy.engines:  # the main thread waits there for the reducers
+                stats.watch(sliced_engine, "finish_backward")
         elif isinstance(strategy, HierBSPStrategy) and engine is not None:
             stats.register_group(engine.topology.world_group, "world")  # the BSP thread's ticks
             stats.register_group(engine.topology.intra_group, PS)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,14 +137,16 @@ class SlicedCheckpoints:
             load_sharded_params(engine, path)
 
     @staticmethod
-    def restore_optimizer(engine: HierSlicedEngine, checkpoint: dict[str, Any]) -> None:
-        """Load the optimizer state into the sharded optimizer: this rank's slices only."""
+    def restore_optimizers(engines: Sequence[HierSlicedEngine], checkpoint: dict[str, Any]) -> None:
+        """Load each optimizer's state into its sharded optimizer: this rank's slices only."""
         if LOADED_FROM in checkpoint:
-            load_sharded_optimizer(engine, checkpoint[LOADED_FROM], checkpoint)
+            load_sharded_optimizer(engines[0], checkpoint[LOADED_FROM], checkpoint)  # one optimizer
             return
         states = checkpoint["optimizer_states"]
-        if len(states) != 1:
+        if len(states) != len(engines):
             raise ValueError(
-                f"the checkpoint holds {len(states)} optimizer states; HierSlicedStrategy uses one."
+                f"the checkpoint holds {len(states)} optimizer state(s); this run has {len(engines)} "
+                "optimizer(s)."
             )
-        engine.load_optimizer_state_dict(states[0])
+        for engine, state in zip(engines, states):
+            engine.load_optimizer_state_dict(state)

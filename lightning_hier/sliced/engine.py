@@ -135,6 +135,7 @@ class HierSlicedEngine:
         # per-tensor step count (bias correction, lr decay) that a shared slice cannot keep per parameter
         self._step_counted = type(optimizer).__name__ != "SGD"
         self._sync = True
+        self._overlap = True
         self._unused_snapshot = UnusedSnapshot()
         self._end_callback_queued = False
         self.last_timeline: StepTimeline | None = None
@@ -259,9 +260,13 @@ class HierSlicedEngine:
         """False inside :meth:`no_sync` (an accumulating micro-batch)."""
         return self._sync
 
-    def begin_backward(self) -> None:
-        """Mark the start of backward (the clock the ready times are measured on)."""
+    def begin_backward(self, overlap: bool = True) -> None:
+        """Mark the start of backward (the clock the ready times are measured on). With
+        ``overlap=False`` this backward sends every bucket at :meth:`finish_backward` instead of as it
+        fills (the strategy asks for it when several engines' gradients come from one backward: each
+        engine's reducer thread would otherwise issue collectives on the same groups concurrently)."""
         self.clock.start()
+        self._overlap = overlap
 
     def _on_backward_end(self) -> None:
         self.clock.mark(_BACKWARD_END)
@@ -289,7 +294,7 @@ class HierSlicedEngine:
                     "HierSlicedStrategy(bucketing='none'), which sends after backward."
                 )
             ready.add(index)
-            if self.bucketing != "none" and len(ready) == len(bucket.slots):
+            if self.bucketing != "none" and self._overlap and len(ready) == len(bucket.slots):
                 self._launch_ready_buckets()
 
         return hook
@@ -307,6 +312,12 @@ class HierSlicedEngine:
         job = ReduceJob(bucket.grads, bucket.bounds, self._slice_grads[b], residual=self._residuals[b])
         self._jobs[b] = self._reducer.submit(job)
         self._next_to_launch = b + 1
+
+    @property
+    def trainable_now(self) -> bool:
+        """Whether any of this engine's parameters requires a gradient now (``toggle_optimizer`` turns
+        off the other optimizers' parameters, the same way on every rank)."""
+        return any(param.requires_grad for param in self.params)
 
     def finish_backward(self) -> None:
         """End of a synchronising backward: flush the remaining buckets and wait for all of them.

@@ -17,8 +17,10 @@ from torch.optim import Optimizer
 
 def _clip_grad_by_norm(self: Precision, optimizer: Optimizer, clip_val: int | float) -> None:
     strategy: Any = self._hier_strategy  # type: ignore[attr-defined]
-    assert strategy.engine is not None
-    strategy.engine.clip_grad_norm_(float(clip_val))
+    engine_for = getattr(strategy, "engine_for", None)  # several optimizers: the one being clipped
+    engine = engine_for(optimizer) if engine_for is not None else strategy.engine
+    assert engine is not None
+    engine.clip_grad_norm_(float(clip_val))
 
 
 def _after_closure(self: Precision, model: Any, optimizer: Optimizer) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -37,6 +37,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
 )
+from lightning_hier.strategies.optimizer_toggle import install_optimizer_toggle, remove_optimizer_toggle
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, resolve_backend, validate_layout
 
@@ -48,6 +49,18 @@ INTER_NODE_DTYPES: dict[str | None, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+
+
+def _zero_grad_with_buckets(
+    clear_slices: Callable[..., None], engine: HierSlicedEngine
+) -> Callable[..., None]:
+    """An optimizer's ``zero_grad`` that also clears ``engine``'s local gradient buckets."""
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        clear_slices(set_to_none=set_to_none)
+        engine.zero_grad()
+
+    return zero_grad
 
 
 class HierSlicedStrategy(DDPStrategy):
@@ -181,7 +194,9 @@ class HierSlicedStrategy(DDPStrategy):
         self.full_gradients_in_hooks = bool(full_gradients_in_hooks)
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
-        self.engine: HierSlicedEngine | None = None
+        self.engine: HierSlicedEngine | None = None  # the first optimizer's (the only one, usually)
+        self.engines: list[HierSlicedEngine] = []  # one per optimizer
+        self._backward_engines: list[HierSlicedEngine] = []  # those the running backward feeds
         self.tables = NodeTables()
         self._table_exchange: Topology | None = None  # the tables' thread's own groups, built once
         self._buffers_changed = False
@@ -227,6 +242,11 @@ class HierSlicedStrategy(DDPStrategy):
         self.setup_precision_plugin()  # (re)creates the LightningOptimizer wrappers
         if fitting:
             self._route_manual_zero_grad()
+            install_optimizer_toggle(
+                self.lightning_module,
+                lambda optimizer: self.engine_for(optimizer).params,
+                [param for engine in self.engines for param in engine.params],
+            )
             _optimizers_to_device(self.optimizers, self.root_device)
             install_global_norm_clipping(self.precision_plugin, self)
             self._install_sharded_grad_scaler()
@@ -262,26 +282,16 @@ class HierSlicedStrategy(DDPStrategy):
         assert self.lightning_module is not None and self.engine is not None
         if self.lightning_module.automatic_optimization:
             return
-        optimizer, engine = self.optimizers[0], self.engine
-        clear_slices = optimizer.zero_grad
-
-        def zero_grad(set_to_none: bool = True) -> None:
-            clear_slices(set_to_none=set_to_none)
-            engine.zero_grad()
-
-        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-        # `self.optimizers()` hands out a LightningOptimizer, whose class inherits the optimizer's own
-        # zero_grad: it gets the routed one as an attribute of its own
-        self._lightning_optimizers[0].zero_grad = zero_grad  # type: ignore[method-assign]
+        for optimizer, wrapper, engine in zip(self.optimizers, self._lightning_optimizers, self.engines):
+            zero_grad = _zero_grad_with_buckets(optimizer.zero_grad, engine)
+            optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+            # `self.optimizers()` hands out a LightningOptimizer, whose class inherits the optimizer's own
+            # zero_grad: it gets the routed one as an attribute of its own
+            wrapper.zero_grad = zero_grad  # type: ignore[method-assign]
 
     def _build_engine(self) -> None:
         assert self.topology is not None and self.lightning_module is not None
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"HierSlicedStrategy shards exactly one optimizer, got {len(self.optimizers)} from "
-                "configure_optimizers. Put the parameters in one optimizer (param groups can hold "
-                "different settings) or use strategy='ddp'."
-            )
+        self._check_optimizers()
         self._groups()
         if self.slice_plan is None:
             self.slice_plan = decide_slice_plan(
@@ -291,27 +301,66 @@ class HierSlicedStrategy(DDPStrategy):
                 self.num_processes,
                 group=self.topology.world_group,
             )
-        if self.engine is not None:
-            self.engine.close()
-        self.engine = HierSlicedEngine(
-            self.lightning_module,
-            self.optimizers[0],
-            self.topology,
-            slice_plan=self.slice_plan,
-            bucket_cap_mb=self.bucket_cap_mb,
-            bucketing=self.bucketing,
-            time_config=self.time_config,
-            comm_chunk_mb=self.comm_chunk_mb,
-            reducer=self.reducer,
-            elementwise_optimizers=self.elementwise_optimizers,
-            inter_node_dtype=INTER_NODE_DTYPES[self.inter_node_dtype],
-        )
-        self.engine.sync_module_states()
+        for engine in self.engines:
+            engine.close()
+        self.engines = [
+            HierSlicedEngine(
+                self.lightning_module,
+                optimizer,
+                self.topology,
+                slice_plan=self.slice_plan,
+                bucket_cap_mb=self.bucket_cap_mb,
+                bucketing=self.bucketing,
+                time_config=self.time_config,
+                comm_chunk_mb=self.comm_chunk_mb,
+                reducer=self.reducer,
+                elementwise_optimizers=self.elementwise_optimizers,
+                inter_node_dtype=INTER_NODE_DTYPES[self.inter_node_dtype],
+            )
+            for optimizer in self.optimizers
+        ]
+        self.engine = self.engines[0]
+        self.engine.sync_module_states()  # every parameter and buffer of the module, once
         log.info(
-            "hier_sliced: %d bucket(s), slice weights %s",
-            len(self.engine.buckets),
+            "hier_sliced: %s bucket(s), slice weights %s",
+            " + ".join(str(len(engine.buckets)) for engine in self.engines),
             [round(w, 4) for w in self.slice_plan.weights],
         )
+
+    def _check_optimizers(self) -> None:
+        """Several optimizers (manual optimization, a GAN's generator and discriminator): each is sharded
+        over its own buckets. What follows one optimizer's plan or state is refused for several."""
+        if len(self.optimizers) < 2:
+            return
+        unsupported = {
+            "bucketing='time'": self.bucketing == "time",
+            "checkpoint_format='sharded'": self.checkpoint_format == "sharded",
+            "HybridEmbedding tables": bool(self.tables),
+        }
+        for setting, used in unsupported.items():
+            if used:
+                raise ValueError(
+                    f"HierSlicedStrategy with {len(self.optimizers)} optimizers does not support {setting} "
+                    "(it follows one optimizer's plan); use one optimizer, or drop the setting."
+                )
+        seen: dict[int, int] = {}
+        for index, optimizer in enumerate(self.optimizers):
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if seen.setdefault(id(param), index) != index:
+                        raise ValueError(
+                            f"optimizers {seen[id(param)]} and {index} share a parameter: HierSlicedStrategy "
+                            "shards each optimizer over its own parameters. Give every parameter to one "
+                            "optimizer."
+                        )
+
+    def engine_for(self, optimizer: Optimizer) -> HierSlicedEngine:
+        """The engine sharding ``optimizer`` (or the LightningOptimizer wrapping it)."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        for engine in self.engines:
+            if engine.optimizer is optimizer:
+                return engine
+        raise ValueError("this optimizer was not set up by HierSlicedStrategy (created after setup?)")
 
     def _install_sharded_grad_scaler(self) -> None:
         """16-bit AMP: skip-or-step must be decided from every slice and every embedding table's
@@ -341,11 +390,10 @@ class HierSlicedStrategy(DDPStrategy):
     # ------------------------------------------------------------------ step
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.engine is None:
+        with ExitStack() as stack:
+            for engine in self.engines:
+                stack.enter_context(engine.no_sync())
             yield None
-        else:
-            with self.engine.no_sync():
-                yield None
 
     def _sync_buffers(self, training: bool) -> None:
         """Rank 0's buffers before every training forward and before the first evaluation forward
@@ -388,27 +436,35 @@ class HierSlicedStrategy(DDPStrategy):
         return closure_loss
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.engine is not None:
-            self.engine.begin_backward()
+        engines = self.engines
+        if len(engines) > 1:
+            # with several optimizers a backward feeds those whose parameters require a gradient now
+            # (toggle_optimizer turns the others off); one overlaps with backward, several send after it
+            engines = [engine for engine in engines if engine.trainable_now]
+        for engine in engines:
+            engine.begin_backward(overlap=len(engines) == 1)
+        self._backward_engines = engines
 
     def _finish_backward(self) -> None:
-        if self.engine is None:
+        if not self._backward_engines:
             return
-        if self.engine.syncing:
+        if self.engine is not None and self.engine.syncing:
             # starts the tables' exchange (and, without a loss scaler to decide skip-or-step first,
             # their update) beside the dense reduction's tail; with one, optimizer_step applies it
             self.tables.sync_gradients(update=not self._loss_scaled)
-        self.engine.finish_backward()
-        if self.engine.syncing and self.full_gradients_in_hooks:
-            self.engine.expose_full_gradients()
+        for engine in self._backward_engines:
+            engine.finish_backward()
+            if engine.syncing and self.full_gradients_in_hooks:
+                engine.expose_full_gradients()
 
     def before_optimizer_step_hooks(self) -> None:
         """Called by the precision plugin right before ``on_before_optimizer_step``: under a loss
         scaler the slices were just unscaled, so the exposed full gradients are refreshed."""
         plugin = self.precision_plugin
         scaled = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
-        if self.full_gradients_in_hooks and scaled and self.engine is not None:
-            self.engine.expose_full_gradients()
+        if self.full_gradients_in_hooks and scaled:
+            for engine in self._backward_engines:
+                engine.expose_full_gradients()
 
     def optimizer_step(
         self,
@@ -418,8 +474,8 @@ class HierSlicedStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.engine is not None:
-            self.engine.after_step()
+        if self.engines:
+            self.engine_for(optimizer).after_step()
         self.tables.apply_update(*self._table_update_factor())
         return output
 
@@ -437,7 +493,7 @@ class HierSlicedStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.engine is None:
             return super().optimizer_state(optimizer)
-        return self.checkpoints.optimizer_state(self.engine)
+        return self.checkpoints.optimizer_state(self.engine_for(optimizer))
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
@@ -464,7 +520,7 @@ class HierSlicedStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if self.engine is None:
             return super().load_optimizer_state_dict(checkpoint)
-        self.checkpoints.restore_optimizer(self.engine, checkpoint)
+        self.checkpoints.restore_optimizers(self.engines, checkpoint)
         _optimizers_to_device(self.optimizers, self.root_device)
         return None
 
@@ -476,11 +532,12 @@ class HierSlicedStrategy(DDPStrategy):
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         self.tables.close()
-        if self.engine is not None:
-            # keep the engine: the optimizer stays sharded, and a checkpoint saved after fit
-            # (trainer.save_checkpoint) must still consolidate through it
-            self.engine.close()
+        for engine in self.engines:
+            # keep the engines: the optimizers stay sharded, and a checkpoint saved after fit
+            # (trainer.save_checkpoint) must still consolidate through them
+            engine.close()
         remove_global_norm_clipping(self.precision_plugin)
+        remove_optimizer_toggle(self.lightning_module)
         super().teardown()
 
     @classmethod

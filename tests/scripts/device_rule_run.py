@@ -82,6 +82,20 @@ def sliced(out: Path, bucketing: str, checkpoint_format: str, slice_weights: str
     run.test(model, loader(), ckpt_path="best")
 
 
+def sliced_gan(out: Path) -> None:
+    """Two optimizers: toggled backwards (one engine, overlapping), then untoggled ones (both engines,
+    after backward), across a checkpoint resume."""
+    from strategy_checks import GanModel
+
+    run = trainer(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002), out, max_epochs=1,
+                  limit_train_batches=3, enable_checkpointing=False)  # fmt: skip
+    run.fit(GanModel(toggle=True), loader())
+    run.save_checkpoint(str(out / "gan.ckpt"))
+    run = trainer(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002), out, max_epochs=2,
+                  limit_train_batches=3, enable_checkpointing=False)  # fmt: skip
+    run.fit(GanModel(toggle=False), loader(), ckpt_path=str(out / "gan.ckpt"))
+
+
 def hybrid(out: Path) -> None:
     model = Click(hybrid=True, optimizer="adagrad")
     strategy = HierSlicedStrategy(devices_per_node=2)
@@ -145,6 +159,8 @@ def main() -> None:
         sliced(out, "time", "consolidated")
     elif case == "sliced_none":
         sliced(out, "none", "consolidated", slice_weights="equal")
+    elif case == "sliced_gan":
+        sliced_gan(out)
     elif case == "hybrid":
         hybrid(out)
     elif case == "bsp":

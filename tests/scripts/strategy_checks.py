@@ -73,6 +73,94 @@ class ManualModel(EquivModel):
         return loss
 
 
+class GanModel(pl.LightningModule):
+    """Lightning's GAN pattern: two optimizers stepped by hand, each backward fed by one of them
+    (``toggle=True``, Lightning's ``toggle_optimizer``) or by both (``toggle=False``: the generator's
+    loss also leaves gradients on the discriminator, which its next backward adds to, as under ddp)."""
+
+    def __init__(self, toggle: bool = True, features: int = 16, noise: int = 4) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.toggle = toggle
+        self.noise = noise
+        self.generator = nn.Sequential(nn.Linear(noise, 32), nn.ReLU(), nn.Linear(32, features))
+        self.discriminator = nn.Sequential(nn.Linear(features, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+        self.steps_run = 0
+
+    def _toggled(self, optimizer, on: bool) -> None:  # noqa: ANN001
+        if self.toggle:
+            (self.toggle_optimizer if on else self.untoggle_optimizer)(optimizer)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        self.steps_run += 1
+        g_opt, d_opt = self.optimizers()
+        real, _ = batch
+        z = torch.tanh(real[:, : self.noise] * 1.5)  # the same "noise" under every strategy
+        bce = nn.functional.binary_cross_entropy_with_logits
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        self._toggled(g_opt, True)
+        fake = self.generator(z)
+        g_loss = bce(self.discriminator(fake), ones)
+        self.manual_backward(g_loss)
+        g_opt.step()
+        g_opt.zero_grad()
+        self._toggled(g_opt, False)
+        self._toggled(d_opt, True)
+        d_loss = bce(self.discriminator(real), ones) + bce(self.discriminator(fake.detach()), zeros)
+        self.manual_backward(d_loss)
+        self.clip_gradients(d_opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        d_opt.step()
+        d_opt.zero_grad()
+        self._toggled(d_opt, False)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        g_opt = torch.optim.Adam(self.generator.parameters(), lr=2e-3, betas=(0.5, 0.999))
+        d_opt = torch.optim.SGD(self.discriminator.parameters(), lr=0.05, momentum=0.9)
+        return g_opt, d_opt
+
+
+def gan_run(strategy, devices: int, toggle: bool, checkpoint: Path) -> dict:  # noqa: ANN001
+    pl.seed_everything(5, verbose=False)
+    model = GanModel(toggle=toggle)
+    initial = state(model)
+    trainer = pl.Trainer(
+        devices=devices, strategy=strategy, max_epochs=2, use_distributed_sampler=devices > 1, **TRAINER
+    )
+    trainer.fit(model, train_dataloaders=loader())
+    trainer.save_checkpoint(checkpoint)
+    return {
+        "steps_run": model.steps_run,
+        "strategy": type(trainer.strategy).__name__,
+        "moved": max_rel_diff(state(model), initial),
+        "state": state(model),
+        "checkpoint": checkpoint,
+    }
+
+
+def optimizer_states_rel_diff(reference: Path, hier: Path) -> float:
+    """Largest relative difference between the two checkpoints' optimizer states (each optimizer's
+    per-parameter tensors, in the unsharded optimizer's numbering)."""
+    a = torch.load(reference, weights_only=False)["optimizer_states"]
+    b = torch.load(hier, weights_only=False)["optimizer_states"]
+    assert len(a) == len(b) == 2, (len(a), len(b))
+    flat_a, flat_b = {}, {}
+    for k, (sa, sb) in enumerate(zip(a, b)):
+        assert sorted(sa["state"]) == sorted(sb["state"]), (k, sorted(sa["state"]), sorted(sb["state"]))
+        for index in sa["state"]:
+            for key, value in sa["state"][index].items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    flat_a[f"{k}.{index}.{key}"] = value.float()
+                    flat_b[f"{k}.{index}.{key}"] = sb["state"][index][key].float()
+    return max_rel_diff(flat_a, flat_b)
+
+
+def compare_gan(reference: dict, hier: dict) -> dict:
+    return {
+        **compare_manual(reference, hier),
+        "optimizer_state_rel_diff": optimizer_states_rel_diff(reference["checkpoint"], hier["checkpoint"]),
+    }
+
+
 MANUAL_VARIANTS = {
     "sgd": dict(optimizer="sgd"),
     "adam_accumulate_clip": dict(optimizer="adam", accumulate=2, clip=0.05),
@@ -166,6 +254,10 @@ def single(out: Path) -> None:
         results[f"manual_{variant}"] = compare_manual(
             manual_optimization("auto", 1, variant), manual_optimization("hier_sliced", 1, variant)
         )
+    results["gan_toggle"] = compare_gan(
+        gan_run("auto", 1, True, out.parent / "gan_single.ckpt"),
+        gan_run("hier_sliced", 1, True, out.parent / "gan_hier_single.ckpt"),
+    )
     out.write_text(json.dumps(results, indent=2))
 
 
@@ -255,6 +347,17 @@ def compare(ddp: dict, hier: dict) -> dict:
 def evaluate(out: Path) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 4
     results: dict = {"world_size": world}
+    for toggle in (True, False):
+        name = "gan_toggle" if toggle else "gan_no_toggle"
+        results[name] = compare_gan(
+            gan_run(DDPStrategy(find_unused_parameters=True), world, toggle, out.parent / f"{name}_ddp.ckpt"),
+            gan_run(
+                HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002),
+                world,
+                toggle,
+                out.parent / f"{name}_hier.ckpt",
+            ),
+        )
     for variant in MANUAL_VARIANTS:
         results[f"manual_{variant}"] = compare_manual(
             manual_optimization(DDPStrategy(find_unused_parameters=True), world, variant),

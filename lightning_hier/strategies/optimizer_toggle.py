@@ -1,0 +1,50 @@
+"""``toggle_optimizer`` / ``untoggle_optimizer`` for optimizers whose param groups hold flat slices.
+
+Lightning's versions switch ``requires_grad`` on the tensors in each optimizer's ``param_groups``.
+Under ``hier_sliced`` those are the sharded slices, not the module's parameters, so toggling would
+change nothing and a GAN's generator backward would still leave gradients on the discriminator.
+The strategy installs these on the LightningModule (instance attributes, removed at teardown); they
+do what Lightning's do, on the module parameters each optimizer was built over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import nn
+from torch.optim import Optimizer
+
+ParamsOf = Callable[[Optimizer], Sequence[nn.Parameter]]
+
+
+def install_optimizer_toggle(
+    module: pl.LightningModule, params_of: ParamsOf, all_params: Sequence[nn.Parameter]
+) -> None:
+    """Route ``module.toggle_optimizer(opt)`` (and ``toggled_optimizer``, ``LightningOptimizer.toggle_model``,
+    which call it) to the module parameters ``params_of(opt)``; ``all_params`` are every optimizer's."""
+
+    def toggle_optimizer(optimizer: Any) -> None:
+        state = {param: param.requires_grad for param in all_params}
+        for param in all_params:
+            param.requires_grad = False
+        for param in params_of(optimizer):
+            param.requires_grad = state[param]
+        module._param_requires_grad_state = state
+
+    def untoggle_optimizer(optimizer: Any) -> None:
+        for param, requires_grad in module._param_requires_grad_state.items():
+            param.requires_grad = requires_grad
+        module._param_requires_grad_state = {}
+
+    module.toggle_optimizer = toggle_optimizer  # type: ignore[method-assign]
+    module.untoggle_optimizer = untoggle_optimizer  # type: ignore[method-assign]
+
+
+def remove_optimizer_toggle(module: pl.LightningModule | None) -> None:
+    """Give the module Lightning's own methods back."""
+    if module is None:
+        return
+    for name in ("toggle_optimizer", "untoggle_optimizer"):
+        module.__dict__.pop(name, None)
