@@ -24,14 +24,14 @@ from lightning_hier import CommProfiler, HierSlicedStrategy
 
 class PythonAllReduceHook(Callback):
     """``ddp_python_hook``: DDP's buckets all-reduced through torch's own Python comm hook in both runs
-    (what CommProfiler installs under ``ddp``), so the ratio is the profiler's wrapper alone and this
-    run's time against ``ddp``'s is the cost of leaving DDP's C++ hook."""
+    (a user's hook: CommProfiler keeps it and reads DDP's timing as under plain ``ddp``); until
+    2026-11-26 the profiler installed this hook itself, so this run's time against ``ddp``'s is what
+    that cost."""
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         trainer.strategy.model.register_comm_hook(None, allreduce_hook)
-        trainer.strategy.model._profiled_by_comm_profiler = True  # the profiler counts it, adds no hook
 
 
 def fit_once(config: dict[str, Any], strategy: str, profiled: bool) -> float:

@@ -133,7 +133,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("comm_profiler")
     run_torchrun(str(Path(__file__).resolve()), 4, str(out), timeout=400)
     results: dict[str, Any] = {}
-    for name in (*STRATEGIES, "ddp_raises", "hier_bsp_time"):
+    for name in (*STRATEGIES, "ddp_raises", "hier_bsp_time", "ddp_accumulate"):
         results[name] = [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(4)]
     return results
 
@@ -149,6 +149,15 @@ def test_ddp_bytes_are_the_gradient_bytes(measured: dict) -> None:
         # every step all-reduces each trainable parameter's gradient once, in DDP's buckets
         assert _per_step(result, "world") == [result["expected"]["param_bytes"]] * STEPS
         assert all(step["world"][0] >= 1 for step in result["steps"])
+        # DDP's own timing of its buckets (read from its logging data): every step spent time in them
+        assert all(0 <= exposed <= time and time > 0 for time, exposed in result["world_time"]), result
+
+
+def test_ddp_accumulating_batches_send_nothing(measured: dict) -> None:
+    """accumulate_grad_batches=2: DDP reduces on every second batch only (no_sync on the others)."""
+    for result in measured["ddp_accumulate"]:
+        param_bytes = result["expected"]["param_bytes"]
+        assert _per_step(result, "world") == [0, param_bytes] * (STEPS // 2)
 
 
 def test_hier_sliced_bytes_follow_the_slice_layout(measured: dict) -> None:
@@ -294,7 +303,7 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
             if engine is not self.first_engine:
                 self.watched.append(type(engine.memory).wait is not memory_wait)
 
-    for name in (*STRATEGIES, "ddp_raises", "hier_bsp_time"):
+    for name in (*STRATEGIES, "ddp_raises", "hier_bsp_time", "ddp_accumulate"):
         pl.seed_everything(0, verbose=False)
         if name == "hier_bsp_time":
             waits, profiler = WatchedWaits(), CommProfiler(save_figure=False, print_summary=False)
@@ -332,7 +341,7 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
             }  # fmt: skip
             (out / f"{name}_rank{dist.get_rank()}.json").write_text(json.dumps(result))
             continue
-        if name == "ddp":
+        if name in ("ddp", "ddp_accumulate"):
             strategy: Any = "ddp"
         elif name == "hier_sliced":
             strategy = HierSlicedStrategy(devices_per_node=2)
@@ -347,10 +356,11 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
             model, data = EquivModel(hidden=64), loader(n=256)
         independent, profiler = Independent(), CommProfiler(log_every_n_steps=1)
         logger = CSVLogger(str(out), name=name)
+        accumulate = 2 if name == "ddp_accumulate" else 1
         trainer = pl.Trainer(
-            accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS,
-            callbacks=[independent, profiler], logger=logger, log_every_n_steps=1,
-            enable_checkpointing=False, enable_progress_bar=False,
+            accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS // accumulate,
+            accumulate_grad_batches=accumulate, callbacks=[independent, profiler], logger=logger,
+            log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(model, train_dataloaders=data)
@@ -381,6 +391,11 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
                 {kind: [s.count, s.nbytes] for kind, s in step.kinds.items()} for step in profiler.stats.steps
             ],
             "outside": {kind: [s.count, s.nbytes] for kind, s in profiler.stats.outside.items()},
+            "world_time": [
+                [step.kinds["world"].time_s, step.kinds["world"].exposed_s]
+                for step in profiler.stats.steps
+                if "world" in step.kinds
+            ],
             "expected": expected,
             "wrapped_during_training": independent.wrapped,
             "still_wrapped": still_wrapped(),

@@ -14,9 +14,10 @@ the callback is absent, and everything is unwrapped at the end, at teardown and 
 Kinds: ``intra`` / ``inter`` (the strategy's :class:`~lightning_hier.topology.Topology` groups),
 ``p2p`` (pipeline sends and receives), ``ps_push`` / ``ps_pull`` (``hier_bsp``'s parameter server),
 ``world`` (all-rank groups, Lightning's ``ddp`` gradient buckets) and ``other``. Under ``ddp`` the
-gradient all-reduce happens in DDP's C++ reducer, out of Python's sight: the callback registers
-torch's default all-reduce comm hook (the same arithmetic) so that it goes through
-``torch.distributed.all_reduce``; a user's own comm hook is kept and those bytes are then not counted.
+gradient all-reduce happens in DDP's C++ reducer, out of Python's sight: the callback reads DDP's own
+timing of its buckets after each synchronising backward
+(:class:`~lightning_hier.profiling.ddp_reducer.DDPReducerStats`) and adds it to the step's ``world``
+kind, leaving DDP's reducer (and a user's comm hook) as they are.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hier.profiling.comm_stats import PS, CommStats, StepStats
+from lightning_hier.profiling.comm_stats import PS, CommStats, KindStats, StepStats
+from lightning_hier.profiling.ddp_reducer import DDPReducerStats
 from lightning_hier.profiling.report import save_figure, step_rows, summary_table, write_csv
 
 log = logging.getLogger(__name__)
@@ -73,15 +75,16 @@ class CommProfiler(Callback):
         self.summary: str = ""
         self._batches = 0
         self._global_steps: dict[int, int] = {}  # per training batch not yet logged: the Trainer's step
-        self._ddp = False
-        self._backward_start = 0.0
+        self._ddp: DDPReducerStats | None = None
+        self._ddp_synced = False  # the running batch's backward reduced (not an accumulating one)
+        self._ddp_steps: dict[int, KindStats] = {}  # per batch: DDP's buckets, until its step is accounted
 
     # ------------------------------------------------------------------ start
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()
         stats = CommStats()
         self._register_groups(stats, trainer.strategy)
-        self._ddp = self._install_ddp_hook(trainer.strategy)
+        self._ddp, self._ddp_steps = DDPReducerStats.attach(trainer.strategy), {}
         self.stats, self.rows, self._batches, self._global_steps = stats, [], 0, {}
         stats.start()
 
@@ -109,28 +112,6 @@ class CommProfiler(Callback):
         elif isinstance(strategy, HierPipelineStrategy) and engine is not None:
             stats.register_group(engine.group, "world")  # sends and receives on it are "p2p"
 
-    @staticmethod
-    def _install_ddp_hook(strategy: Any) -> bool:
-        """Route DDP's bucket all-reduce through Python (torch's default hook: the same arithmetic)."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = getattr(strategy, "model", None)
-        if not isinstance(model, DistributedDataParallel):
-            return False
-        if getattr(model, "_profiled_by_comm_profiler", False):  # the hook installed by an earlier fit
-            return True
-        if getattr(model, "_comm_hooks", None):
-            log.warning("CommProfiler: DDP already has a comm hook; its gradient buckets are not counted.")
-            return False
-        try:
-            model.register_comm_hook(None, allreduce_hook)
-        except RuntimeError as error:
-            log.warning("CommProfiler: cannot count DDP's gradient buckets (%s).", error)
-            return False
-        model._profiled_by_comm_profiler = True
-        return True
-
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -138,22 +119,18 @@ class CommProfiler(Callback):
         if self.stats is not None:
             self.stats.begin_step(self._batches)
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        if self.stats is not None and self._ddp:
-            self._backward_start = self.stats.clock.host()
-
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # DDP waits for its buckets in C++ at the end of backward: from the last bucket's launch (the
-        # end of the gradient computation) until backward returns, the training thread is blocked
-        stats = self.stats
-        if stats is not None and self._ddp and stats.last_training_issue > self._backward_start:
-            stats.mark_blocked(stats.last_training_issue, stats.clock.host())
+        if self._ddp is not None:
+            self._ddp_synced = self._ddp_synced or self._ddp.synchronizing
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.stats is None:
             return
+        if self._ddp is not None and self._ddp_synced:
+            self._ddp_steps[self._batches] = self._ddp.read()
+        self._ddp_synced = False
         self._global_steps[self._batches] = trainer.global_step
         self._batches += 1
         self._log(trainer, self.stats.end_step())  # on CUDA: the steps the device has finished by now
@@ -161,11 +138,19 @@ class CommProfiler(Callback):
     def _log(self, trainer: pl.Trainer, steps: list[StepStats]) -> None:
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         for step in steps:
+            self._add_ddp_buckets(step)
             global_step = self._global_steps.pop(step.index, trainer.global_step)
             if (step.index + 1) % every == 0 and trainer.loggers:
                 metrics = _metrics(step)
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=global_step)
+
+    def _add_ddp_buckets(self, step: StepStats) -> None:
+        """DDP's gradient all-reduces of this step, into its ``world`` kind (exposed: blocked on them)."""
+        buckets = self._ddp_steps.pop(step.index, None)
+        if buckets is not None:
+            step.kinds.setdefault("world", KindStats()).add(buckets)
+            step.exposed_s += buckets.exposed_s
 
     # ------------------------------------------------------------------ end
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
