@@ -19,7 +19,7 @@ from harness.worker import MLP, MarkedWindow, quiet_trainer, setup
 from lightning import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hier import CommProfiler, HierSlicedStrategy
+from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy
 
 
 class PythonAllReduceHook(Callback):
@@ -32,6 +32,17 @@ class PythonAllReduceHook(Callback):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         trainer.strategy.model.register_comm_hook(None, allreduce_hook)
+
+
+def make_strategy(name: str, devices_per_node: int) -> Any:
+    """The contender ``name``: Lightning's ``ddp`` (also under ``ddp_python_hook``) or one of ours."""
+    if name == "hier_sliced":
+        return HierSlicedStrategy(devices_per_node=devices_per_node)
+    if name == "hier_bsp":  # plain BSP: one superstep per step, never stale
+        return HierBSPStrategy(devices_per_node=devices_per_node, superstep_steps=1, max_staleness=0)
+    if name == "hier_pipeline":  # one stage per process, the split fixed (nothing timed)
+        return HierPipelineStrategy(partition="uniform", rebalance="never", micro_batches=4)
+    return "ddp"
 
 
 def fit_once(config: dict[str, Any], strategy: str, profiled: bool) -> float:
@@ -48,7 +59,7 @@ def fit_once(config: dict[str, Any], strategy: str, profiled: bool) -> float:
         out = tempfile.mkdtemp(prefix="lhbench-commprof-")
         callbacks.append(CommProfiler(output_dir=out, save_figure=False, print_summary=False))
     gpu = config.get("gpu", False)
-    chosen = HierSlicedStrategy(devices_per_node=1 if gpu else 2) if strategy == "hier_sliced" else "ddp"
+    chosen = make_strategy(strategy, devices_per_node=1 if gpu else 2)
     trainer = quiet_trainer(
         accelerator="gpu" if gpu else "cpu", devices=1 if gpu else 4, strategy=chosen, max_steps=steps,
         callbacks=callbacks,

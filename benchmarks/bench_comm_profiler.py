@@ -1,6 +1,7 @@
 """``CommProfiler``'s overhead: step time with and without it, per strategy, in one job.
 
-Four CPU processes train the harness MLP under Lightning ``ddp`` and ``hier_sliced`` (2 x 2), each fit
+Four CPU processes train the harness MLP under Lightning ``ddp`` and ``hier_sliced`` (2 x 2), and on
+request ``hier_bsp`` (plain BSP, 2 x 2) and ``hier_pipeline`` (4 stages, 4 micro-batches), each fit
 done ``--rounds`` times without and with ``CommProfiler`` (interleaved, alternating who goes first);
 the ratio of the medians of the per-fit median step times is the overhead (target <= 1.03)::
 
@@ -22,7 +23,7 @@ from harness import cli, jobs, report
 WORKER = jobs.BENCH_DIR / "_comm_profiler_worker.py"
 TARGET = 1.03
 OPTIONS = """
---strategies str   ddp,hier_sliced  ddp, hier_sliced, ddp_python_hook (torch's Python hook, both runs)
+--strategies str   ddp,hier_sliced  ddp, hier_sliced, hier_bsp, hier_pipeline, ddp_python_hook (a Python hook)
 --rounds     int   5                fits per strategy with and (as many) without the profiler
 --warmup     int   3                steps before the measured window of each fit
 --steps      int   20               measured steps per fit
