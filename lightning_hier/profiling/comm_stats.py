@@ -221,7 +221,6 @@ class CommStats:
         self._originals: dict[tuple[Any, str], Any] = {}
         self._watched: list[tuple[Any, str, Any]] = []
         self._work_wait: Any = None
-        self._work_is_completed: Any = None
         self._thread = threading.get_ident()
         self._window: int | None = None
         self._window_start: float = 0.0
@@ -291,8 +290,6 @@ class CommStats:
         self._originals = patch_distributed(self._wrap)
         self._work_wait = dist.Work.wait
         dist.Work.wait = self._wrap_wait(self._work_wait)  # type: ignore[method-assign]
-        self._work_is_completed = dist.Work.is_completed
-        dist.Work.is_completed = self._wrap_is_completed(self._work_is_completed)  # type: ignore[method-assign]
 
     def stop(self) -> None:
         """Undo every wrapping (idempotent); closed steps are accounted (waiting for the device where
@@ -305,9 +302,6 @@ class CommStats:
         if self._work_wait is not None:
             dist.Work.wait = self._work_wait  # type: ignore[method-assign]
             self._work_wait = None
-        if self._work_is_completed is not None:
-            dist.Work.is_completed = self._work_is_completed  # type: ignore[method-assign]
-            self._work_is_completed = None
         for obj, name, original in reversed(self._watched):
             if original is None:
                 with contextlib.suppress(AttributeError):
@@ -530,10 +524,11 @@ class CommStats:
             self._pending[key] = (work, events)
         cuda = events[0].cuda
         if not cuda:
-            # a host operation's end is stamped where its issuer learns of it: Work.wait, or
-            # Work.is_completed returning True (both wrapped), else the step's end. A future callback
-            # would be exact without a waiter, but get_future alone cost 40-75 us per operation on gloo,
-            # which the pipeline's many small messages pay on its critical path (1.25x step time)
+            # a host operation's end is stamped at its Work.wait (every issuer here waits, in the step
+            # or at its end), else at the step's end. A future callback would be exact without a waiter,
+            # but get_future alone cost 40-75 us per operation on gloo, which the pipeline's many small
+            # messages pay on its critical path (1.25x step time). Wrapping Work.is_completed as well
+            # cost ddp 4-5 % although nothing called it (benchmarks/README.md)
             return
         try:
             future = work.get_future()
@@ -571,21 +566,6 @@ class CommStats:
 
         wait.__wrapped__ = original  # type: ignore[attr-defined]
         return wait
-
-    def _wrap_is_completed(self, original: Any) -> Any:
-        def is_completed(work: dist.Work) -> bool:
-            done = original(work)
-            if done and self._active:
-                entry = self._pending.get(id(work))
-                if entry is not None and entry[0] is work and not entry[1][0].cuda:
-                    now = self.clock.stamp(False)
-                    for event in entry[1]:
-                        if event.done is None:
-                            event.done = now
-            return done
-
-        is_completed.__wrapped__ = original  # type: ignore[attr-defined]
-        return is_completed
 
     def _add_blocked(self, start: Any, end: Any) -> None:
         with self._lock:
