@@ -47,16 +47,40 @@ def test_fine_tuning_callbacks_are_refused_before_any_process_group(tmp_path: Pa
     assert not dist.is_initialized()
 
 
-def test_weight_averaging_is_refused_by_the_pipeline_before_any_process_group(tmp_path: Path) -> None:
-    """Each pipeline process holds only its stage's parameters; the callback averages a full copy."""
+@pytest.mark.parametrize("averaging", ["StochasticWeightAveraging", "EMAWeightAveraging"])
+def test_weight_averaging_is_refused_by_the_pipeline_before_any_process_group(
+    tmp_path: Path, averaging: str
+) -> None:
+    """Each pipeline process holds only its stage's parameters; the callback averages a full copy (before:
+    EMAWeightAveraging failed at its first update with a size mismatch)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    swa = StochasticWeightAveraging(swa_lrs=1e-2)
+    callback = EMAWeightAveraging() if averaging.startswith("EMA") else swa
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=HierPipelineStrategy(), max_epochs=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
-        callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)],
+        callbacks=[callback],
     )  # fmt: skip
-    with pytest.raises(ValueError, match="StochasticWeightAveraging averages a full copy"):
+    with pytest.raises(ValueError, match=f"{averaging} averages a full copy"):
         trainer.fit(EquivModel(), train_dataloaders=loader())
     assert not dist.is_initialized()
+
+
+def test_per_step_weight_averaging_under_hier_bsp_warns_that_it_trails(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=HierBSPStrategy(superstep_steps=1, max_staleness=0),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        default_root_dir=tmp_path, callbacks=[EMAWeightAveraging()],
+    )  # fmt: skip
+    try:
+        with pytest.warns(UserWarning, match="trails ddp's by about a step"):
+            trainer.fit(EquivModel(), train_dataloaders=loader())
+    finally:
+        if dist.is_initialized():  # the tests after this one check that no group exists yet
+            dist.destroy_process_group()
 
 
 def test_sync_batchnorm_as_ddp_converts_it_or_said_why_not(tmp_path: Path) -> None:

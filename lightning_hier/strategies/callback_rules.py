@@ -6,9 +6,16 @@
   (``hier_pipeline``) over the parameters trainable at setup, so they cannot take new ones mid-fit;
   the callback would fail in its own bookkeeping (the optimizer's groups hold flat slices) or, under
   ``hier_bsp``, the new parameters would silently never be updated.
-- ``StochasticWeightAveraging``, under ``hier_pipeline``: it copies the whole module before setup and
-  averages every parameter into that copy, while each pipeline process holds only its stage's
-  parameters (the others are empty there), so the copy fails at the first averaging.
+- ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``), under ``hier_pipeline``:
+  they copy the whole module before setup and average every parameter into that copy, while each
+  pipeline process holds only its stage's parameters (the others are empty there), so the copy fails
+  at the first averaging.
+
+Under ``hier_bsp`` a ``WeightAveraging`` that updates every step is served with a warning: it averages
+the model each worker computed its step with, and the server's update of that step reaches the worker
+at its next step (later with staleness), so the average trails ``ddp``'s by about a step. Averaging at
+epoch ends (``StochasticWeightAveraging``, or ``should_update`` on ``epoch_idx``) sees the drained,
+current model and matches ``ddp``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,14 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+
+try:
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # Lightning before 2.5 has no WeightAveraging
+    WeightAveraging = None
+
+AVERAGING: tuple[type, ...] = (StochasticWeightAveraging,) + ((WeightAveraging,) if WeightAveraging else ())
 
 
 def refuse_unsupported_callbacks(module: pl.LightningModule | None, strategy: str) -> None:
@@ -34,10 +49,18 @@ def refuse_unsupported_callbacks(module: pl.LightningModule | None, strategy: st
                 "(Lightning's ddp runs the callback, but does not all-reduce the gradients of parameters "
                 "frozen when it wrapped the model, so their copies drift apart across processes.)"
             )
-        if isinstance(callback, StochasticWeightAveraging) and strategy == "hier_pipeline":
+        if isinstance(callback, AVERAGING) and strategy == "hier_pipeline":
             raise ValueError(
                 f"{name} averages a full copy of the module, but each hier_pipeline process holds only its "
                 "stage's parameters. Use it with hier_sliced, hier_bsp or ddp (they keep the whole model "
                 "on every process), or average the stage's parameters yourself with "
                 "torch.optim.swa_utils.AveragedModel in a callback."
+            )
+        if WeightAveraging is not None and isinstance(callback, WeightAveraging) and strategy == "hier_bsp":
+            rank_zero_warn(
+                f"{name} under hier_bsp averages each worker's model at the end of its step, the model it "
+                "computed that step with: the server's update of the step reaches the worker at its next "
+                "step (later with max_staleness > 0), so the average trails ddp's by about a step. "
+                "Averaging at epoch ends (should_update on epoch_idx, or StochasticWeightAveraging) sees "
+                "the drained, current model."
             )
