@@ -47,22 +47,26 @@ def test_fine_tuning_callbacks_are_refused_before_any_process_group(tmp_path: Pa
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("averaging", ["StochasticWeightAveraging", "EMAWeightAveraging"])
-def test_weight_averaging_is_refused_by_the_pipeline_before_any_process_group(
+@pytest.mark.parametrize("averaging", ["StochasticWeightAveraging", "EMAWeightAveraging", "ModelPruning"])
+def test_whole_model_callbacks_are_refused_by_the_pipeline_before_any_process_group(
     tmp_path: Path, averaging: str
 ) -> None:
-    """Each pipeline process holds only its stage's parameters; the callback averages a full copy (before:
-    EMAWeightAveraging failed at its first update with a size mismatch)."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging
+    """Each pipeline process holds only its stage's parameters; these callbacks average a full copy or mask
+    every parameter (before: EMAWeightAveraging failed at its first update, ModelPruning at the first
+    checkpoint, with size mismatches)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning
 
-    swa = StochasticWeightAveraging(swa_lrs=1e-2)
-    callback = EMAWeightAveraging() if averaging.startswith("EMA") else swa
+    callback = {
+        "StochasticWeightAveraging": lambda: StochasticWeightAveraging(swa_lrs=1e-2),
+        "EMAWeightAveraging": EMAWeightAveraging,
+        "ModelPruning": lambda: ModelPruning("l1_unstructured", amount=0.3),
+    }[averaging]()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=HierPipelineStrategy(), max_epochs=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
         callbacks=[callback],
     )  # fmt: skip
-    with pytest.raises(ValueError, match=f"{averaging} averages a full copy"):
+    with pytest.raises(ValueError, match=f"{averaging} (averages a full copy|masks parameters)"):
         trainer.fit(EquivModel(), train_dataloaders=loader())
     assert not dist.is_initialized()
 

@@ -10,6 +10,8 @@
   they copy the whole module before setup and average every parameter into that copy, while each
   pipeline process holds only its stage's parameters (the others are empty there), so the copy fails
   at the first averaging.
+- ``ModelPruning``, under ``hier_pipeline``: it masks parameters every process holds only part of, and
+  rewrites every checkpoint's state dict with its masks, which fails on the other stages' empty tensors.
 
 Under ``hier_bsp`` a ``WeightAveraging`` that updates every step is served with a warning: it averages
 the model each worker computed its step with, and the server's update of that step reaches the worker
@@ -21,7 +23,7 @@ current model and matches ``ddp``.
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -55,6 +57,12 @@ def refuse_unsupported_callbacks(module: pl.LightningModule | None, strategy: st
                 "stage's parameters. Use it with hier_sliced, hier_bsp or ddp (they keep the whole model "
                 "on every process), or average the stage's parameters yourself with "
                 "torch.optim.swa_utils.AveragedModel in a callback."
+            )
+        if isinstance(callback, ModelPruning) and strategy == "hier_pipeline":
+            raise ValueError(
+                f"{name} masks parameters by magnitude and writes its masks into every checkpoint, but each "
+                "hier_pipeline process holds only its stage's parameters (the others are empty there). "
+                "Prune under hier_sliced, hier_bsp or ddp, or prune the trained model after fit."
             )
         if WeightAveraging is not None and isinstance(callback, WeightAveraging) and strategy == "hier_bsp":
             rank_zero_warn(
