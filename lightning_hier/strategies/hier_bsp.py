@@ -215,8 +215,8 @@ class HierBSPStrategy(DDPStrategy):
         if not module.automatic_optimization:
             raise ValueError(
                 "HierBSPStrategy supports automatic optimization only: the optimizer runs on the parameter "
-                "server shards, not in your training_step. Set `self.automatic_optimization = True` or use "
-                "strategy='ddp'."
+                "server shards, not in your training_step. Set `self.automatic_optimization = True`, or use "
+                "strategy='hier_sliced' (manual optimization, several optimizers included) or 'ddp'."
             )
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ValueError(

@@ -265,7 +265,8 @@ class HierPipelineStrategy(DDPStrategy):
         if fitting and not module.automatic_optimization:
             raise ValueError(
                 "HierPipelineStrategy runs backward inside its schedule and needs automatic optimization; "
-                "set `self.automatic_optimization = True` or use strategy='ddp'."
+                "set `self.automatic_optimization = True`, or use strategy='hier_sliced' (manual "
+                "optimization, several optimizers included) or 'ddp'."
             )
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
