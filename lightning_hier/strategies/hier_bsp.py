@@ -40,6 +40,7 @@ from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.bucketing.time_bucketing import validate_time_settings
 from lightning_hier.bucketing.time_plan import TimePlan
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
+from lightning_hier.strategies.optimizer_routing import route_zero_grad
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, emulating_cuda, resolve_backend, validate_layout
 
@@ -368,9 +369,7 @@ class HierBSPStrategy(DDPStrategy):
         """Gradient zeroing and clipping go to the engine: the optimizer belongs to the server thread."""
         engine = self.engine
         assert engine is not None
-        optimizer = self.optimizers[0]
-        optimizer.zero_grad = lambda set_to_none=True: engine.zero_grad()  # type: ignore[method-assign]
-        self.optimizers = self.optimizers  # LightningOptimizer wrappers copy the optimizer's attributes
+        route_zero_grad(self, 0, lambda set_to_none=True: engine.zero_grad())
 
         def clip_gradients(
             optimizer: Optimizer, clip_val: Any = None, gradient_clip_algorithm: Any = None

@@ -37,7 +37,11 @@ from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
 )
-from lightning_hier.strategies.optimizer_toggle import install_optimizer_toggle, remove_optimizer_toggle
+from lightning_hier.strategies.optimizer_routing import (
+    install_optimizer_toggle,
+    remove_optimizer_toggle,
+    route_zero_grad,
+)
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, resolve_backend, validate_layout
 
@@ -282,12 +286,8 @@ class HierSlicedStrategy(DDPStrategy):
         assert self.lightning_module is not None and self.engine is not None
         if self.lightning_module.automatic_optimization:
             return
-        for optimizer, wrapper, engine in zip(self.optimizers, self._lightning_optimizers, self.engines):
-            zero_grad = _zero_grad_with_buckets(optimizer.zero_grad, engine)
-            optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-            # `self.optimizers()` hands out a LightningOptimizer, whose class inherits the optimizer's own
-            # zero_grad: it gets the routed one as an attribute of its own
-            wrapper.zero_grad = zero_grad  # type: ignore[method-assign]
+        for index, (optimizer, engine) in enumerate(zip(self.optimizers, self.engines)):
+            route_zero_grad(self, index, _zero_grad_with_buckets(optimizer.zero_grad, engine))
 
     def _build_engine(self) -> None:
         assert self.topology is not None and self.lightning_module is not None

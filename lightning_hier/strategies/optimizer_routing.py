@@ -1,10 +1,13 @@
-"""``toggle_optimizer`` / ``untoggle_optimizer`` for optimizers whose param groups hold flat slices.
+"""What Lightning calls on an optimizer whose param groups hold flat slices, routed to the strategy.
 
-Lightning's versions switch ``requires_grad`` on the tensors in each optimizer's ``param_groups``.
-Under ``hier_sliced`` those are the sharded slices, not the module's parameters, so toggling would
-change nothing and a GAN's generator backward would still leave gradients on the discriminator.
-The strategy installs these on the LightningModule (instance attributes, removed at teardown); they
-do what Lightning's do, on the module parameters each optimizer was built over.
+- ``zero_grad`` (:func:`route_zero_grad`): the sharded optimizer's own clears its slices only, not the
+  engine's local gradients; ``hier_sliced`` (manual optimization) and ``hier_bsp`` route it.
+- ``toggle_optimizer`` / ``untoggle_optimizer`` (:func:`install_optimizer_toggle`): Lightning's versions
+  switch ``requires_grad`` on the tensors in each optimizer's ``param_groups``. Under ``hier_sliced``
+  those are the sharded slices, not the module's parameters, so toggling would change nothing and a
+  GAN's generator backward would still leave gradients on the discriminator. The strategy installs
+  these on the LightningModule (instance attributes, removed at teardown); they do what Lightning's
+  do, on the module parameters each optimizer was built over.
 """
 
 from __future__ import annotations
@@ -17,6 +20,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 ParamsOf = Callable[[Optimizer], Sequence[nn.Parameter]]
+
+
+def route_zero_grad(strategy: Any, index: int, zero_grad: Callable[..., None]) -> None:
+    """Make ``zero_grad`` what the strategy's optimizer ``index`` does on ``zero_grad()``, whether the caller
+    holds the optimizer (Lightning's training loop) or the LightningOptimizer that ``self.optimizers()``
+    returns, whose class inherits the optimizer's own ``zero_grad`` and so needs the attribute too. Call it
+    after the precision plugin's setup, which recreates those wrappers."""
+    strategy.optimizers[index].zero_grad = zero_grad
+    strategy._lightning_optimizers[index].zero_grad = zero_grad
 
 
 def install_optimizer_toggle(
