@@ -61,3 +61,4 @@ def test_spawned_fit_hands_the_trained_module_back_like_one_process(strategy: st
     assert abs(result["callback_metrics"]["val_loss"] - want) < 1e-5
     assert abs(result["validate"][0]["val_loss"] - want) < 1e-5
     assert Path(result["best_model_path"]).exists()
+    assert result["restored_equals_best"] == dict.fromkeys(expected, True)

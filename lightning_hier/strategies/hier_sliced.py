@@ -513,7 +513,10 @@ class HierSlicedStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        self.tables.restore(checkpoint, getattr(self.lightning_module.trainer, "ckpt_path", None))
+        # a checkpoint may be restored into a module no Trainer holds (after a spawned fit, Lightning's
+        # launcher hands back a detached module): ``module.trainer`` would raise there
+        trainer = self.lightning_module._trainer
+        self.tables.restore(checkpoint, getattr(trainer, "ckpt_path", None))
         load_whole = super().load_model_state_dict
         self.checkpoints.restore_model(self.engine, self.lightning_module, checkpoint, strict, load_whole)
 
