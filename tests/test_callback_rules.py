@@ -71,6 +71,22 @@ def test_whole_model_callbacks_are_refused_by_the_pipeline_before_any_process_gr
     assert not dist.is_initialized()
 
 
+def test_a_module_without_forward_is_refused_by_the_pipeline_before_any_process_group(tmp_path: Path) -> None:
+    """A pipeline splits ``forward``; a module whose steps call submodules directly has none (before: an
+    fx error about iterating a Proxy)."""
+
+    class NoForward(EquivModel):
+        forward = pl.LightningModule.forward
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=HierPipelineStrategy(), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="NoForward defines no forward"):
+        trainer.fit(NoForward(), train_dataloaders=loader())
+    assert not dist.is_initialized()
+
+
 def test_per_step_weight_averaging_under_hier_bsp_warns_that_it_trails(tmp_path: Path) -> None:
     from lightning.pytorch.callbacks import EMAWeightAveraging
 

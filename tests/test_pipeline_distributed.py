@@ -20,7 +20,7 @@ from helpers import SCRIPTS, run_torchrun
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(SCRIPTS))
-from pipeline_models import DropNet, GatherNet, SkewedNet, TwiceNet, loader  # noqa: E402
+from pipeline_models import DropNet, GatherNet, OneLayerNet, SkewedNet, TwiceNet, loader  # noqa: E402
 
 from lightning_hier.pipeline.partition import StagePartition  # noqa: E402
 
@@ -325,6 +325,26 @@ def test_every_stage_reads_the_same_shuffled_batches_despite_dropout(tmp_path: P
     first, second = result["batches_by_rank"]
     assert len(first) == 9 and first == second
     assert first[:3] != first[3:6]  # still shuffled, differently each epoch
+
+
+def test_a_model_with_fewer_layers_than_stages_runs_with_relay_stages(tmp_path: Path) -> None:
+    """Lightning's BoringModel (one Linear) on more devices than layers trains as one process does; the
+    stages without a layer pass the output on."""
+    result = run_scenario("relay_stages", 3, tmp_path)
+    expected_losses, expected_state = reference(
+        "sgd", model_class=OneLayerNet, max_epochs=2, limit_train_batches=3
+    )
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=OneLayerNet)
+    assert_every_rank_holds(result["module_after_fit"], 3, expected_state)
+    # the last validation: the trained model's mean loss over the two validation batches
+    model = OneLayerNet()
+    model.load_state_dict(expected_state)
+    with torch.no_grad():
+        batches = list(loader(batch_size=32, seed=1))[:2]
+        want = sum(float(torch.nn.functional.cross_entropy(model(x), y)) for x, y in batches) / 2
+    assert len(result["val_losses"]) == 2
+    assert abs(result["val_losses"][-1] - want) <= 1e-5 * abs(want)
 
 
 def test_stages_must_match_processes_before_any_collective() -> None:

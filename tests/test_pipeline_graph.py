@@ -236,6 +236,49 @@ def test_bad_settings_fail_with_the_setting_named(kwargs: dict, match: str) -> N
         PipelineSettings(**kwargs)
 
 
+def test_relay_stages_pass_a_one_layer_model_through_unchanged() -> None:
+    """Fewer clusters than stages: the extra stages hold a parameter-free relay each, and the stages in
+    sequence compute the model's output and gradients exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    graph = LayerGraph(model)
+    assert graph.pad_with_relays(1) == 0
+    assert graph.pad_with_relays(3) == 2
+    assert graph.num_clusters == 3 and graph.num_relays == 2
+    assert [layer.state_names for layer in graph.layers] == [("0.weight", "0.bias"), (), ()]
+    assert initial_partition(graph, PipelineSettings(), 3).starts == (0, 1, 2)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    expected = model(x)
+    (expected * expected).sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    value = x.detach().requires_grad_()
+    executors = [StageExecutor(graph, StagePartition((0, 1, 2), 3), s) for s in range(3)]
+    for executor in executors:
+        value = executor.forward(value)
+    torch.testing.assert_close(value, expected, rtol=0, atol=0)
+    (value * value).sum().backward()
+    for executor in executors:
+        executor.finish_backward()
+    for p, g in zip(model.parameters(), expected_grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_a_forward_returning_several_values_cannot_be_relayed() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.layer(x)
+            return y, y
+
+    graph = LayerGraph(Pair())
+    with pytest.raises(ValueError, match="returns several values"):
+        graph.pad_with_relays(2)
+
+
 def test_world_size_must_match_stages() -> None:
     with pytest.raises(ValueError, match="stages=3 but the Trainer launches 4"):
         PipelineSettings(stages=3).check_world_size(4)

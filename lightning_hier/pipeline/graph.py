@@ -26,6 +26,12 @@ from torch import nn
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
 
 
+def relay(value: Any) -> Any:
+    """A stage with no layer of its own passes its input on: a fresh view, so the stage's output is a
+    tensor of its own (hooks and the stage's bookkeeping never see the received tensor twice)."""
+    return value.view_as(value) if isinstance(value, torch.Tensor) else value
+
+
 class PipelineTraceError(ValueError):
     """The model's forward could not be traced into layers."""
 
@@ -153,6 +159,11 @@ class LayerGraph:
     def __init__(self, module: nn.Module, leaf_modules: Sequence[str] = ()) -> None:
         self.root = module
         self.graph_module = trace_model(module, leaf_modules)
+        self.num_relays = 0
+        self._index_nodes()
+
+    def _index_nodes(self) -> None:
+        module = self.root
         self.placeholders: list[fx.Node] = []
         self.nodes: list[fx.Node] = []
         self.output_node: fx.Node | None = None
@@ -171,6 +182,38 @@ class LayerGraph:
             self.layers.append(Layer(i, node.name, node.op, _target_text(node), owner, names))
         self.index_of = {layer.name: layer.index for layer in self.layers}
         self.clusters = self._find_clusters()
+
+    def pad_with_relays(self, num_clusters: int) -> int:
+        """Append parameter-free relay layers until the graph has ``num_clusters`` clusters.
+
+        A model that splits into fewer clusters than there are stages (Lightning's one-layer
+        ``BoringModel`` on two devices) still runs: the extra stages each hold one relay, which
+        passes the model's output on unchanged. It buys no speed; it only lets the pipeline start.
+        Returns how many relays were added; 0 when the graph already has enough clusters. A
+        forward that returns several values, or none, cannot be relayed as one tensor: the caller
+        gets a ``ValueError`` naming the cause.
+        """
+        missing = num_clusters - self.num_clusters
+        if missing <= 0:
+            return 0
+        assert self.output_node is not None
+        value = self.output_node.args[0]
+        if not isinstance(value, fx.Node):
+            raise ValueError(
+                f"hier_pipeline: {num_clusters} stages but {type(self.root).__name__}.forward splits into "
+                f"only {self.num_clusters} cluster(s) and returns several values, which cannot be relayed "
+                f"to the extra stages as one tensor; use at most {self.num_clusters} devices or split the "
+                f"forward further.\n{self.describe()}"
+            )
+        graph = self.graph_module.graph
+        with graph.inserting_before(self.output_node):
+            for _ in range(missing):
+                value = graph.call_function(relay, (value,))
+        self.output_node.args = (value,)
+        self.graph_module.recompile()
+        self.num_relays += missing
+        self._index_nodes()
+        return missing
 
     # ------------------------------------------------------------------ clusters
     def _last_use(self) -> dict[str, int]:

@@ -184,7 +184,14 @@ class HierPipelineStrategy(DDPStrategy):
     # ------------------------------------------------------------------ environment
     def setup_distributed(self) -> None:
         self.settings.check_world_size(self.num_nodes * self.num_processes)
-        refuse_unsupported_callbacks(self.lightning_module, "hier_pipeline")
+        module = self.lightning_module
+        refuse_unsupported_callbacks(module, "hier_pipeline")
+        if module is not None and type(module).forward is pl.LightningModule.forward:
+            raise ValueError(
+                f"hier_pipeline splits the model's forward into stages, but {type(module).__name__} "
+                "defines no forward(); define forward() and call self(...) in the *_step methods, or use "
+                "hier_sliced, hier_bsp or ddp, which do not split the model."
+            )
         if self._layer_sync is not None:
             rank_zero_warn(
                 "sync_batchnorm=True with HierPipelineStrategy: a pipeline is one data-parallel replica, so "
@@ -301,6 +308,15 @@ class HierPipelineStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         graph = LayerGraph(module, self.settings.leaf_modules)
+        # the same on every rank (deterministic), so an error here is raised by all of them
+        relays = graph.pad_with_relays(self.num_stages)
+        if relays:
+            rank_zero_warn(
+                f"hier_pipeline: {type(module).__name__}.forward splits into only "
+                f"{graph.num_clusters - relays} cluster(s) for {self.num_stages} stages, so {relays} "
+                "stage(s) hold no layer and only relay the output: no speed-up over fewer devices. Split "
+                "the forward into more layers (or use fewer devices) for a real pipeline."
+            )
         decided: list[Any] = [None]
         if self.global_rank == 0:
             try:

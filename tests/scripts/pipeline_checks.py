@@ -132,6 +132,14 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_epochs=2, precision="64-true"),
         batch_size=48,
     ),
+    # one Linear on three stages: two of them hold a relay layer only, across a validation and a resume
+    "relay_stages": dict(
+        model=dict(optimizer="sgd"),
+        model_class="one",
+        strategy=dict(micro_batches=2),
+        trainer=dict(max_epochs=2, limit_train_batches=3, limit_val_batches=2),
+        validate=True,
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),

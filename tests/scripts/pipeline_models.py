@@ -121,7 +121,19 @@ class GatherNet(SkewedNet):
         self.gathered["epoch_end"].append(self.all_gather(torch.tensor([7.0])).tolist())
 
 
-MODELS = {"skewed": SkewedNet, "twice": TwiceNet, "drop": DropNet, "gather": GatherNet}
+class OneLayerNet(SkewedNet):
+    """One ``Linear``, as Lightning's ``BoringModel``: a single cluster, fewer than the stages."""
+
+    def __init__(self, optimizer: str = "adam", lr: float = 0.01) -> None:
+        super().__init__(optimizer=optimizer, lr=lr)
+        del self.stem, self.drop, self.blocks, self.res, self.head
+        self.only = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.only(x)
+
+
+MODELS = {"skewed": SkewedNet, "twice": TwiceNet, "drop": DropNet, "gather": GatherNet, "one": OneLayerNet}
 
 
 def dataset(n: int = 256, in_features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
