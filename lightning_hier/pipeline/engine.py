@@ -136,6 +136,7 @@ class PipelineEngine:
         self.layer_table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
         self._measured_bandwidth: float | None = None
         self.layer_timing = "auto"  # one of LAYER_TIMING_MODES, see times_micro_batch
+        self._outside_layers = self._state_outside_layers()
         self.release_foreign_state()
         self._enable_memory_policy()
 
@@ -161,9 +162,30 @@ class PipelineEngine:
         return self.stage == self.num_stages - 1
 
     def owned_state_names(self, partition: StagePartition | None = None) -> list[str]:
+        """The parameter and buffer names this stage holds under ``partition`` (default: the current one).
+
+        Its layers' state, every other name of the same tensors (a weight tied to a module that
+        ``forward`` never calls), and, on the last stage, whatever no traced layer uses: the last stage
+        runs the user's ``*_step`` on the model's output, where such modules (a loss with weights, a
+        learnable temperature) are called, and a checkpoint must hold them.
+        """
         partition = partition or self.partition
         first, last = partition.stage_ranges()[self.stage]
-        return self.graph.state_names(first, last)
+        names = self.graph.state_names(first, last)
+        mine = set(names)
+        names += [alias for alias, target in self._outside_layers.items() if target in mine]
+        if self.stage == partition.num_stages - 1:
+            names += [name for name, target in self._outside_layers.items() if target is None]
+        return names
+
+    def _state_outside_layers(self) -> dict[str, str | None]:
+        """Each parameter or buffer name no traced layer lists -> the layer-held name of the same tensor,
+        or ``None`` when no layer holds it. Read once, while every tensor is still whole and distinct."""
+        in_layers = self.graph.state_names(0, self.graph.num_clusters)
+        state = named_state(self.root)
+        held_as = {id(state[name]): name for name in reversed(in_layers) if name in state}
+        listed = set(in_layers)
+        return {name: held_as.get(id(t)) for name, t in state.items() if name not in listed}
 
     def release_foreign_state(self) -> None:
         """Drop the storage of every parameter and buffer another stage owns."""

@@ -122,15 +122,26 @@ class GatherNet(SkewedNet):
 
 
 class OneLayerNet(SkewedNet):
-    """One ``Linear``, as Lightning's ``BoringModel``: a single cluster, fewer than the stages."""
+    """One ``Linear``, as Lightning's ``BoringModel``: a single cluster, fewer than the stages. Beside it,
+    state no traced layer holds: a module ``forward`` never calls whose weight is tied to the layer's (as
+    in Lightning's test_memory_sharing_disabled), and a temperature the training step learns."""
 
     def __init__(self, optimizer: str = "adam", lr: float = 0.01) -> None:
         super().__init__(optimizer=optimizer, lr=lr)
         del self.stem, self.drop, self.blocks, self.res, self.head
         self.only = nn.Linear(16, 4)
+        self.unused_tied = nn.Linear(16, 4)
+        self.unused_tied.weight = self.only.weight
+        self.temperature = nn.Parameter(torch.tensor(1.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.only(x)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x) / self.temperature, y)
+        self.log("train_loss", loss)
+        return loss
 
 
 MODELS = {"skewed": SkewedNet, "twice": TwiceNet, "drop": DropNet, "gather": GatherNet, "one": OneLayerNet}
