@@ -224,6 +224,9 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     assert torch.equal(torch.cat(files[0]["predictions"]), expected)
     assert len(files[0]["batch_indices"][0]) == len(expected_batches)
     assert files[1]["predictions"] == [] and files[1]["batch_indices"] == [[]]
+    # a batch-interval writer writes each prediction once too, on the last stage (before: a None per batch
+    # on the other stage)
+    assert torch.equal(torch.cat(files[0]["batch_writes"]), expected) and files[1]["batch_writes"] == []
     # the best checkpoint, validated by a fresh Trainer with another initial split, and by Lightning alone
     best = SkewedNet()
     metrics = _plain_trainer(_Losses()).validate(

@@ -11,9 +11,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 
 from lightning_hier.topology import control_group
+
+
+def _no_batch_write(*args: Any, **kwargs: Any) -> None:
+    """Stands in for a prediction writer's per-batch hook on a stage that computes no prediction."""
 
 
 class StageMetricsSync(Callback):
@@ -44,6 +48,20 @@ class StageMetricsSync(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(trainer)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A batch-interval ``BasePredictionWriter`` writes on the last stage only: the others have no
+        prediction (a ``None`` per batch), and the last stage writes every one of them."""
+        if trainer.global_rank == 0:
+            return
+        for callback in trainer.callbacks:
+            if isinstance(callback, BasePredictionWriter) and callback.interval.on_batch:
+                callback.on_predict_batch_end = _no_batch_write  # type: ignore[method-assign]
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for callback in trainer.callbacks:
+            if isinstance(callback, BasePredictionWriter):
+                callback.__dict__.pop("on_predict_batch_end", None)
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Only the last stage (rank 0) computes predictions; the other stages' lists (a ``None`` per

@@ -168,12 +168,17 @@ class PredictionFiles(BasePredictionWriter):
     """Lightning's per-rank prediction files (what a user merges after a multi-process predict)."""
 
     def __init__(self, directory: Path) -> None:
-        super().__init__("epoch")
+        super().__init__("batch_and_epoch")
         self.directory = directory
+        self.batch_writes: list[torch.Tensor] = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, *_):  # noqa: ANN001, ANN002, ANN201
+        self.batch_writes.append(prediction)
 
     def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):  # noqa: ANN001, ANN201
         path = self.directory / f"predictions.rank{trainer.global_rank}.pt"
-        torch.save({"predictions": predictions, "batch_indices": batch_indices}, path)
+        state = {"predictions": predictions, "batch_indices": batch_indices}
+        torch.save({**state, "batch_writes": self.batch_writes}, path)
 
 
 class LossRecorder(pl.Callback):
