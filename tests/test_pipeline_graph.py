@@ -264,6 +264,35 @@ def test_relay_stages_pass_a_one_layer_model_through_unchanged() -> None:
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
 
 
+class LSTMNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(4, 8)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, (h, c) = self.lstm(torch.tanh(self.emb(x)))
+        return self.fc(out[:, -1])
+
+
+def test_no_cut_after_a_layer_that_returns_a_tuple() -> None:
+    """``nn.LSTM`` returns ``(output, (h, c))``: a cut there would send a tuple (before: a TypeError at the
+    first step on one stage and a lost connection on the other)."""
+    torch.manual_seed(0)
+    model = LSTMNet().double()
+    graph = LayerGraph(model)
+    assert "lstm" not in [cluster.exit_value for cluster in graph.clusters]
+    unpacking = ["lstm", "getitem", "getitem_1", "getitem_2", "getitem_3"]
+    assert _cluster_names(graph)[1:3] == [["tanh"], unpacking]
+    x = torch.randn(5, 6, 4, dtype=torch.float64)
+    partition = partition_uniform(graph.layer_counts(), 2)
+    value = x
+    for stage in range(2):
+        value = StageExecutor(graph, partition, stage).forward(value)
+    torch.testing.assert_close(value, model(x), rtol=0, atol=0)
+
+
 def test_a_forward_returning_several_values_cannot_be_relayed() -> None:
     class Pair(nn.Module):
         def __init__(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import operator
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,6 +142,16 @@ def _state_names(root: nn.Module, node: fx.Node) -> tuple[str, tuple[str, ...]] 
     return None, ()
 
 
+def _unpacked_later(node: fx.Node) -> bool:
+    """Whether a later layer takes an element out of ``node`` by an integer index: the value is then (as
+    far as tracing can tell) a tuple or list, such as ``nn.LSTM``'s ``(output, (h, c))``, and a cut, which
+    carries one tensor, cannot follow it. A tensor indexed this way loses a possible cut, never a result."""
+    return any(
+        user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)
+        for user in node.users
+    )
+
+
 def _target_text(node: fx.Node) -> str:
     if node.op in ("call_module", "get_attr", "call_method"):
         return str(node.target)
@@ -230,12 +241,13 @@ class LayerGraph:
         placeholder_names = {p.name for p in self.placeholders}
         live: set[str] = {p.name for p in self.placeholders if last[p.name] >= 0}
         cuts: list[tuple[int, str]] = []  # (position of the last layer before the cut, crossing value)
+        by_name = {node.name: node for node in self.nodes}
         for pos, node in enumerate(self.nodes[:-1]):
             live.add(node.name)
             live = {name for name in live if last[name] > pos}
             if len(live) == 1:
                 (value,) = live
-                if value not in placeholder_names:
+                if value not in placeholder_names and not _unpacked_later(by_name[value]):
                     cuts.append((pos, value))
         cuts = self._drop_cuts_inside_shared_state(cuts)
         clusters: list[Cluster] = []
