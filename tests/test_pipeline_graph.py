@@ -293,6 +293,53 @@ def test_no_cut_after_a_layer_that_returns_a_tuple() -> None:
     torch.testing.assert_close(value, model(x), rtol=0, atol=0)
 
 
+class FunctionalDropoutNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.dropout(torch.relu(self.a(x)), 0.5, self.training)
+        return nn.functional.dropout(self.b(x), 0.2, True)  # always on (Monte Carlo dropout)
+
+
+@pytest.mark.parametrize("traced_in_train_mode", [True, False])
+def test_functional_dropout_follows_the_mode_it_runs_in(traced_in_train_mode: bool) -> None:
+    """``F.dropout(x, p, self.training)`` traces to a constant: the stages re-read the mode at each call
+    (before: dropout stayed on in validation when traced in train mode); a literal ``True`` stays on."""
+    torch.manual_seed(0)
+    model = FunctionalDropoutNet().double().train(traced_in_train_mode)
+    graph = LayerGraph(model)
+    assert model.training is traced_in_train_mode
+    assert graph.mode_args == {"dropout": [("training", True, False)]}
+    partition = partition_uniform(graph.layer_counts(), 2)
+    executors = [StageExecutor(graph, partition, stage) for stage in range(2)]
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for training in (False, True):
+        model.train(training)
+        torch.manual_seed(1)
+        expected = model(x)
+        torch.manual_seed(1)
+        value = x
+        for executor in executors:
+            value = executor.forward(value)
+        torch.testing.assert_close(value, expected, rtol=0, atol=0)
+
+
+def test_a_branch_on_the_mode_is_warned_about() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) * 2 if self.training else self.a(x)
+
+    with pytest.warns(UserWarning, match="traces to different layers in train and eval mode"):
+        LayerGraph(Branchy())
+
+
 def test_a_forward_returning_several_values_cannot_be_relayed() -> None:
     class Pair(nn.Module):
         def __init__(self) -> None:

@@ -16,6 +16,7 @@ import inspect
 import linecache
 import operator
 import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,45 @@ def trace_model(module: nn.Module, leaf_modules: Sequence[str] = ()) -> fx.Graph
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
+ModeArgs = dict[str, list[tuple[int | str, bool, bool]]]
+
+
+def _mode_dependent_args(module: nn.Module, leaf_modules: Sequence[str], traced: fx.GraphModule) -> ModeArgs:
+    """The bool arguments that follow the module's train/eval mode: ``F.dropout(x, p, self.training)``
+    traces to a constant, so the graph is traced once more with every module in the other mode, and an
+    argument that differs between the two is re-read from the root's mode at each call (``node name ->
+    [(position or keyword, value in train mode, value in eval mode)]``). A literal ``True`` (always-on
+    dropout) stays as written. A forward that branches on ``self.training`` traces to other layers in
+    each mode: it gets a warning, and runs its train-mode branch in evaluation too."""
+    modes = {sub: sub.training for sub in module.modules()}
+    was_training = module.training
+    try:
+        module.train(not was_training)
+        other = trace_model(module, leaf_modules)
+    finally:
+        for sub, mode in modes.items():
+            sub.training = mode
+    train_graph, eval_graph = (traced, other) if was_training else (other, traced)
+    train_nodes, eval_nodes = list(train_graph.graph.nodes), list(eval_graph.graph.nodes)
+    if [(n.op, n.name) for n in train_nodes] != [(n.op, n.name) for n in eval_nodes]:
+        warnings.warn(
+            f"{type(module).__name__}.forward traces to different layers in train and eval mode (a branch on "
+            "self.training): hier_pipeline splits the graph traced in "
+            f"{'train' if was_training else 'eval'} mode and runs it in both modes. Move the branch into a "
+            "submodule listed in leaf_modules to keep it.",
+            stacklevel=3,
+        )
+        return {}
+    found: ModeArgs = {}
+    for train_node, eval_node in zip(train_nodes, eval_nodes):
+        pairs = [(i, a, b) for i, (a, b) in enumerate(zip(train_node.args, eval_node.args))]
+        pairs += [(k, v, eval_node.kwargs.get(k)) for k, v in train_node.kwargs.items()]
+        for key, in_train, in_eval in pairs:
+            if isinstance(in_train, bool) and isinstance(in_eval, bool) and in_train != in_eval:
+                found.setdefault(train_node.name, []).append((key, in_train, in_eval))
+    return found
+
+
 def _specialized_defaults(module: nn.Module) -> dict[str, Any]:
     """``forward``'s arguments with a plain default (``None``, a bool, a number, a string), traced as that
     value: a branch on them (``if extra:``, ``if mask is not None:``) cannot be traced symbolically. The
@@ -170,6 +210,7 @@ class LayerGraph:
     def __init__(self, module: nn.Module, leaf_modules: Sequence[str] = ()) -> None:
         self.root = module
         self.graph_module = trace_model(module, leaf_modules)
+        self.mode_args = _mode_dependent_args(module, leaf_modules, self.graph_module)
         self.num_relays = 0
         self._index_nodes()
 

@@ -24,6 +24,21 @@ KEEP = "keep"
 LayerRun = Callable[[str, str, Callable[..., Any], tuple[Any, ...]], Any]
 
 
+def _in_current_mode(
+    args: Any, kwargs: dict[str, Any], follows_mode: list[tuple[int | str, bool, bool]], training: bool
+) -> tuple[Any, dict[str, Any]]:
+    """``args`` / ``kwargs`` with each mode-following bool (``self.training`` at trace time) set for the
+    module's mode now."""
+    args, kwargs = list(args), dict(kwargs)
+    for key, in_train, in_eval in follows_mode:
+        value = in_train if training else in_eval
+        if isinstance(key, int):
+            args[key] = value
+        else:
+            kwargs[key] = value
+    return tuple(args), kwargs
+
+
 class LayerTimes:
     """Running sums of per-layer forward and backward seconds (per micro-batch) and exit bytes."""
 
@@ -203,6 +218,9 @@ class StageExecutor:
         lookup = env.__getitem__
         args = fx.node.map_arg(node.args, lambda n: lookup(n.name))
         kwargs = fx.node.map_arg(node.kwargs, lambda n: lookup(n.name)) if node.kwargs else {}
+        follows_mode = self.graph.mode_args.get(node.name)
+        if follows_mode:
+            args, kwargs = _in_current_mode(args, kwargs, follows_mode, self.graph.root.training)
         if node.op == "call_module":
             fn: Callable[..., Any] = self._module(i, str(node.target))
         elif node.op == "call_function":
