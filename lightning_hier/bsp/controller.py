@@ -28,7 +28,8 @@ STEP_MS = 8  # the worker's recent micro-step cycle (start to next start, waits 
 BUSY_MS = 9  # of that, from its start to its fold (forward, backward, hooks), ms; 0 unknown
 ELAPSED_MS = 10  # ms since the worker's current cycle started; -1 while it waits or is unknown
 ABORT = 11  # 1: the worker's training raised; every local module stops after this tick, none drains
-ROW = 12
+FIT_END = 12  # 1: the worker reached the Trainer's max_steps (every worker then ends the fit)
+ROW = 13
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,7 @@ class BSPEngine:
             memory.cycle_ends(time.monotonic())
             if memory.paused:
                 memory.paused = memory.draining = memory.epoch_ended = memory.peer_epoch_ended = False
+                memory.fit_ended = memory.peer_fit_ended = False
                 memory.handoff.worker_hands_over()  # what the worker wrote meanwhile (a checkpoint's load)
                 memory.notify()
             while True:
@@ -246,15 +247,19 @@ class BSPEngine:
             self.memory.clip = clip
 
     @torch.no_grad()
-    def drain(self, epoch_end: bool = False) -> None:
+    def drain(self, epoch_end: bool = False, fit_end: bool = False) -> None:
         """Apply everything folded on every rank, then copy the final model (a collective).
-        ``epoch_end``: this worker ran out of batches; the others end their epochs too."""
+        ``epoch_end``: this worker ran out of batches; the others end their epochs too. ``fit_end``: this
+        worker reached max_steps; the others end the fit too (:attr:`fit_should_end` on every rank after
+        the drain: the flag is in the same status row as the drain request, so every rank has read it
+        before all of them pause)."""
         memory = self.memory
         with memory.cond:
             memory.raise_if_failed()
             if not memory.paused:
                 memory.draining = True
                 memory.epoch_ended = epoch_end
+                memory.fit_ended = fit_end
                 memory.notify()
                 while not memory.paused:
                     memory.wait(self.timeout_s, "drain of every worker")
@@ -269,6 +274,11 @@ class BSPEngine:
             memory.handoff.worker_hands_over()  # the module may overwrite the published model after this
             memory.picked_up = memory.version
             memory.started_since_pickup = 0
+
+    @property
+    def fit_should_end(self) -> bool:
+        """Some worker reached max_steps: end the fit here too (all then drain together)."""
+        return self.memory.peer_fit_ended or self.memory.fit_ended
 
     @property
     def epoch_should_end(self) -> bool:

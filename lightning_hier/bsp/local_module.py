@@ -22,6 +22,7 @@ from lightning_hier.bsp.controller import (
     ABORT,
     DEADLINE,
     EPOCH_END,
+    FIT_END,
     INFLIGHT,
     READY,
     STEP_MS,
@@ -136,6 +137,7 @@ class LocalBSPModule(threading.Thread):
             )
             with memory.cond:
                 memory.peer_epoch_ended = memory.peer_epoch_ended or any(r[EPOCH_END] for r in table)
+                memory.peer_fit_ended = memory.peer_fit_ended or any(r[FIT_END] for r in table)
                 if decision.closing:
                     memory.closing = True
                 if self.settings.fill_idle:  # a worker waiting at its quota may now start another

@@ -24,6 +24,7 @@ from lightning_hier.bsp.controller import (
     DRAIN,
     ELAPSED_MS,
     EPOCH_END,
+    FIT_END,
     FOLDED,
     INFLIGHT,
     READY,
@@ -62,6 +63,8 @@ class SharedModelMemory:
         self.aborted = False  # the worker's training raised: stop with the others, without a drain
         self.epoch_ended = False  # this worker ran out of batches (set with draining)
         self.peer_epoch_ended = False  # some worker ran out of batches: end this epoch too
+        self.fit_ended = False  # this worker reached max_steps (set with draining)
+        self.peer_fit_ended = False  # some worker reached max_steps: end the fit too
         self.error: BaseException | None = None
         self.event = False  # the worker changed something the controller should hear about soon
         self.clip: tuple[str, float] | None = None
@@ -140,6 +143,7 @@ class SharedModelMemory:
         row[STUCK] = int(row[BLOCKED] and (self.draining or self.picked_up == self.version))
         row[DRAIN] = int(self.draining)
         row[EPOCH_END] = int(self.epoch_ended)
+        row[FIT_END] = int(self.fit_ended)
         row[READY] = self.ready_buckets
         row[STEP_MS] = round(self.step_s * 1000)
         row[BUSY_MS] = round(self.busy_s * 1000)

@@ -228,12 +228,8 @@ class HierBSPStrategy(DDPStrategy):
         if trainer is None or self.settings.lockstep:
             return
         mode, lockstep = self._uneven_mode(), "use max_staleness=0 with superstep_steps and no fill_idle"
-        # fast_dev_run's max_steps comes with as few batches per worker: every worker runs that many
-        if trainer.max_steps not in (-1, None) and not trainer.fast_dev_run:
-            raise ValueError(
-                f"max_steps={trainer.max_steps} with HierBSPStrategy({mode}): workers run different numbers "
-                f"of steps, so give the training length as max_epochs (or {lockstep})."
-            )
+        # max_steps: workers run different numbers of steps; the first to reach it ends the fit for all
+        # (optimizer_step), so it counts the fastest worker's steps
         if trainer.val_check_interval != 1.0 or trainer.check_val_every_n_epoch is None:
             raise ValueError(
                 f"val_check_interval={trainer.val_check_interval!r} with HierBSPStrategy({mode}): validation "
@@ -459,12 +455,23 @@ class HierBSPStrategy(DDPStrategy):
         optimizer._opt_called = True  # type: ignore[attr-defined]
         trainer = model.trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        if progress.is_last_batch or (self.engine.epoch_should_end and not self._claiming):
+        # global_step counts this step once optimizer_step returns
+        max_steps = trainer.max_steps
+        reached_max_steps = max_steps not in (-1, None) and trainer.global_step + 1 >= max_steps
+        if (
+            progress.is_last_batch
+            or reached_max_steps
+            or self.engine.fit_should_end
+            or (self.engine.epoch_should_end and not self._claiming)
+        ):
             # another worker ran out of batches: this step ends the epoch here too (validation, epoch-end
             # schedulers and checkpoints follow as at any epoch's last batch); with shared batches every
-            # worker runs out within a batch of the others by itself
+            # worker runs out within a batch of the others by itself. A worker at max_steps ends the fit:
+            # the others stop after the step they are in (the fastest worker sets the length).
             progress.is_last_batch = True
-            self.engine.drain(epoch_end=True)
+            self.engine.drain(epoch_end=True, fit_end=reached_max_steps)
+            if self.engine.fit_should_end:
+                trainer.should_stop = True
         self._log_supersteps(trainer)
         return result
 

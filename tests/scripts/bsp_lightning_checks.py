@@ -74,7 +74,12 @@ class Validated(EquivModel):
 
 
 def straggler(
-    out: Path, share_batches: bool | None = None, epochs: int = 2, validate: bool = False, **settings: object
+    out: Path,
+    share_batches: bool | None = None,
+    epochs: int = 2,
+    validate: bool = False,
+    max_steps: int = -1,
+    **settings: object,
 ) -> dict:
     pl.seed_everything(7, verbose=False)
     model = Validated() if validate else EquivModel(optimizer="sgd")
@@ -87,7 +92,7 @@ def straggler(
     slow = SlowRank(3, 0.01)
     run = trainer(
         strategy, out, max_epochs=epochs, logger=CSVLogger(out / "logs", name="bsp"),
-        enable_checkpointing=False, callbacks=[slow], log_every_n_steps=1,
+        enable_checkpointing=False, callbacks=[slow], log_every_n_steps=1, max_steps=max_steps,
     )  # fmt: skip
     data = loader(n=512)
     run.fit(model, train_dataloaders=data, val_dataloaders=loader(n=64) if validate else None)
@@ -177,6 +182,8 @@ def main() -> None:
             gradient_average="nominal",
         ),  # fmt: skip
         "fast_dev_run": fast_dev_run(out / "fast_dev_run"),
+        # max_steps mid-epoch with free-running workers: the fastest worker's 11th step ends the fit
+        "max_steps": straggler(out / "max_steps", validate=True, epochs=3, max_steps=11),
         "resume": resume(out / "resume"),
         "resume_time_buckets": resume(out / "resume_time", bucketing="time"),
         # an LR scheduler stepping every step: the checkpoint must hold the decayed rates
