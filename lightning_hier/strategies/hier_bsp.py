@@ -109,9 +109,14 @@ class HierBSPStrategy(DDPStrategy):
             holds more micro-steps (``fill_idle``) takes a proportionally larger step.
 
     Unless workers run in lockstep (``max_staleness=0`` with ``superstep_steps`` and no ``fill_idle``;
-    otherwise a faster worker takes more steps) workers run different numbers of steps, so the training
-    length must be in epochs (``max_epochs``; an epoch ends for everyone when the first worker runs out
-    of batches), and checkpoints and validation happen at epoch ends. See ``docs/hier_bsp.md``.
+    otherwise a faster worker takes more steps) workers run different numbers of steps: an epoch ends for
+    everyone when the first worker runs out of batches, ``max_steps`` counts the fastest worker's steps,
+    and checkpoints and validation happen at epoch ends. See ``docs/hier_bsp.md``.
+
+    The remaining arguments are Lightning's usual DDP plumbing. ``find_unused_parameters``,
+    ``static_graph`` and ``gradient_as_bucket_view`` are accepted so that a ``DDPStrategy(...)`` call or
+    config runs unchanged, and change nothing: no ``DistributedDataParallel`` wraps the model, and a
+    parameter without a gradient folds zeros.
     """
 
     strategy_name = "hier_bsp"
@@ -141,6 +146,9 @@ class HierBSPStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         self.settings = BSPSettings(
             superstep_steps, superstep_seconds, max_staleness, fill_idle, gradient_average

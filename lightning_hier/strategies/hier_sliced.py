@@ -118,7 +118,11 @@ class HierSlicedStrategy(DDPStrategy):
             at the cost of one intra-node all-gather of the gradients per step. Off, ``.grad`` there
             is this rank's unreduced gradient; the optimizer always steps the averaged slices.
 
-    The remaining arguments are Lightning's usual DDP plumbing.
+    The remaining arguments are Lightning's usual DDP plumbing. ``find_unused_parameters``,
+    ``static_graph`` and ``gradient_as_bucket_view`` are accepted so that a ``DDPStrategy(...)`` call or
+    config runs unchanged, and change nothing: no ``DistributedDataParallel`` wraps the model, and every
+    parameter's gradient is reduced each step (one that got none contributes zeros), which is what
+    ``find_unused_parameters=True`` gives ``ddp``.
     """
 
     strategy_name = "hier_sliced"
@@ -149,6 +153,9 @@ class HierSlicedStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         if devices_per_node is not None:
             validate_layout(devices_per_node, devices_per_node)

@@ -32,7 +32,8 @@ SCENARIOS: dict[str, dict] = {
     # a never-used Linear, a frozen one and a tied pair; SGD's weight decay would move the unused one
     "sgd_weight_decay_frozen_tied_unused": dict(
         model=dict(optimizer="sgd", quirks=True),
-        bsp=dict(devices_per_node=2, early_push=True),
+        # ddp's own keyword, as a config written for ddp passes it: accepted, and the result is ddp's
+        bsp=dict(devices_per_node=2, early_push=True, find_unused_parameters=True),
         ddp=dict(find_unused_parameters=True),
     ),
     # used in every third step only, in one bucket with always-used parameters: Adam's step count of
