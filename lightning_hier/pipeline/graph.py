@@ -125,7 +125,8 @@ def _mode_dependent_args(module: nn.Module, leaf_modules: Sequence[str], traced:
     modes = {sub: sub.training for sub in module.modules()}
     was_training = module.training
     try:
-        module.train(not was_training)
+        for sub in modes:  # the flags only: a user's train() override (and Lightning's hooks) stay unseen
+            sub.training = not was_training
         other = trace_model(module, leaf_modules)
     finally:
         for sub, mode in modes.items():

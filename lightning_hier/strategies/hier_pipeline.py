@@ -248,10 +248,9 @@ class HierPipelineStrategy(DDPStrategy):
         trainer = module.trainer
         if batch_idx % max(int(trainer.accumulate_grad_batches), 1) != 0:
             return
+        # on_before_zero_grad stays Lightning's to call (once per optimizer step, after training_step, as
+        # under ddp); it reaches the skipped optimizer_zero_grad then (before: called here as well, twice)
         for optimizer in self.optimizers:
-            for callback in trainer.callbacks:
-                callback.on_before_zero_grad(trainer, module, optimizer)
-            module.on_before_zero_grad(optimizer)
             self._user_zero_grad(trainer.current_epoch, batch_idx, optimizer)
 
     @property

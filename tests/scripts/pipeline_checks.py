@@ -150,10 +150,14 @@ SCENARIOS: dict[str, dict] = {
 
 
 class BackwardHooks(pl.Callback):
-    """Counts Lightning's backward hooks; notes whether on_after_backward saw this stage's gradients."""
+    """Counts Lightning's backward and zero-grad hooks; notes whether on_after_backward saw this stage's
+    gradients."""
 
     def __init__(self) -> None:
-        self.before = self.after = self.after_with_grads = 0
+        self.before = self.after = self.after_with_grads = self.before_zero_grad = 0
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):  # noqa: ANN001
+        self.before_zero_grad += 1
 
     def on_before_backward(self, trainer, pl_module, loss):  # noqa: ANN001
         self.before += 1
@@ -349,7 +353,7 @@ def main() -> None:
         "val_loss": result.get("val_loss_seen_by_rank"),
         "measured_peak": engine.measured_peak_bytes(),
         "batches": recorder.batches,
-        "backward_hooks": [hooks.before, hooks.after, hooks.after_with_grads],
+        "backward_hooks": [hooks.before, hooks.after, hooks.after_with_grads, hooks.before_zero_grad],
         "memory_plan": engine.memory_plan.to_dict() if engine.memory_plan is not None else None,
         "headers_sent": engine.link.headers_sent,
         "predict_returned": len(predictions) if spec.get("monitor") else None,
