@@ -463,8 +463,9 @@ class HierBSPStrategy(DDPStrategy):
         optimizer._opt_called = True  # type: ignore[attr-defined]
         trainer = model.trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        # global_step counts this step once optimizer_step returns
-        max_steps = trainer.max_steps
+        # global_step counts this step once optimizer_step returns; in lockstep every worker reaches
+        # max_steps at the same step and Lightning ends the fit as under ddp (no extra epoch end)
+        max_steps = -1 if self.settings.lockstep else trainer.max_steps
         reached_max_steps = max_steps not in (-1, None) and trainer.global_step + 1 >= max_steps
         if (
             progress.is_last_batch
