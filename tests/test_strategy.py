@@ -133,7 +133,7 @@ def test_one_process_matches_single_device_strategy(single_results: dict, optimi
         assert result["hier_buckets"] > 1
 
 
-@pytest.mark.parametrize("variant", ["sgd", "adam_accumulate_clip"])
+@pytest.mark.parametrize("variant", ["sgd", "adam_accumulate_clip", "raw_backward_accumulate"])
 def test_manual_optimization_matches_single_device_strategy(single_results: dict, variant: str) -> None:
     """manual_backward, clip_gradients, accumulation, a dropped gradient and a scheduler stepped by hand."""
     result = single_results[f"manual_{variant}"]
@@ -172,7 +172,7 @@ def test_two_optimizers_gan_matches_one_process(single_results: dict) -> None:
     assert result["optimizer_state_rel_diff"] < 1e-5, result
 
 
-@pytest.mark.parametrize("variant", ["sgd", "adam_accumulate_clip"])
+@pytest.mark.parametrize("variant", ["sgd", "adam_accumulate_clip", "raw_backward_accumulate"])
 def test_manual_optimization_matches_ddp(eval_results: dict, variant: str) -> None:
     """As under ddp on 4 processes (2 x 2, several buckets), with frozen, tied and unused parameters."""
     assert eval_results["world_size"] == 4

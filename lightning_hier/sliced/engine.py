@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -138,6 +138,12 @@ class HierSlicedEngine:
         self._overlap = True
         self._unused_snapshot = UnusedSnapshot()
         self._end_callback_queued = False
+        self._backward_open = False  # between begin_backward and finish_backward
+        # set by the strategy: called when a gradient arrives outside begin/finish_backward (a raw
+        # ``loss.backward()`` under manual optimization); it opens this backward and returns what ends
+        # it, or returns None for a backward that only accumulates locally. None here: every backward
+        # is a synchronising one (the engine used on its own, ``loss.backward(); finish_backward()``).
+        self.open_unannounced_backward: Callable[[], Callable[[], None] | None] | None = None
         self.last_timeline: StepTimeline | None = None
         self.sharding: OptimizerSharding | None = None
         self._layout(bucket_plan or plan_size_buckets(self.param_infos, self.cap_bytes))
@@ -267,12 +273,29 @@ class HierSlicedEngine:
         engine's reducer thread would otherwise issue collectives on the same groups concurrently)."""
         self.clock.start()
         self._overlap = overlap
+        self._backward_open = True
 
     def _on_backward_end(self) -> None:
-        self.clock.mark(_BACKWARD_END)
+        if self._end_callback_queued:  # else finish_backward already ran (an unannounced backward's end)
+            self.clock.mark(_BACKWARD_END)
+
+    def _open_unannounced(self) -> bool:
+        """A gradient arrived with no backward open: the strategy decides (``open_unannounced_backward``)."""
+        if self.open_unannounced_backward is None:
+            return True
+        finish = self.open_unannounced_backward()
+        if finish is None:
+            return False
+        # runs when autograd finishes this backward, as DDP's reducer finalises its own
+        Variable._execution_engine.queue_callback(finish)
+        return True
 
     def _make_hook(self, index: int):  # noqa: ANN202 - autograd hook signature
         def hook(param: torch.Tensor) -> None:
+            if not self._backward_open and not self._open_unannounced():
+                bucket_index, slot = self._where[index]
+                adopt_gradient(param, self.buckets[bucket_index].grad_view(slot))  # local accumulation only
+                return
             self.clock.mark(("ready", index))
             if not self._end_callback_queued:
                 self._end_callback_queued = True
@@ -326,6 +349,7 @@ class HierSlicedEngine:
         those parameters, in plan order on every rank, so no rank waits for a bucket that never fills.
         Parameters that no rank used are left untouched by the step, as under DDP.
         """
+        self._backward_open = False
         if not self._sync:
             self._reset_timing()  # `_used` keeps accumulating over the accumulation window
             return

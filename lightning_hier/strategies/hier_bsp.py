@@ -41,13 +41,14 @@ from lightning_hier.bucketing.time_bucketing import validate_time_settings
 from lightning_hier.bucketing.time_plan import TimePlan
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.optimizer_routing import route_zero_grad
+from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, emulating_cuda, resolve_backend, validate_layout
 
 log = logging.getLogger(__name__)
 
 
-class HierBSPStrategy(DDPStrategy):
+class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
     """Bulk-synchronous parameter server with asynchronous workers.
 
     Each worker (one process per device) trains on its own batches as fast as it can: after every
@@ -118,6 +119,8 @@ class HierBSPStrategy(DDPStrategy):
     config runs unchanged, and change nothing: no ``DistributedDataParallel`` wraps the model, and a
     parameter without a gradient folds zeros.
     """
+
+    _runtime_state = {"topology": lambda: None, "engine": lambda: None}
 
     strategy_name = "hier_bsp"
 

@@ -35,6 +35,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
 )
+from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.strategies.stage_metrics_sync import StageMetricsSync
 from lightning_hier.topology import control_group, resolve_backend
@@ -79,7 +80,7 @@ def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
     not a lambda, so the strategy pickles for ``start_method="spawn"``)."""
 
 
-class HierPipelineStrategy(DDPStrategy):
+class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
     """Pipeline-parallel training whose stage split follows measured layer times.
 
     The LightningModule's ``forward`` is traced (torch.fx) into layers, grouped into
@@ -123,6 +124,8 @@ class HierPipelineStrategy(DDPStrategy):
             activation (one small host message per micro-batch and cut saved). A stage whose
             activation breaks the assumption raises naming ``static_shapes``.
     """
+
+    _runtime_state = {"engine": lambda: None}
 
     strategy_name = "hier_pipeline"
 

@@ -42,6 +42,7 @@ from lightning_hier.strategies.optimizer_routing import (
     remove_optimizer_toggle,
     route_zero_grad,
 )
+from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, resolve_backend, validate_layout
 
@@ -67,7 +68,7 @@ def _zero_grad_with_buckets(
     return zero_grad
 
 
-class HierSlicedStrategy(DDPStrategy):
+class HierSlicedStrategy(PicklesWithoutRuntimeState, DDPStrategy):
     """Data parallel training with hierarchical sliced gradient reduction and a sharded optimizer.
 
     Every step, each flat gradient bucket is cut into one slice per device of a node. Slice ``k``
@@ -124,6 +125,15 @@ class HierSlicedStrategy(DDPStrategy):
     parameter's gradient is reduced each step (one that got none contributes zeros), which is what
     ``find_unused_parameters=True`` gives ``ddp``.
     """
+
+    _runtime_state = {
+        "topology": lambda: None,
+        "engine": lambda: None,
+        "engines": list,
+        "_backward_engines": list,
+        "tables": NodeTables,
+        "_table_exchange": lambda: None,
+    }
 
     strategy_name = "hier_sliced"
 
@@ -326,6 +336,8 @@ class HierSlicedStrategy(DDPStrategy):
             )
             for optimizer in self.optimizers
         ]
+        for engine in self.engines:
+            engine.open_unannounced_backward = self._open_unannounced_backward
         self.engine = self.engines[0]
         self.engine.sync_module_states()  # every parameter and buffer of the module, once
         log.info(
@@ -442,7 +454,7 @@ class HierSlicedStrategy(DDPStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+    def pre_backward(self, closure_loss: torch.Tensor | None) -> None:
         engines = self.engines
         if len(engines) > 1:
             # with several optimizers a backward feeds those whose parameters require a gradient now
@@ -451,6 +463,16 @@ class HierSlicedStrategy(DDPStrategy):
         for engine in engines:
             engine.begin_backward(overlap=len(engines) == 1)
         self._backward_engines = engines
+
+    def _open_unannounced_backward(self) -> Callable[[], None] | None:
+        """A backward Lightning did not announce: a raw ``loss.backward()`` in a manual-optimization
+        ``training_step`` is synchronised like ``manual_backward``; any other (input gradients in
+        ``validation_step``) only accumulates locally, as under DDP outside its forward."""
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return None
+        self.pre_backward(None)
+        return self._finish_backward
 
     def _finish_backward(self) -> None:
         if not self._backward_engines:
