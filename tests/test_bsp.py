@@ -548,6 +548,8 @@ def test_plain_bsp_strategy_matches_ddp(strategy_results: dict, scenario: str) -
         assert result["ready_buckets"] == [1] * 3 + [result["buckets"]] * 3
         return
     assert result["ready_buckets"] == [expected] * 6
+    if result["validated_at"] is not None:  # as ddp: at step 4, none added at max_steps (step 6)
+        assert result["validated_at"] == [[4], [4]], result["validated_at"]
     if scenario == "adam_partly_used_one_bucket":  # used in steps 0 and 3 of 6: its own count
         assert sorted(set(result["step_counts"].values())) == [2.0, 6.0]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
-from train_equivalence import STEP_COUNTS, initial_state, max_rel_diff, train  # noqa: E402
+from train_equivalence import STEP_COUNTS, VALIDATED_AT, initial_state, max_rel_diff, train  # noqa: E402
 
 from lightning_hier import HierBSPStrategy  # noqa: E402
 
@@ -69,6 +69,14 @@ SCENARIOS: dict[str, dict] = {
         model=dict(optimizer="sgd_plain", sparse_embedding=True),
         bsp=dict(devices_per_node=2, early_push=True),
     ),
+    # max_steps mid-epoch (8 batches per worker) with validation every 4 steps: ddp validates at step 4
+    # only; lockstep workers must not add the epoch-end validation that free-running ones take at max_steps
+    "sgd_max_steps_mid_epoch_validation": dict(
+        model=dict(optimizer="sgd"),
+        bsp=dict(devices_per_node=2, early_push=True),
+        trainer=dict(val_check_interval=4, num_sanity_val_steps=0),
+        validate=True,
+    ),
     "sgd_clip_value_no_early_push": dict(
         model=dict(optimizer="sgd"),
         bsp=dict(devices_per_node=2),  # early_push=None: off on CPU
@@ -83,12 +91,13 @@ def main() -> None:
     for name, spec in SCENARIOS.items():
         trainer_kwargs = spec.get("trainer", {})
         steps = 6
-        reference = train(DDPStrategy(**spec.get("ddp", {})), spec["model"], trainer_kwargs, steps)
+        validate = spec.get("validate", False)
+        reference = train(DDPStrategy(**spec.get("ddp", {})), spec["model"], trainer_kwargs, steps, validate)
         settings = {"bucket_cap_mb": 0.002, **spec["bsp"]}
         strategy = HierBSPStrategy(superstep_steps=1, max_staleness=0, **settings)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            state = train(strategy, spec["model"], trainer_kwargs, steps)
+            state = train(strategy, spec["model"], trainer_kwargs, steps, validate)
         every_rank: list = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, state)
         results[name] = {
@@ -101,6 +110,8 @@ def main() -> None:
             "step_counts": {str(k): v for k, v in STEP_COUNTS[-2].items()},
             "step_counts_bsp": {str(k): v for k, v in STEP_COUNTS[-1].items()},
             "micro_steps": [r.micro_steps for r in strategy.superstep_records],
+            # the global steps validation ran at, under ddp and under hier_bsp (validated scenarios)
+            "validated_at": VALIDATED_AT[-2:] if validate else None,
             "ready_buckets": [r.ready_buckets for r in strategy.superstep_records],
             "buckets": len(strategy.engine.buckets),
             "supersteps_before_rebuild": len(strategy._earlier_records),

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -90,6 +91,24 @@ SCENARIOS: dict[str, dict] = {
 
 STEP_COUNTS: list[dict[int, float]] = []  # per train(): the optimizer's step count per parameter
 PLAN_KINDS: list[str | None] = []
+VALIDATED_AT: list[list[int]] = []  # per train(validate=True): the global steps validation ran at
+
+
+class ValidatedModel(EquivModel):
+    """``EquivModel`` with a validation step (a synchronised loss)."""
+
+    def validation_step(self, batch, batch_idx) -> None:  # noqa: ANN001
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+
+class RecordValidations(pl.Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.steps.append(trainer.global_step)
 
 
 def initial_state(model_kwargs: dict) -> dict:
@@ -97,9 +116,11 @@ def initial_state(model_kwargs: dict) -> dict:
     return {k: v.detach().clone().float() for k, v in EquivModel(**model_kwargs).state_dict().items()}
 
 
-def train(strategy, model_kwargs: dict, trainer_kwargs: dict, steps: int) -> dict:  # noqa: ANN001
+def train(strategy, model_kwargs: dict, trainer_kwargs: dict, steps: int, validate: bool = False) -> dict:  # noqa: ANN001
+    """``validate``: with a validation loader; the steps validation ran at go to ``VALIDATED_AT``."""
     pl.seed_everything(1234, verbose=False)
-    model = EquivModel(**model_kwargs)
+    model = (ValidatedModel if validate else EquivModel)(**model_kwargs)
+    recorder = RecordValidations()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=int(dist.get_world_size() if dist.is_initialized() else 4),
@@ -109,9 +130,12 @@ def train(strategy, model_kwargs: dict, trainer_kwargs: dict, steps: int) -> dic
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[recorder],
         **trainer_kwargs,
     )
-    trainer.fit(model, train_dataloaders=loader())
+    trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader() if validate else None)
+    if validate:
+        VALIDATED_AT.append(recorder.steps)
     plan = getattr(getattr(trainer.strategy, "engine", None), "bucket_plan", None)
     PLAN_KINDS.append(plan.kind if plan is not None else None)
     optimizer_state = trainer.strategy.optimizer_state(trainer.optimizers[0])  # the unsharded layout
