@@ -263,7 +263,21 @@ class Lars(torch.optim.SGD):
 
 
 class MySGD(torch.optim.SGD):
-    pass
+    """Its own update (a step that changes the gradient first): unknown unless declared."""
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.div_(param.grad.norm() + 1e-12)  # per tensor: not elementwise
+        return super().step(closure)
+
+
+class DefaultsAdamW(torch.optim.AdamW):
+    """Only other defaults (as a library's preset): AdamW's own update runs."""
+
+    def __init__(self, params, lr: float = 3e-4) -> None:  # noqa: ANN001
+        super().__init__(params, lr=lr, weight_decay=0.1)
 
 
 def test_unknown_optimizers_are_refused_unless_declared_elementwise() -> None:
@@ -273,6 +287,16 @@ def test_unknown_optimizers_are_refused_unless_declared_elementwise() -> None:
     with pytest.raises(ValueError, match=r"elementwise_optimizers=\['MySGD'\]"):
         check_optimizer(MySGD(params, lr=0.1))
     check_optimizer(MySGD(params, lr=0.1), declared_elementwise=["MySGD"])  # the user vouches for it
+
+
+def test_a_subclass_that_keeps_the_parents_step_runs_the_parents_update() -> None:
+    from lightning_hier.sliced.sharded_optim import update_rule_of
+
+    params = [nn.Parameter(torch.zeros(3))]
+    assert update_rule_of(DefaultsAdamW(params)) == "AdamW"
+    assert update_rule_of(torch.optim.Adam(params)) == "Adam"
+    assert update_rule_of(MySGD(params, lr=0.1)) == "MySGD"
+    check_optimizer(DefaultsAdamW(params))  # accepted without declaring it
 
 
 def test_state_made_in_the_constructor_is_made_again_for_slices() -> None:

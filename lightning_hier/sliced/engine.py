@@ -48,6 +48,7 @@ from lightning_hier.sliced.sharded_optim import (
     check_no_new_parameters,
     check_optimizer,
     frozen_parameters,
+    update_rule_of,
 )
 from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.sliced.unused import UnusedSnapshot, snapshot_unused
@@ -133,7 +134,7 @@ class HierSlicedEngine:
         self._to_isolate: set[int] = set()
         # SGD's update depends on nothing but each element's gradient and momentum; the others keep a
         # per-tensor step count (bias correction, lr decay) that a shared slice cannot keep per parameter
-        self._step_counted = type(optimizer).__name__ != "SGD"
+        self._step_counted = update_rule_of(optimizer) != "SGD"
         self._sync = True
         self._overlap = True
         self._unused_snapshot = UnusedSnapshot()

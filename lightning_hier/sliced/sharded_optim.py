@@ -39,6 +39,29 @@ ELEMENTWISE = (
 SCALAR_STATE_KEYS = ("step",)
 
 
+def _unwrapped(function: Any) -> Any:
+    """A function without its decorators (torch's profiling hook and ``no_grad`` wrappers)."""
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    return function
+
+
+def update_rule_of(optimizer: torch.optim.Optimizer) -> str:
+    """The name of the optimizer whose update ``optimizer.step`` runs: a subclass of a known torch optimizer
+    that keeps its ``step`` (one that only changes defaults or adds attributes) runs the parent's update;
+    any other class is its own."""
+    cls = type(optimizer)
+    step = _unwrapped(cls.step)
+    for base in cls.__mro__[1:]:
+        if (
+            base.__module__.startswith("torch.optim")
+            and base.__name__ in ELEMENTWISE
+            and _unwrapped(base.step) is step
+        ):
+            return base.__name__
+    return cls.__name__
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer, declared_elementwise: Sequence[str] = ()) -> None:
     """Refuse optimizers whose update is not elementwise, and unknown ones not declared elementwise.
 
@@ -52,7 +75,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, declared_elementwise: Sequ
             f"HierSlicedStrategy supports elementwise optimizers such as {', '.join(ELEMENTWISE)}; "
             "use strategy='ddp' for this optimizer."
         )
-    if name not in ELEMENTWISE and name not in declared_elementwise:
+    if update_rule_of(optimizer) not in ELEMENTWISE and name not in declared_elementwise:
         raise ValueError(
             "HierSlicedStrategy shards the optimizer by flat parameter slices, which gives DDP's result "
             "only if its update is elementwise (no per-tensor norms, shapes or trust ratios). "
