@@ -64,6 +64,22 @@ def test_a_thread_still_busy_after_close_finishes_before_a_new_one_starts(one_pr
     assert alive_b == 1, "two communication threads were alive at once"
 
 
+def test_a_thread_stopped_from_outside_is_replaced_at_the_next_submit(one_process_group) -> None:  # noqa: ANN001
+    """Lightning's test harness stops leftover daemon threads through their ``stop()`` (a step run after
+    teardown had closed the reducer restarts it); the reducer must not queue the next job for a dead thread."""
+    reducer = ThreadedReducer(one_process_group, one_process_group)
+    first = reducer.submit(_job())
+    torch.testing.assert_close(reducer.wait(first), torch.arange(4.0))
+    thread = reducer._thread
+    thread.stop()
+    assert not thread.is_alive()
+    second = reducer.submit(_job())
+    assert second.scatter_done.wait(timeout=10), "queued for a thread that no longer runs"
+    torch.testing.assert_close(reducer.wait(second), torch.arange(4.0))
+    assert reducer._thread is not thread and reducer._thread.is_alive()
+    reducer.close()
+
+
 def test_inter_node_dtype_feeds_rounding_back_into_the_next_step(one_process_group) -> None:  # noqa: ANN001
     from lightning_hier.sliced.reducer import InlineReducer
 

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -218,6 +218,20 @@ class InlineReducer(HierarchicalReducer):
         return job.out
 
 
+class _CommunicationThread(threading.Thread):
+    """A :class:`ThreadedReducer`'s consumer. ``stop()`` ends it once the jobs queued before are done: what
+    harnesses that clean up daemon threads call (Lightning's own test suite), e.g. when a step ran after
+    ``teardown`` had closed the reducer; the reducer starts a new one at its next ``submit``."""
+
+    def __init__(self, run: Callable[[queue.Queue], None], jobs: queue.Queue) -> None:
+        super().__init__(target=run, args=(jobs,), name="lightning_hier-comm", daemon=True)
+        self.jobs = jobs
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.jobs.put(None)
+        self.join(timeout=timeout)
+
+
 class ThreadedReducer(HierarchicalReducer):
     """Runs jobs in submission order on a background communication thread (gloo's reducer).
 
@@ -235,19 +249,19 @@ class ThreadedReducer(HierarchicalReducer):
     ) -> None:
         super().__init__(intra_group, inter_group, chunk_bytes, inter_dtype)
         self._jobs: queue.Queue[ReduceJob | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._thread: _CommunicationThread | None = None
         self._stopping: threading.Thread | None = None
 
     def submit(self, job: ReduceJob) -> ReduceJob:
         job.submitted_at = time.perf_counter()
+        if self._thread is not None and not self._thread.is_alive():  # stopped from outside (stop())
+            self._thread = None
         if self._thread is None:
             if self._stopping is not None:
                 self._stopping.join()  # the previous consumer first finishes what it is doing
                 self._stopping = None
             self._jobs = queue.Queue()
-            self._thread = threading.Thread(
-                target=self._run, args=(self._jobs,), name="lightning_hier-comm", daemon=True
-            )
+            self._thread = _CommunicationThread(self._run, self._jobs)
             self._thread.start()
         self._jobs.put(job)
         return job
