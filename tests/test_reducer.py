@@ -66,7 +66,7 @@ def test_a_thread_still_busy_after_close_finishes_before_a_new_one_starts(one_pr
 
 def test_a_thread_stopped_from_outside_is_replaced_at_the_next_submit(one_process_group) -> None:  # noqa: ANN001
     """Lightning's test harness stops leftover daemon threads through their ``stop()`` (a step run after
-    teardown had closed the reducer restarts it); the reducer must not queue the next job for a dead thread."""
+    teardown had closed the reducer restarts it); the next job must not be queued for a dead thread."""
     reducer = ThreadedReducer(one_process_group, one_process_group)
     first = reducer.submit(_job())
     torch.testing.assert_close(reducer.wait(first), torch.arange(4.0))
