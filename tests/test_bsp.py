@@ -669,6 +669,17 @@ def test_max_steps_ends_every_worker_when_the_fastest_reaches_it(lightning_resul
     assert result["validations"] == [1] * 4, result
 
 
+def test_per_step_collectives_in_lockstep_pair_as_under_ddp(lightning_results: dict) -> None:
+    """Lockstep workers (max_staleness=0) take the same steps: sync_dist, strategy.reduce and all_gather in
+    training_step give ddp's values, hand-computed here (4 workers: the sum of (rank + 1) x (batch + 1))."""
+    result = lightning_results["synced_in_lockstep"]
+    steps = result["steps"]
+    assert steps == 256 // 4 // 8
+    assert result["reduced"] == [10.0 * (b + 1) for b in range(steps)]
+    assert result["gathered"] == [[0, 1, 2, 3]] * steps
+    assert result["logged_last"] == 10.0 * steps
+
+
 def test_fast_dev_run_trains_its_steps_on_every_worker(lightning_results: dict) -> None:
     """fast_dev_run sets max_steps, which non-lockstep settings refuse; its batches are as few, so every
     worker runs exactly that many steps (before 2026-11-26: refused with a max_steps error)."""

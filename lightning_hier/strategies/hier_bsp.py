@@ -537,19 +537,35 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         """Between drains: workers are not in step, so a main-thread collective cannot pair them."""
         return self.engine is not None and not self.engine.memory.paused
 
+    @property
+    def _paired_by_step(self) -> bool:
+        """In lockstep every worker takes the same steps, so the n-th collective of one worker's training
+        steps pairs with the n-th of every other's (as under ddp), even between drains."""
+        return self.settings.lockstep
+
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """While workers run free (between drains) a collective would pair different steps of different
-        workers: values logged with ``sync_dist=True`` then stay this worker's own."""
-        if self._running_free:
+        """While workers run free (between drains, not in lockstep) a collective would pair different steps
+        of different workers: values logged with ``sync_dist=True`` then stay this worker's own. In lockstep
+        they are reduced as under ddp."""
+        if not self._running_free:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if not self._paired_by_step:
             return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        return _on_host(
+            lambda host: super(HierBSPStrategy, self).reduce(host, group=group, reduce_op=reduce_op), tensor
+        )
 
     def all_gather(
         self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
     ) -> torch.Tensor:
-        """Between drains the workers run free, so a gather would pair different steps of different workers
-        (and, with ``max_staleness >= 1``, one worker's last gather would wait for a step its peers never
-        take), beside the BSP thread's collectives on the device: refused with the hooks where it works."""
+        """Between drains workers that are not in lockstep run free, so a gather would pair different steps
+        of different workers (and, with ``max_staleness >= 1``, one worker's last gather would wait for a
+        step its peers never take): refused with the hooks where it works. In lockstep it gathers as ddp's
+        does, on the host group beside the BSP thread's device collectives."""
+        if self._running_free and self._paired_by_step:
+            return _on_host(
+                lambda host: super(HierBSPStrategy, self).all_gather(host, group, sync_grads), tensor
+            )
         if self._running_free:
             raise RuntimeError(
                 "all_gather while hier_bsp's workers run free (in training_step or a per-batch training "
@@ -678,3 +694,12 @@ def _validate_at_every_epoch_end(trainer: pl.Trainer) -> None:
         return loop.batch_progress.is_last_batch or (trainer.should_stop and trainer.fit_loop._can_stop_early)
 
     loop._should_check_val_fx = at_epoch_end  # type: ignore[method-assign]
+
+
+def _on_host(collective: Callable[[Any], Any], tensor: Any) -> Any:
+    """``collective`` on a host copy of a device tensor, the result moved back: between drains the local BSP
+    module issues the device's collectives from its own thread, and the device rule (one issuing order
+    per device) leaves the worker's thread the host group only (gloo; "cuda:nccl,cpu:gloo" on CUDA)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "cpu":
+        return collective(tensor)
+    return collective(tensor.cpu()).to(tensor.device)

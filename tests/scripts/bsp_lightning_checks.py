@@ -151,6 +151,41 @@ def resume(out: Path, bucketing: str = "size", optimizer: str = "adam", schedule
     }
 
 
+class SyncedInTraining(EquivModel):
+    """Cross-rank values inside ``training_step``: a ``sync_dist`` sum of ``(rank + 1) x (batch_idx + 1)``,
+    the same through ``strategy.reduce``, and an ``all_gather`` of the rank, every step."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.reduced: list[float] = []
+        self.gathered: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        value = float((self.global_rank + 1) * (batch_idx + 1))
+        self.log("synced", value, on_step=True, on_epoch=False, sync_dist=True, reduce_fx="sum")
+        reduced = self.trainer.strategy.reduce(torch.tensor(value), reduce_op="sum")
+        self.reduced.append(float(reduced))
+        self.gathered.append(self.all_gather(torch.tensor(self.global_rank)).tolist())
+        return super().training_step(batch, batch_idx)
+
+
+def synced_in_lockstep(out: Path) -> dict:
+    """Lockstep with two micro-steps per superstep and a straggler (so workers are at different steps
+    inside a superstep): per-step collectives pair by step, as under ddp (before: the values stayed each
+    worker's own, and all_gather raised)."""
+    pl.seed_everything(7, verbose=False)
+    model = SyncedInTraining()
+    strategy = HierBSPStrategy(superstep_steps=2, max_staleness=0, devices_per_node=2, bucket_cap_mb=0.002)
+    run = trainer(strategy, out, max_epochs=1, callbacks=[SlowRank(3, 0.005)], logger=False)
+    run.fit(model, train_dataloaders=loader(n=256))
+    return {
+        "reduced": model.reduced,
+        "gathered": model.gathered,
+        "logged_last": float(run.callback_metrics["synced"]),
+        "steps": run.global_step,
+    }
+
+
 def fast_dev_run(out: Path) -> dict:
     """Lightning's debugging run with the default, non-lockstep settings: 3 steps per worker."""
     model = Validated()
@@ -182,6 +217,7 @@ def main() -> None:
             gradient_average="nominal",
         ),  # fmt: skip
         "fast_dev_run": fast_dev_run(out / "fast_dev_run"),
+        "synced_in_lockstep": synced_in_lockstep(out / "synced"),
         # max_steps mid-epoch with free-running workers: the fastest worker's 11th step ends the fit
         "max_steps": straggler(out / "max_steps", validate=True, epochs=3, max_steps=11),
         "resume": resume(out / "resume"),
