@@ -256,7 +256,7 @@ class BSPEngine:
         memory = self.memory
         with memory.cond:
             memory.raise_if_failed()
-            if not memory.paused:
+            if not memory.paused and not memory.aborted:  # aborted: the module stops without a drain
                 memory.draining = True
                 memory.epoch_ended = epoch_end
                 memory.fit_ended = fit_end

@@ -121,7 +121,7 @@ class PieceSharding(OptimizerSharding):
                 for key, value in scalars.get(slot.index, {}).items():
                     entry = state.setdefault(self._saved_index(slot.index), {})
                     entry[key] = value.clone() if torch.is_tensor(value) else value
-        return {"state": state, "param_groups": self._saved_groups()}
+        return {"state": state, "param_groups": self.saved_param_groups()}
 
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take this rank's pieces out of an unsharded ``state_dict`` (no communication)."""

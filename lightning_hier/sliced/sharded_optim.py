@@ -238,9 +238,9 @@ class OptimizerSharding:
                     for slot in bucket.slots:
                         entry = state.setdefault(self._saved_index(slot.index), {})
                         entry[key] = value.clone() if torch.is_tensor(value) else value
-        return {"state": state, "param_groups": self._saved_groups()}
+        return {"state": state, "param_groups": self.saved_param_groups()}
 
-    def _saved_groups(self) -> list[dict[str, Any]]:
+    def saved_param_groups(self) -> list[dict[str, Any]]:
         """The param groups of the unsharded optimizer's ``state_dict``: settings, parameter numbers."""
         groups = []
         for original, current in zip(self._original_groups, self.optimizer.param_groups):

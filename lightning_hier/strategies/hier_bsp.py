@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -580,8 +580,23 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the server shards must exist before the optimizer state is loaded into them
 
+    def _interrupted(self) -> bool:
+        """Training raised: a checkpoint now comes from Lightning's exception path (callbacks'
+        ``on_exception``, e.g. ``ModelCheckpoint(save_on_exception=True)``, run before the strategy's). The
+        local BSP module is stopped here without a drain, which would wait for this worker's unfinished
+        step (it hung until the timeout), and the other workers are told, as :meth:`on_exception` does."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if self.engine is None or trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+            return False
+        if not self.engine.memory.aborted:
+            self.engine.abort()
+        self.engine.close()  # after abort: only ends the thread
+        return True
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.engine is not None:
+        # after an exception: the worker's parameters are the last model it picked up from the server
+        if self.engine is not None and not self._interrupted():
             self.engine.drain()  # the server's model, in every worker's parameters
             self._share_buffers()
         state = super().lightning_module_state_dict()
@@ -590,7 +605,16 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.engine is None:
             return super().optimizer_state(optimizer)
-        state = self.engine.optimizer_state_dict()  # drains first
+        if self._interrupted() and self.world_size > 1:
+            # its shards live on every rank, which are no longer in step: a consolidation could hang
+            rank_zero_warn(
+                "hier_bsp: a checkpoint saved after an exception holds the parameter server's last model but "
+                "not the optimizer state (its shards live on every rank, which are no longer in step); "
+                "resuming from it starts the optimizer afresh."
+            )
+            state = {"state": {}, "param_groups": self.engine.server.sharding.saved_param_groups()}
+        else:
+            state = self.engine.optimizer_state_dict()  # drains first (not after an exception: stopped)
         # the settings as the training loop holds them now (an LR scheduler may have stepped since the
         # last superstep, whose settings the server's copy holds): what the next step uses, and ddp saves
         for saved, group in zip(state["param_groups"], optimizer.param_groups):
