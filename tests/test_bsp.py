@@ -554,6 +554,17 @@ def test_plain_bsp_strategy_matches_ddp(strategy_results: dict, scenario: str) -
         assert sorted(set(result["step_counts"].values())) == [2.0, 6.0]
 
 
+def test_skipped_training_steps_on_one_process_equal_the_single_device_run(tmp_path: Path) -> None:
+    """training_step returning None on every other batch (allowed on one process): plain BSP takes the
+    same steps and parameters as Lightning's single-device strategy (before: the next step waited for a
+    model that never came, until the timeout)."""
+    out = tmp_path / "skipped.json"
+    run_torchrun("bsp_skipped_steps.py", 1, str(out), timeout=120)
+    result = json.loads(out.read_text())
+    assert result["steps"][0] == result["steps"][1] == 32  # 2 epochs x 16 batches, skipped ones counted
+    assert result["max_rel_diff"] < 1e-5, result
+
+
 def test_manual_optimization_is_refused_before_any_process_group(tmp_path: Path) -> None:
     import lightning.pytorch as pl
     import torch.distributed as dist

@@ -167,7 +167,9 @@ class BSPEngine:
                 memory.notify()
             while True:
                 self._pick_up()
-                if not memory.blocked():
+                # after fit (the module has ended) nobody announces models: a step run then (Lightning's
+                # own tests run the training loop's step by hand) computes without waiting
+                if not memory.blocked() or not self.module.is_alive():
                     break
                 memory.wait(self.timeout_s, "new model from the parameter server")
             memory.in_flight = memory.picked_up
@@ -194,6 +196,10 @@ class BSPEngine:
                 memory.hyper = [
                     {k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups
                 ]
+            else:
+                # nothing folded (training_step returned None, which Lightning allows on one process): it
+                # does not count toward the superstep's quota, which it could never fill (waited forever)
+                memory.started_since_pickup -= 1
             memory.in_flight = -1
             memory.micro_step_folded(time.monotonic())
             memory.notify()
@@ -256,7 +262,8 @@ class BSPEngine:
         memory = self.memory
         with memory.cond:
             memory.raise_if_failed()
-            if not memory.paused and not memory.aborted:  # aborted: the module stops without a drain
+            # aborted: the module stops without a drain; ended (after fit): nothing left to drain
+            if not memory.paused and not memory.aborted and self.module.is_alive():
                 memory.draining = True
                 memory.epoch_ended = epoch_end
                 memory.fit_ended = fit_end
