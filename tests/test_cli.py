@@ -147,6 +147,11 @@ def test_dlrm_example_with_hybrid_embeddings_learns_and_leaves_no_segments(tmp_p
         enable_checkpointing=False, enable_model_summary=False,
     )  # fmt: skip
     config["trainer"]["strategy"]["init_args"]["devices_per_node"] = 2
+    # Lightning's default logger is TensorBoard's where tensorboard is installed: the CSV is read below
+    config["trainer"]["logger"] = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(tmp_path / "run")},
+    }
     config["data"]["init_args"].update(train_samples=4096, val_samples=1024)
     proc = run_cli("fit", "--config", str(write_config(tmp_path / "dlrm.yaml", config)), cwd=tmp_path)
     assert proc.returncode == 0, failure(proc)
