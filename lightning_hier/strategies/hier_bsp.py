@@ -537,19 +537,14 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         """Between drains: workers are not in step, so a main-thread collective cannot pair them."""
         return self.engine is not None and not self.engine.memory.paused
 
-    @property
-    def _paired_by_step(self) -> bool:
-        """In lockstep every worker takes the same steps, so the n-th collective of one worker's training
-        steps pairs with the n-th of every other's (as under ddp), even between drains."""
-        return self.settings.lockstep
-
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """While workers run free (between drains, not in lockstep) a collective would pair different steps
         of different workers: values logged with ``sync_dist=True`` then stay this worker's own. In lockstep
-        they are reduced as under ddp."""
+        they are reduced as under ddp: every worker takes the same steps, so the n-th collective of one
+        worker's training steps pairs with the n-th of every other's."""
         if not self._running_free:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if not self._paired_by_step:
+        if not self.settings.lockstep:
             return tensor
         return _on_host(
             lambda host: super(HierBSPStrategy, self).reduce(host, group=group, reduce_op=reduce_op), tensor
@@ -562,16 +557,16 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         of different workers (and, with ``max_staleness >= 1``, one worker's last gather would wait for a
         step its peers never take): refused with the hooks where it works. In lockstep it gathers as ddp's
         does, on the host group beside the BSP thread's device collectives."""
-        if self._running_free and self._paired_by_step:
-            return _on_host(
-                lambda host: super(HierBSPStrategy, self).all_gather(host, group, sync_grads), tensor
-            )
-        if self._running_free:
+        if self._running_free and not self.settings.lockstep:
             raise RuntimeError(
                 "all_gather while hier_bsp's workers run free (in training_step or a per-batch training "
                 "hook): workers are not in step there, so the gather cannot pair them. Gather in "
                 "validation, in on_train_epoch_end or after fit, where every worker has drained to the "
                 "same model; a value logged with sync_dist=True inside training stays the worker's own."
+            )
+        if self._running_free:
+            return _on_host(
+                lambda host: super(HierBSPStrategy, self).all_gather(host, group, sync_grads), tensor
             )
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
@@ -580,7 +575,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the server shards must exist before the optimizer state is loaded into them
 
-    def _interrupted(self) -> bool:
+    def _stopped_after_exception(self) -> bool:
         """Training raised: a checkpoint now comes from Lightning's exception path (callbacks'
         ``on_exception``, e.g. ``ModelCheckpoint(save_on_exception=True)``, run before the strategy's). The
         local BSP module is stopped here without a drain, which would wait for this worker's unfinished
@@ -596,7 +591,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # after an exception: the worker's parameters are the last model it picked up from the server
-        if self.engine is not None and not self._interrupted():
+        if self.engine is not None and not self._stopped_after_exception():
             self.engine.drain()  # the server's model, in every worker's parameters
             self._share_buffers()
         state = super().lightning_module_state_dict()
@@ -605,7 +600,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.engine is None:
             return super().optimizer_state(optimizer)
-        if self._interrupted() and self.world_size > 1:
+        if self._stopped_after_exception() and self.world_size > 1:
             # its shards live on every rank, which are no longer in step: a consolidation could hang
             rank_zero_warn(
                 "hier_bsp: a checkpoint saved after an exception holds the parameter server's last model but "

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from models import EquivModel, loader  # noqa: E402
-from train_equivalence import max_rel_diff  # noqa: E402
+from train_equivalence import ValidatedModel, max_rel_diff  # noqa: E402
 
 from lightning_hier import HierBSPStrategy  # noqa: E402
 
@@ -58,16 +58,12 @@ def trainer(strategy: HierBSPStrategy, root: Path, **kwargs) -> pl.Trainer:  # n
     )  # fmt: skip
 
 
-class Validated(EquivModel):
-    """``EquivModel`` with a validation loop whose ``sync_dist`` metric needs every rank at each epoch end."""
+class Validated(ValidatedModel):
+    """A validation loop whose ``sync_dist`` metric needs every rank at each epoch end; counts the runs."""
 
     def __init__(self) -> None:
         super().__init__(optimizer="sgd")
         self.validations = 0
-
-    def validation_step(self, batch, batch_idx) -> None:  # noqa: ANN001
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         self.validations += 0 if self.trainer.sanity_checking else 1
