@@ -40,6 +40,7 @@ from lightning_hier.pipeline.migration import (
     release_state,
     state_on_host,
 )
+from lightning_hier.pipeline.object_wire import from_wire, to_wire
 from lightning_hier.pipeline.partition import StagePartition
 from lightning_hier.pipeline.rebalance import RebalanceDecision, decide_rebalance
 from lightning_hier.pipeline.schedule import PipelineSchedule, StageLink
@@ -149,9 +150,15 @@ class PipelineEngine:
 
     def _gather_on_last(self, obj: Any) -> list[Any]:
         """Every stage's ``obj``, in stage-rank order, on the last stage; ``[]`` elsewhere (collective)."""
+        if (
+            self.num_stages == 1
+        ):  # nothing to gather; skipping the pickling round trip keeps tensors as they are
+            return [obj]
         gathered: list[Any] = [None] * self.num_stages if self.is_last else []
-        dist.gather_object(obj, gathered if self.is_last else None, dst=self._last_rank, group=self.group)
-        return gathered
+        dist.gather_object(
+            to_wire(obj), gathered if self.is_last else None, dst=self._last_rank, group=self.group
+        )
+        return [from_wire(part) for part in gathered]
 
     @property
     def is_first(self) -> bool:
@@ -200,10 +207,14 @@ class PipelineEngine:
         materialized on ``device`` (the host by default: Lightning moves the module there at teardown,
         and a model split for memory may not fit one device). Undone by :meth:`release_foreign_state`.
         """
+        if self.num_stages == 1:  # the one stage holds everything already
+            return
         owned = self._owned_tensors(named_state(self.root))
         parts: list[Any] = [None] * self.num_stages
-        dist.all_gather_object(parts, owned, group=self.group)
-        foreign = {name: value for part in parts for name, value in part.items() if name not in owned}
+        dist.all_gather_object(parts, to_wire(owned), group=self.group)
+        foreign = {
+            name: value for part in map(from_wire, parts) for name, value in part.items() if name not in owned
+        }
         materialize_state(self.root, foreign, torch.device(device))
 
     def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:

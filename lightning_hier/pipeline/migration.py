@@ -24,6 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_hier.pipeline.graph import LayerGraph
+from lightning_hier.pipeline.object_wire import from_wire, to_wire
 from lightning_hier.pipeline.partition import StagePartition
 
 
@@ -208,7 +209,7 @@ def _send_layer(
         raise RuntimeError(f"stage {move.dst} refused layer {move.layer}.")
     tensors = {n: state[n].detach().cpu() for n in move.state_names}
     optim = {n: _optimizer_state(params[n], optimizers) for n in move.state_names if n in params}
-    dist.send_object_list([{"tensors": tensors, "optim": optim}], dst=peer, group=group)
+    dist.send_object_list([to_wire({"tensors": tensors, "optim": optim})], dst=peer, group=group)
     release_state(root, move.state_names, optimizers)
     return _nbytes(tensors.values()) + _optimizer_nbytes(optim)
 
@@ -234,6 +235,7 @@ def _receive_layer(
     dist.send(torch.ones(1, dtype=torch.int64), dst=peer, group=group)
     payload: list[Any] = [None]
     dist.recv_object_list(payload, src=peer, group=group)
+    payload[0] = from_wire(payload[0])
     state = named_state(root)
     with torch.no_grad():
         for name, value in payload[0]["tensors"].items():

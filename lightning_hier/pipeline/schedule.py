@@ -206,6 +206,9 @@ class PipelineSchedule:
         self.link = link
         self.kind = kind
         self.on_backward_done = on_backward_done
+        # the last stage's backward of a micro-batch's loss (a LightningModule's own ``backward`` where
+        # the user overrode it)
+        self.loss_backward: Callable[[torch.Tensor], Any] = torch.autograd.backward
         self.peak_in_flight = 0
         # With a memory policy: the received input and the output of every micro-batch in flight
         # are held until its backward whatever the layers' policies, so the meter counts them.
@@ -273,7 +276,7 @@ class PipelineSchedule:
         item = stash.pop(m)
         if self.is_last:
             if item.output.requires_grad:
-                torch.autograd.backward(item.output)
+                self.loss_backward(item.output)
         elif grad is not None:
             torch.autograd.backward(item.output, grad)
         if self.on_backward_done is not None:

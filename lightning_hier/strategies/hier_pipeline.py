@@ -22,6 +22,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
@@ -360,6 +361,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         step_fn = getattr(module, step_name)
         self._losses: list[torch.Tensor] = []
         self._outputs: list[Any] = []
+        self._skipped_micro_batches = 0
 
         def run_user_step(m: int, forward: Callable[..., Any]) -> Any:
             with _forward_replaced(module, forward):
@@ -397,9 +399,15 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
                 self._outputs.append(output)
                 return output
             loss = output["loss"] if isinstance(output, dict) else output
+            if loss is None:
+                # Lightning's "skip this batch": the micro-batch adds no gradient (the schedule sends
+                # zeros back for an output that needs none); a step all of whose micro-batches skip
+                # is skipped as a whole (see training_step)
+                self._skipped_micro_batches += 1
+                return torch.zeros((), device=self.root_device)
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(
-                    f"training_step must return a loss tensor (or a dict with 'loss'), got {output!r}."
+                    f"training_step must return a loss tensor, a dict with 'loss', or None, got {output!r}."
                 )
             weight = micro[m][1] / total
             self._losses.append(loss.detach() * weight)
@@ -418,14 +426,30 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
             # the batch's number in the whole fit (restored on resume): the layers' random streams
             rng_step = int(trainer.fit_loop.total_batch_idx)
             forward = self._step_forward("training_step", micro, total, tuple(rest), scale, rng_step)
+            self.engine.schedule.loss_backward = self._loss_backward()
             self.engine.train_step(len(micro), forward, self._spec_keys("train", micro))
-        # float64 on every stage: only the last one knows the loss's dtype (float64 under "64-true"),
-        # and a broadcast whose ranks disagree on the dtype is a size mismatch
-        loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        # the step's loss and whether every micro-batch skipped, from the last stage. float64 on every
+        # stage: only the last one knows the loss's dtype (float64 under "64-true"), and a broadcast
+        # whose ranks disagree on the dtype is a size mismatch
+        result = torch.zeros(2, dtype=torch.float64, device=self.root_device)
         if self._losses:
-            loss.copy_(torch.stack(self._losses).sum())
-        dist.broadcast(loss, src=rank_of_stage(self.num_stages, self.num_stages - 1), group=self.engine.group)
-        return loss.to(torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32)
+            result[0] = torch.stack(self._losses).sum()
+        result[1] = float(self._skipped_micro_batches == len(micro))
+        dist.broadcast(
+            result, src=rank_of_stage(self.num_stages, self.num_stages - 1), group=self.engine.group
+        )
+        if result[1].item():
+            return None  # every stage skips the optimizer step, as Lightning does for one process
+        return result[0].to(torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32)
+
+    def _loss_backward(self) -> Callable[[torch.Tensor], Any]:
+        """How the last stage backpropagates a micro-batch's loss: through the LightningModule's
+        ``backward`` where the user overrode it (as Lightning's precision plugin calls it), else
+        autograd directly."""
+        module = self.lightning_module
+        if module is not None and is_overridden("backward", module, pl.LightningModule):
+            return module.backward
+        return torch.autograd.backward
 
     def _eval_step(self, step_name: str, context: Any, *args: Any) -> Any:
         assert self.engine is not None

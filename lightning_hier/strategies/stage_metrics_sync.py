@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 
+from lightning_hier.pipeline.object_wire import from_wire, to_wire
 from lightning_hier.topology import control_group
 
 
@@ -33,14 +33,10 @@ class StageMetricsSync(Callback):
         if trainer.world_size < 2 or not dist.is_initialized():
             return
         metrics = trainer.callback_metrics
-        payload: list[Any] = [
-            {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in metrics.items()}
-            if trainer.global_rank == 0
-            else None
-        ]
+        payload: list[Any] = [to_wire(dict(metrics)) if trainer.global_rank == 0 else None]
         dist.broadcast_object_list(payload, src=0, group=control_group())
         if trainer.global_rank != 0:
-            metrics.update(payload[0])
+            metrics.update(from_wire(payload[0]))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:

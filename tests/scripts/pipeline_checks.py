@@ -21,7 +21,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint  # noqa: E402
-from pipeline_models import MODELS, SkewedNet, loader  # noqa: E402
+from pipeline_models import MODELS, SkewedNet, flagged_loader, loader  # noqa: E402
 
 from lightning_hier import HierPipelineStrategy, StageRebalancer  # noqa: E402
 
@@ -140,6 +140,22 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_epochs=2, limit_train_batches=3, limit_val_batches=2),
         validate=True,
     ),
+    # training_step returning None for whole micro-batches, and an overridden LightningModule.backward
+    "skipped_micro_batches_custom_backward": dict(
+        model=dict(optimizer="sgd"),
+        model_class="skipping",
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_steps=5),
+        flagged=True,
+    ),
+    # one process: whole steps skipped as well (Lightning allows that only there)
+    "skipped_steps_one_stage": dict(
+        model=dict(optimizer="sgd", skip_every=3),
+        model_class="skipping",
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_steps=5),
+        flagged=True,
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),
@@ -185,6 +201,25 @@ class PredictionFiles(BasePredictionWriter):
         torch.save({**state, "batch_writes": self.batch_writes}, path)
 
 
+class TorchSaveCounter(pl.Callback):
+    """Counts ``torch.save`` calls from the start of training to its end, as Lightning's
+    test_model_checkpoint_no_extraneous_invocations does to prove only rank 0 writes checkpoints."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = torch.save
+
+    def on_train_start(self, trainer, pl_module):  # noqa: ANN001
+        def counting_save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.calls += 1
+            return self._original(*args, **kwargs)
+
+        torch.save = counting_save
+
+    def on_train_end(self, trainer, pl_module):  # noqa: ANN001
+        torch.save = self._original
+
+
 class LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -195,7 +230,8 @@ class LossRecorder(pl.Callback):
         self.batches.append(batch[1].tolist())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
-        self.losses.append(float(outputs["loss"]))
+        if outputs:  # a skipped step (training_step returned None) has none
+            self.losses.append(float(outputs["loss"]))
 
     def on_validation_end(self, trainer, pl_module):  # noqa: ANN001
         if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
@@ -263,7 +299,8 @@ def main() -> None:
     model = MODELS[spec.get("model_class", "skewed")](**spec["model"])
     recorder = LossRecorder()
     hooks = BackwardHooks()
-    callbacks: list[pl.Callback] = [recorder, hooks]
+    saves = TorchSaveCounter()
+    callbacks: list[pl.Callback] = [recorder, hooks, saves]
     if spec.get("rebalancer"):
         callbacks.append(StageRebalancer(output_dir=str(workdir / "rebalancer")))
     if spec.get("monitor"):
@@ -303,9 +340,13 @@ def main() -> None:
         ckpt_path = str(workdir / f"{resume}.ckpt")
     validate = spec.get("monitor") or spec.get("top_k") or spec.get("validate")
     val_loader = loader(batch_size=32, seed=1) if validate else None
+    if spec.get("flagged"):
+        train_loader = flagged_loader()
+    else:
+        train_loader = loader(batch_size=spec.get("batch_size", 32), shuffle=spec.get("shuffle", False))
     trainer.fit(
         model,
-        loader(batch_size=spec.get("batch_size", 32), shuffle=spec.get("shuffle", False)),
+        train_loader,
         val_dataloaders=val_loader,
         ckpt_path=ckpt_path,
     )
@@ -356,6 +397,7 @@ def main() -> None:
         "backward_hooks": [hooks.before, hooks.after, hooks.after_with_grads, hooks.before_zero_grad],
         "memory_plan": engine.memory_plan.to_dict() if engine.memory_plan is not None else None,
         "headers_sent": engine.link.headers_sent,
+        "torch_save_calls": saves.calls,
         "predict_returned": len(predictions) if spec.get("monitor") else None,
     }
     gathered: list = [None] * trainer.world_size
@@ -366,6 +408,7 @@ def main() -> None:
     result["backward_hooks_by_rank"] = [g["backward_hooks"] for g in gathered]
     result["memory_plan_by_rank"] = [g["memory_plan"] for g in gathered]
     result["headers_sent_by_rank"] = [g["headers_sent"] for g in gathered]
+    result["torch_save_calls_by_rank"] = [g["torch_save_calls"] for g in gathered]
     result["predict_returned_by_rank"] = [g["predict_returned"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     result["gathered"] = getattr(model, "gathered", None)

@@ -144,7 +144,45 @@ class OneLayerNet(SkewedNet):
         return loss
 
 
-MODELS = {"skewed": SkewedNet, "twice": TwiceNet, "drop": DropNet, "gather": GatherNet, "one": OneLayerNet}
+class SkippingNet(SkewedNet):
+    """Uses Lightning's "return None to skip" and overrides ``backward``, both as a user writes them.
+
+    Batches carry a third tensor, ``skip``, per row (:func:`flagged_loader`): rows flagged ``True``
+    add nothing to the loss, and a step whose rows are all flagged returns ``None`` (after calling
+    ``self(x)``, as a pipeline of several stages needs). With ``skip_every`` every batch ``i`` with
+    ``i % skip_every == 1`` returns ``None`` before running the model (one process only: Lightning refuses
+    skipped steps on several). ``backward`` doubles the loss, so a strategy that bypasses it trains
+    differently under SGD.
+    """
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.01, skip_every: int = 0) -> None:
+        super().__init__(optimizer=optimizer, lr=lr)
+        self.skip_every = skip_every
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y, skip = batch
+        if self.skip_every and batch_idx % self.skip_every == 1:
+            return None
+        logits = self(x)
+        keep = ~skip
+        if not keep.any():
+            return None
+        loss = nn.functional.cross_entropy(logits[keep], y[keep]) * keep.float().mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def backward(self, loss, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        (2.0 * loss).backward(*args, **kwargs)
+
+
+MODELS = {
+    "skewed": SkewedNet,
+    "twice": TwiceNet,
+    "drop": DropNet,
+    "gather": GatherNet,
+    "one": OneLayerNet,
+    "skipping": SkippingNet,
+}
 
 
 def dataset(n: int = 256, in_features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
@@ -157,3 +195,11 @@ def dataset(n: int = 256, in_features: int = 16, classes: int = 4, seed: int = 0
 
 def loader(batch_size: int = 32, shuffle: bool = False, **kwargs) -> DataLoader:  # noqa: ANN003
     return DataLoader(dataset(**kwargs), batch_size=batch_size, shuffle=shuffle)
+
+
+def flagged_loader(batch_size: int = 32) -> DataLoader:
+    """:func:`loader`'s data with a ``skip`` flag on the first half of every ``batch_size`` rows (for
+    :class:`SkippingNet`): split into two micro-batches, the first of each batch is skipped whole."""
+    x, y = dataset().tensors
+    skip = (torch.arange(len(x)) % batch_size) < batch_size // 2
+    return DataLoader(TensorDataset(x, y, skip), batch_size=batch_size, shuffle=False)
