@@ -415,3 +415,15 @@ def test_whole_steps_skipped_on_one_process_match_lightning(tmp_path: Path) -> N
     assert len(expected_losses) < 5 * 2, "the reference skipped no step"
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=SkippingNet)
+
+
+def test_a_step_pulling_from_dataloader_iter_runs_on_three_stages_like_one_process(tmp_path: Path) -> None:
+    """``training_step(dataloader_iter)``: the batch is not visible to the strategy, so the step runs as
+    one micro-batch, and every stage (the middle one too) pulls its batches; the extra key the step
+    returns reaches ``on_train_batch_end`` on the last stage. Before: "could not find a batch
+    dimension", and extra keys were dropped."""
+    result = run_scenario("dataloader_iter_three_stages", 3, tmp_path)
+    expected_losses, expected_state = reference("adam", max_steps=5)
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state)
+    assert result["extra_keys"] == [["rows"]] * 5

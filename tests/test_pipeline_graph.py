@@ -370,8 +370,10 @@ def test_split_batch_into_micro_batches() -> None:
     assert all(p[0][2] == "tag" for p in parts)
     parts, _ = split_batch({"x": x[:2]}, 4)
     assert len(parts) == 2
-    with pytest.raises(ValueError, match="batch dimension"):
-        split_batch(["no tensors"], 2)
+    # nothing to split (plain values, a dataloader_iter): one micro-batch, passed on unchanged
+    batch = ["no tensors", 3]
+    parts, total = split_batch(batch, 2)
+    assert parts == [(batch, 1)] and parts[0][0] is batch and total == 1
 
 
 def test_rebalance_needs_a_real_gain_and_an_imbalance() -> None:

@@ -41,14 +41,13 @@ def split_batch(batch: Any, num_micro: int) -> tuple[list[tuple[Any, int]], int]
     """``([(micro_batch, its size), ...], batch size)``: at most ``num_micro`` nearly equal parts.
 
     Tensors whose first dimension is the batch size are split; everything else is passed to
-    every micro-batch unchanged. A batch smaller than ``num_micro`` gives one part per sample.
+    every micro-batch unchanged. A batch smaller than ``num_micro`` gives one part per sample. A batch
+    without a tensor to split (plain values, the ``dataloader_iter`` a step pulls its batch from) runs as
+    one micro-batch of size 1.
     """
     size = batch_size(batch)
     if size is None:
-        raise ValueError(
-            "hier_pipeline could not find a batch dimension: the batch holds no tensor with a first "
-            "dimension to split into micro-batches."
-        )
+        return [(batch, 1)], 1
     parts = max(1, min(num_micro, size))
     base, extra = divmod(size, parts)  # like torch.tensor_split: the first `extra` parts are longer
     bounds = [0]

@@ -19,11 +19,13 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
 
@@ -362,24 +364,30 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         self._losses: list[torch.Tensor] = []
         self._outputs: list[Any] = []
         self._skipped_micro_batches = 0
+        self._extra: dict[str, Any] = {}
 
         def run_user_step(m: int, forward: Callable[..., Any]) -> Any:
             with _forward_replaced(module, forward):
                 return step_fn(micro[m][0], *args)
 
         training = step_name == "training_step"
+        pulls_batches = is_param_in_hook_signature(step_fn, "dataloader_iter", explicit=True)
 
         def forward(m: int, received: torch.Tensor | None) -> Any:
             executor.rng_position = (rng_step, m)  # each layer's random stream (pipeline/layer_rng.py)
             # evaluation forwards (no graph) would bias the training layer times the decisions read
             executor.timing = training and engine.times_micro_batch(m, len(micro))
-            if engine.is_first and not engine.is_last:
+            # a middle stage runs the user's step too where the step pulls its own batch
+            # (``dataloader_iter``), so every stage's iterator advances as the first and last stages' do
+            if not engine.is_last and (engine.is_first or pulls_batches):
 
-                def first_stage(*f_args: Any, **f_kwargs: Any) -> Any:
-                    raise _StageOutput(executor.forward(*f_args, **f_kwargs))
+                def up_to_this_stage(*f_args: Any, **f_kwargs: Any) -> Any:
+                    if engine.is_first:
+                        raise _StageOutput(executor.forward(*f_args, **f_kwargs))
+                    raise _StageOutput(executor.forward(received))
 
                 try:
-                    run_user_step(m, first_stage)
+                    run_user_step(m, up_to_this_stage)
                 except _StageOutput as out:
                     return out.value
                 raise RuntimeError(
@@ -398,17 +406,17 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
             if not training:
                 self._outputs.append(output)
                 return output
-            loss = output["loss"] if isinstance(output, dict) else output
+            # Lightning's own reading of a step's output: the same errors for invalid ones, and the
+            # extra keys, which reach on_train_batch_end (the last micro-batch's)
+            result = ClosureResult.from_training_step_output(output)
+            loss = result.closure_loss
+            self._extra = result.extra
             if loss is None:
                 # Lightning's "skip this batch": the micro-batch adds no gradient (the schedule sends
                 # zeros back for an output that needs none); a step all of whose micro-batches skip
                 # is skipped as a whole (see training_step)
                 self._skipped_micro_batches += 1
                 return torch.zeros((), device=self.root_device)
-            if not isinstance(loss, torch.Tensor):
-                raise TypeError(
-                    f"training_step must return a loss tensor, a dict with 'loss', or None, got {output!r}."
-                )
             weight = micro[m][1] / total
             self._losses.append(loss.detach() * weight)
             return loss * (weight * scale)
@@ -440,7 +448,8 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         )
         if result[1].item():
             return None  # every stage skips the optimizer step, as Lightning does for one process
-        return result[0].to(torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32)
+        loss = result[0].to(torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32)
+        return {"loss": loss, **self._extra} if self._extra else loss
 
     def _loss_backward(self) -> Callable[[torch.Tensor], Any]:
         """How the last stage backpropagates a micro-batch's loss: through the LightningModule's

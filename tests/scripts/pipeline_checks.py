@@ -156,6 +156,14 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_steps=5),
         flagged=True,
     ),
+    # training_step(dataloader_iter) on three stages (the middle one pulls its batches too), returning
+    # an extra key that must reach on_train_batch_end
+    "dataloader_iter_three_stages": dict(
+        model=dict(optimizer="adam"),
+        model_class="iter",
+        strategy=dict(partition="uniform", rebalance="never"),
+        trainer=dict(max_steps=5),
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),
@@ -225,13 +233,16 @@ class LossRecorder(pl.Callback):
         self.losses: list[float] = []
         self.batches: list[list[int]] = []  # the labels of every batch this process read
         self.val_losses: list[float] = []  # after each validation (every stage sees the last stage's)
+        self.extra_keys: list[list[str]] = []  # the keys besides "loss" of each step's outputs
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
-        self.batches.append(batch[1].tolist())
+        if isinstance(batch, (list, tuple)):  # not a step that pulls from dataloader_iter
+            self.batches.append(batch[1].tolist())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
         if outputs:  # a skipped step (training_step returned None) has none
             self.losses.append(float(outputs["loss"]))
+            self.extra_keys.append(sorted(set(outputs) - {"loss"}))
 
     def on_validation_end(self, trainer, pl_module):  # noqa: ANN001
         if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
@@ -358,6 +369,7 @@ def main() -> None:
     result: dict = {"losses": recorder.losses, "checkpoint": str(final)}
     result["module_after_fit"] = str(workdir / f"{name}.module_after_fit.rank{{rank}}.pt")
     result["val_losses"] = recorder.val_losses
+    result["extra_keys"] = recorder.extra_keys
     if spec.get("top_k"):
         result["top_k_files"] = sorted(p.name for p in (workdir / "topk").iterdir())
     if spec.get("monitor"):

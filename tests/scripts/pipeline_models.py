@@ -175,6 +175,16 @@ class SkippingNet(SkewedNet):
         (2.0 * loss).backward(*args, **kwargs)
 
 
+class IterNet(SkewedNet):
+    """Pulls each batch from Lightning's ``dataloader_iter`` and returns an extra key beside the loss."""
+
+    def training_step(self, dataloader_iter):  # noqa: ANN001
+        (x, y), _, _ = next(dataloader_iter)
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, batch_size=x.shape[0])  # Lightning cannot infer it from an iterator
+        return {"loss": loss, "rows": x.shape[0]}
+
+
 MODELS = {
     "skewed": SkewedNet,
     "twice": TwiceNet,
@@ -182,6 +192,7 @@ MODELS = {
     "gather": GatherNet,
     "one": OneLayerNet,
     "skipping": SkippingNet,
+    "iter": IterNet,
 }
 
 
