@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -159,7 +160,7 @@ class LocalBSPModule(threading.Thread):
         """Push buckets ``[pushed, upto)`` of the open superstep: every worker folded them in its last
         micro-step (the same rows on every rank, so the same buckets in the same order).
         ``during_backward``: some worker is still in that micro-step (what the record counts)."""
-        started = time.perf_counter()
+        started = perf_counter()
         with self.memory.cond:
             sums = list(self.memory.aggregate.sums)
             self.memory.handoff.module_takes_over()  # the folds of those buckets
@@ -167,7 +168,7 @@ class LocalBSPModule(threading.Thread):
         self.memory.handoff.module_synchronize()
         if during_backward:
             self._early += upto - self._pushed
-            self._early_push_s += time.perf_counter() - started
+            self._early_push_s += perf_counter() - started
         self._pushed = upto
 
     def _close(self, index: int) -> None:
@@ -177,7 +178,7 @@ class LocalBSPModule(threading.Thread):
             memory.handoff.module_takes_over()  # every fold in the read-out
             clip = memory.clip
             hyper = memory.hyper
-        started = time.perf_counter()
+        started = perf_counter()
         staleness = out.staleness(index)
         hyper_changed = self.topology.rank == 0 and _changed(hyper, self._sent_hyper)
         # one gather for what every rank needs before the push: counts (the mean's weights), the worst
@@ -196,7 +197,7 @@ class LocalBSPModule(threading.Thread):
         memory.handoff.module_synchronize()
         early, early_s, ready = self._early, self._early_push_s, self._pushed
         self._pushed, self._early, self._early_push_s, self._early_bytes = 0, 0, 0.0, 0
-        pushed = time.perf_counter()
+        pushed = perf_counter()
         with memory.cond:
             memory.aggregate.recycle(out)
         if int(gathered[0][2]):
@@ -204,10 +205,10 @@ class LocalBSPModule(threading.Thread):
             dist.broadcast_object_list(shared, src=0, group=world)  # the controller's optimizer settings
             self._sent_hyper = shared[0]
         self.server.step(clip, self._sent_hyper, unused)
-        stepped = time.perf_counter()
+        stepped = perf_counter()
         pull_bytes = self.server.pull()
         memory.handoff.module_synchronize()
-        pulled = time.perf_counter()
+        pulled = perf_counter()
         counts_by_staleness: dict[int, int] = {}
         for s in staleness:
             counts_by_staleness[s] = counts_by_staleness.get(s, 0) + 1

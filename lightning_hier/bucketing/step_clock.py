@@ -5,13 +5,13 @@ not when the gradient exists. :class:`StepClock` records a CUDA event on the cur
 each mark instead and turns the events into seconds once per step. Resolving a step's events
 waits for that step's work, so on CUDA a step is resolved at the *next* step's resolve, when its
 events have long completed: no extra host-device synchronisation, and time bucketing sees each
-step's timeline one step late. On CPU marks are ``time.perf_counter()`` and resolve at once.
+step's timeline one step late. On CPU marks are ``perf_counter()`` and resolve at once.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Hashable
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ class StepClock:
 
     def _now(self) -> Any:
         if self.event_factory is None:
-            return time.perf_counter()
+            return perf_counter()
         event = self.event_factory()
         event.record()
         return event
@@ -67,7 +67,7 @@ class StepClock:
     def host_seconds(self) -> float:
         """Seconds on the host clock since the step started (CPU only)."""
         assert self.event_factory is None and self._start is not None
-        return time.perf_counter() - self._start
+        return perf_counter() - self._start
 
     def finish(self) -> dict[Hashable, float] | None:
         """End the step and return the newest resolvable step's ``{key: seconds}``.

@@ -26,9 +26,9 @@ from __future__ import annotations
 import contextlib
 import statistics
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -509,9 +509,9 @@ class _Timer:
             end.synchronize()
             out.append(start.elapsed_time(end) / 1000.0)
         else:
-            begin = time.perf_counter()
+            begin = perf_counter()
             yield
-            out.append(time.perf_counter() - begin)
+            out.append(perf_counter() - begin)
 
 
 def _as_chain_input(example_input: Any) -> Any:

@@ -10,9 +10,9 @@ repartitions, is rank 0, where Lightning logs and saves.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -617,9 +617,9 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 32 << 20) -> floa
     for _ in range(3):
         if pinned:
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = perf_counter()
         target.copy_(source, non_blocking=pinned)
         if pinned:
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, perf_counter() - start)
     return nbytes / max(best, 1e-9)

@@ -13,9 +13,9 @@ both of its ranks waiting on it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -256,7 +256,7 @@ def migrate(
 ) -> MigrationReport:
     """Carry out ``moves`` on this rank (every rank calls this with the same list)."""
     report = MigrationReport()
-    start = time.perf_counter()
+    start = perf_counter()
     params = dict(root.named_parameters(remove_duplicate=False))
     for move in moves:
         if stage not in (move.src, move.dst):
@@ -276,5 +276,5 @@ def migrate(
                 f"failed ({exc}). The other stage probably died; checkpoints are only written between "
                 "steps, so the last one describes a valid partition: resume from it."
             ) from exc
-    report.seconds = time.perf_counter() - start
+    report.seconds = perf_counter() - start
     return report

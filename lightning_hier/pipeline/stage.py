@@ -7,8 +7,8 @@ new ``[start, end)``. Layers call the model's own submodules, so parameters keep
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -76,7 +76,7 @@ class StageClock:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return perf_counter()
 
     def seconds(self, start: Any, end: Any) -> float:
         if self.cuda:

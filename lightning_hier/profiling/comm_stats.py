@@ -32,8 +32,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-import time
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -114,7 +114,7 @@ def sent_bytes(name: str, bound: dict[str, Any], size: int, root: bool) -> tuple
 class _Clock:
     """Host clock for host tensors; CUDA events (on the current stream) for CUDA tensors.
 
-    A stamp is a float (``time.perf_counter()``) or a recorded ``torch.cuda.Event``;
+    A stamp is a float (``perf_counter()``) or a recorded ``torch.cuda.Event``;
     :meth:`seconds` places either on one timeline (seconds since :meth:`reset`).
     """
 
@@ -122,7 +122,7 @@ class _Clock:
         self.reset()
 
     def reset(self) -> None:
-        self._origin_host = time.perf_counter()
+        self._origin_host = perf_counter()
         self._origin_event: Any = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._origin_event = torch.cuda.Event(enable_timing=True)
@@ -130,14 +130,14 @@ class _Clock:
 
     @staticmethod
     def host() -> float:
-        return time.perf_counter()
+        return perf_counter()
 
     def stamp(self, cuda: bool) -> Any:
         if cuda and self._origin_event is not None:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return perf_counter()
 
     def seconds(self, stamp: Any) -> float:
         if isinstance(stamp, float):

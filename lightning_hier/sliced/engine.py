@@ -22,9 +22,9 @@ Usage without Lightning::
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -381,7 +381,7 @@ class HierSlicedEngine:
     def _host_done(self, job: ReduceJob | None) -> float:
         """CPU: when the thread saw the all-reduce finish (earlier than this thread's wait)."""
         assert job is not None
-        return job.done_at - time.perf_counter() + self.clock.host_seconds()
+        return job.done_at - perf_counter() + self.clock.host_seconds()
 
     @torch.no_grad()
     def expose_full_gradients(self) -> None:

@@ -29,9 +29,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import torch
 import torch.distributed as dist
@@ -98,12 +98,12 @@ class ReduceJob:
     # feedback; added to the next step's node sum), and the narrow copies to copy back after the reduce
     residual: torch.Tensor | None = None
     narrowed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    submitted_at: float = 0.0  # time.perf_counter() clock
+    submitted_at: float = 0.0  # perf_counter() clock
     scatter_done_at: float = 0.0
     done_at: float = 0.0
 
     def mark_done(self) -> None:
-        self.done_at = time.perf_counter()
+        self.done_at = perf_counter()
 
     @torch.no_grad()
     def widen(self) -> None:
@@ -194,7 +194,7 @@ class InlineReducer(HierarchicalReducer):
     """Issues each job's collectives at ``submit``, from the calling thread (CUDA's reducer)."""
 
     def submit(self, job: ReduceJob) -> ReduceJob:
-        job.submitted_at = time.perf_counter()
+        job.submitted_at = perf_counter()
         for piece in self._pieces(job):
             scatter = self._scatter_piece(job, piece, async_op=True)
             reduce = None
@@ -205,7 +205,7 @@ class InlineReducer(HierarchicalReducer):
             work = reduce if reduce is not None else scatter
             if work is not None:
                 job.works.append(work)
-        job.scatter_done_at = time.perf_counter()
+        job.scatter_done_at = perf_counter()
         job.scatter_done.set()
         return job
 
@@ -214,7 +214,7 @@ class InlineReducer(HierarchicalReducer):
             work.wait()
         job.works = []
         job.widen()
-        job.done_at = time.perf_counter()
+        job.done_at = perf_counter()
         return job.out
 
 
@@ -253,7 +253,7 @@ class ThreadedReducer(HierarchicalReducer):
         self._stopping: threading.Thread | None = None
 
     def submit(self, job: ReduceJob) -> ReduceJob:
-        job.submitted_at = time.perf_counter()
+        job.submitted_at = perf_counter()
         if self._thread is not None and not self._thread.is_alive():  # stopped from outside (stop())
             self._thread = None
         if self._thread is None:
@@ -301,7 +301,7 @@ class ThreadedReducer(HierarchicalReducer):
             try:
                 for piece in self._pieces(job):
                     self._scatter_piece(job, piece, async_op=False)
-                    job.scatter_done_at = job.done_at = time.perf_counter()
+                    job.scatter_done_at = job.done_at = perf_counter()
                     work = self._all_reduce_piece(job, piece)
                     if work is not None:
                         work.get_future().add_done_callback(lambda _, job=job: job.mark_done())

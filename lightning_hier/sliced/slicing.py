@@ -19,9 +19,9 @@ index bounds what it can hold), and broadcasts the resulting plan.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 import torch.distributed as dist
@@ -120,11 +120,11 @@ def measure_matmul_throughput(device: torch.device, size: int = 256, repeats: in
     b = torch.randn(size, size, device=device)
     torch.mm(a, b)  # warm-up
     _synchronize(device)
-    start = time.perf_counter()
+    start = perf_counter()
     for _ in range(repeats):
         torch.mm(a, b)
     _synchronize(device)
-    elapsed = max(time.perf_counter() - start, 1e-9)
+    elapsed = max(perf_counter() - start, 1e-9)
     return repeats * size**3 / elapsed
 
 

@@ -30,12 +30,25 @@ def _after_closure(self: Precision, model: Any, optimizer: Optimizer) -> None:
     type(self)._hier_base._after_closure(self, model, optimizer)  # type: ignore[attr-defined]
 
 
+def _post_backward(self: Precision, tensor: Any, module: Any) -> Any:
+    hook = getattr(self._hier_strategy, "backward_pass_done", None)  # type: ignore[attr-defined]
+    if hook is not None:
+        hook()
+    return type(self)._hier_base.post_backward(self, tensor, module)  # type: ignore[attr-defined]
+
+
 def install_global_norm_clipping(plugin: Precision, strategy: Any) -> None:
     """Route ``clip_grad_by_norm`` of ``plugin`` to ``strategy.engine.clip_grad_norm_``, and give the
-    strategy a call right before ``on_before_optimizer_step`` (``before_optimizer_step_hooks``)."""
+    strategy a call right before ``on_before_optimizer_step`` (``before_optimizer_step_hooks``) and one
+    right after the backward pass, before ``on_after_backward`` (``backward_pass_done``): Lightning's
+    own ``Strategy.backward`` then runs unchanged (tests and tools patch it on the base class)."""
     base = type(plugin)
     if not getattr(base, "_hier_global_norm", False):
-        methods = {"clip_grad_by_norm": _clip_grad_by_norm, "_after_closure": _after_closure}
+        methods = {
+            "clip_grad_by_norm": _clip_grad_by_norm,
+            "_after_closure": _after_closure,
+            "post_backward": _post_backward,
+        }
         patched = type(f"GlobalNorm{base.__name__}", (base,), methods)
         patched._hier_global_norm = True  # type: ignore[attr-defined]
         patched._hier_base = base  # type: ignore[attr-defined]

@@ -435,12 +435,11 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
             self._in_step = True
         return super().training_step(*args, **kwargs)
 
-    def backward(
-        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> Any:
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        # here rather than in an overridden backward: Lightning's Strategy.backward stays as it is
         if self.engine is not None:
             self.engine.backward_starts()
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        super().pre_backward(closure_loss)
 
     def optimizer_step(
         self,

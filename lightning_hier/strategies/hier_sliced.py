@@ -439,20 +439,11 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         self._sync_buffers(training=False)
         return super().predict_step(*args, **kwargs)
 
-    def backward(
-        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        """As Lightning's, but the gradients are reduced before ``on_after_backward`` runs (DDP
-        reduces them during backward, so hooks there see synchronised gradients)."""
-        module = self.lightning_module
-        assert module is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+    def backward_pass_done(self) -> None:
+        """Called by the precision plugin (``global_norm_clipping``) between the backward pass and
+        ``on_after_backward``: the gradients are reduced before the hooks run, as DDP reduces them
+        during backward. Lightning's ``Strategy.backward`` itself stays as it is."""
         self._finish_backward()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
 
     def pre_backward(self, closure_loss: torch.Tensor | None) -> None:
         engines = self.engines
