@@ -150,9 +150,7 @@ class PipelineEngine:
 
     def _gather_on_last(self, obj: Any) -> list[Any]:
         """Every stage's ``obj``, in stage-rank order, on the last stage; ``[]`` elsewhere (collective)."""
-        if (
-            self.num_stages == 1
-        ):  # nothing to gather; skipping the pickling round trip keeps tensors as they are
+        if self.num_stages == 1:  # nothing to gather, and no pickling round trip
             return [obj]
         gathered: list[Any] = [None] * self.num_stages if self.is_last else []
         dist.gather_object(
