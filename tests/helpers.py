@@ -30,11 +30,26 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess:
     """Run ``tests/scripts/<script>`` on ``nproc`` local processes; raise with the log on failure.
 
-    ``env`` adds environment variables for the processes; ``launcher_args`` go to torchrun itself."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        *launcher_args, str(SCRIPTS / script), *args,
-    ]  # fmt: skip
+    The processes are forked by ``tests/fork_launch.py`` with torchrun's environment, so torch and Lightning
+    are imported once rather than once per process. ``env`` adds environment variables for the processes.
+    ``launcher_args`` are torchrun's: ``--monitor-interval=S`` (how long the others may go on after one
+    fails) is honoured by the fork launcher; any other sends the run through torchrun itself."""
+    grace = [a.split("=", 1)[1] for a in launcher_args if a.startswith("--monitor-interval=")]
+    if len(grace) == len(launcher_args):
+        launcher = [
+            str(Path(__file__).parent / "fork_launch.py"),
+            f"--nproc={nproc}",
+            *(f"--grace={g}" for g in grace),
+        ]
+    else:
+        launcher = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *launcher_args,
+        ]
+    cmd = [sys.executable, *launcher, str(SCRIPTS / script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     # a session of its own, so a hang kills the workers too (torchrun alone would leave them behind)
     with subprocess.Popen(
@@ -75,9 +90,13 @@ def init_gloo(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
 
 
 def run_spawned(fn: Callable[..., Any], world: int, tmp_path: Path, *args: Any) -> list:
-    """Run ``fn(rank, world, store, *args)`` on ``world`` spawned processes; return per-rank results
-    (what ``fn`` returned, ``{"error", "traceback"}`` if it raised, ``None`` if the process died)."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, world, store, *args)`` on ``world`` new processes; return per-rank results
+    (what ``fn`` returned, ``{"error", "traceback"}`` if it raised, ``None`` if the process died).
+
+    The processes are forked from a server that imported torch and lightning_hier once for the whole
+    session (multiprocessing's forkserver), not started as new interpreters that each import them again."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning_hier"])
     store = str(tmp_path / "store")
     procs = [
         ctx.Process(target=_spawned, args=(fn, r, world, store, str(tmp_path), *args)) for r in range(world)

@@ -134,9 +134,13 @@ def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: P
     assert first["old"]["starts"] == [0, 1, 2, 3]
     assert first["imbalance_before"] > 1.0
     assert first["imbalance_after"] < first["imbalance_before"]  # predicted ...
-    # ... and measured: the next check timed the new split, and it is more even
-    before, after = result["checks"][0], result["checks"][1]
-    assert before["changed"] and before["step"] < after["step"]
+    # ... and measured: the check after the first move timed the new split, and it is more even (on a
+    # loaded host the first check may find the move not worth it yet, so look for the one that moved)
+    checks = result["checks"]
+    moved_at = next(i for i, check in enumerate(checks) if check["changed"])
+    assert moved_at + 1 < len(checks), checks
+    before, after = checks[moved_at], checks[moved_at + 1]
+    assert before["step"] < after["step"]
 
     def imbalance(times: list[float]) -> float:
         return (max(times) - min(times)) / (sum(times) / len(times))
