@@ -43,12 +43,13 @@ from lightning_hier.strategies.callback_rules import refuse_unsupported_callback
 from lightning_hier.strategies.optimizer_routing import route_zero_grad
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
+from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
 from lightning_hier.topology import Topology, emulating_cuda, resolve_backend, validate_layout
 
 log = logging.getLogger(__name__)
 
 
-class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
+class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStrategy):
     """Bulk-synchronous parameter server with asynchronous workers.
 
     Each worker (one process per device) trains on its own batches as fast as it can: after every
@@ -284,6 +285,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
             self._mark_train_loading(trainer)
             if not self.settings.lockstep:
                 _validate_at_every_epoch_end(trainer)
+        self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
 
     def _build_engine(self) -> None:
         assert self.topology is not None and self.lightning_module is not None
@@ -570,10 +572,6 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     # ------------------------------------------------------------------ checkpoints
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the server shards must exist before the optimizer state is loaded into them
-
     def _stopped_after_exception(self) -> bool:
         """Training raised: a checkpoint now comes from Lightning's exception path (callbacks'
         ``on_exception``, e.g. ``ModelCheckpoint(save_on_exception=True)``, run before the strategy's). The

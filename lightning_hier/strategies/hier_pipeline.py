@@ -40,6 +40,7 @@ from lightning_hier.strategies.global_norm_clipping import (
 )
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
+from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
 from lightning_hier.strategies.stage_metrics_sync import StageMetricsSync
 from lightning_hier.topology import control_group, resolve_backend
 
@@ -83,7 +84,7 @@ def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
     not a lambda, so the strategy pickles for ``start_method="spawn"``)."""
 
 
-class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
+class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStrategy):
     """Pipeline-parallel training whose stage split follows measured layer times.
 
     The LightningModule's ``forward`` is traced (torch.fx) into layers, grouped into
@@ -308,6 +309,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         self._keep_users_sampler(trainer)
         if fitting:
             self._take_over_zero_grad(module)
+        self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
 
     def _build_engine(self) -> None:
         module = self.lightning_module
@@ -542,10 +544,6 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, DDPStrategy):
         self.engine.after_optimizer_step(trainer.global_step + 1, epoch_ends)
 
     # ------------------------------------------------------------------ checkpoints
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # stages and their owned tensors must exist before states are loaded
-
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         state = self.lightning_module.state_dict()

@@ -44,6 +44,7 @@ from lightning_hier.strategies.optimizer_routing import (
 )
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
+from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
 from lightning_hier.topology import Topology, resolve_backend, validate_layout
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def _zero_grad_with_buckets(
     return zero_grad
 
 
-class HierSlicedStrategy(PicklesWithoutRuntimeState, DDPStrategy):
+class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStrategy):
     """Data parallel training with hierarchical sliced gradient reduction and a sharded optimizer.
 
     Every step, each flat gradient bucket is cut into one slice per device of a node. Slice ``k``
@@ -271,6 +272,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             install_global_norm_clipping(self.precision_plugin, self)
             self._install_sharded_grad_scaler()
+        self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
 
     def _groups(self) -> Topology:
         assert self.topology is not None
@@ -504,11 +506,6 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, DDPStrategy):
     def checkpoints(self) -> SlicedCheckpoints:
         """How checkpoints are written and read (:mod:`lightning_hier.sliced.checkpoints`)."""
         return SlicedCheckpoints(self.checkpoint_format)
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # the flat buckets must exist before states are loaded into them (in place)
-        return True
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.engine is None:

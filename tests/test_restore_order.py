@@ -1,0 +1,44 @@
+"""A checkpoint's callback states are restored before ``on_fit_start`` and ``fit(weights_only=False)`` reaches
+``torch.load``, as under ``ddp`` (tests/scripts/restore_order_checks.py, 2 processes).
+
+Before: these strategies asked Lightning to restore after their setup, which Lightning 2.6 does after the
+``on_fit_start`` hooks and without ``weights_only``. A resumed ``Timer`` took steps beyond its spent budget,
+``StochasticWeightAveraging`` resumed with the user's ``LambdaLR`` raised ``KeyError: 'lr_lambdas'``, and a
+callback state holding a custom object failed to load ("Weights only load failed").
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_torchrun
+
+STRATEGIES = ["hier_sliced", "hier_bsp", "hier_pipeline"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("restore_order")
+    run_torchrun("restore_order_checks.py", 2, str(out), timeout=400)
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_resumed_timer_with_its_budget_spent_takes_no_step_and_custom_objects_load(
+    results: dict, strategy: str
+) -> None:
+    reference = results["reference"]["timer"]
+    assert reference["resumed_step"] == reference["saved_step"] > 0 and reference["note"] == "kept", reference
+    timer = results[strategy]["timer"]
+    assert "error" not in timer, timer
+    assert timer["saved_step"] > 0  # the first fit ran until the Timer stopped it
+    assert timer["resumed_step"] == timer["saved_step"], timer
+    assert timer["note"] == "kept"  # weights_only=False reached torch.load
+
+
+@pytest.mark.parametrize("strategy", ["hier_sliced", "hier_bsp"])
+def test_swa_resumed_with_the_users_scheduler_ends_where_ddp_ends(results: dict, strategy: str) -> None:
+    reference, averaged = results["reference"]["swa"], results[strategy]["swa"]
+    assert "error" not in reference and "error" not in averaged, averaged
+    assert averaged == pytest.approx(reference, rel=1e-5, abs=1e-6)
