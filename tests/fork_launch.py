@@ -19,12 +19,14 @@ Nothing here spawns a thread before the fork.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
 import runpy
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -66,6 +68,19 @@ def _worker(rank: int, world: int, port: int, run_id: str, script: str, args: li
         return 1
 
 
+def _end_worker(code: int) -> None:
+    """End a forked worker as an interpreter ends: its threads joined, its atexit handlers run (process
+    groups destroyed, shared memory unlinked), its streams flushed. ``os._exit`` then skips whatever the
+    launcher itself would still do after the fork, wherever the launcher runs."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what a normal interpreter exit does first
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def _wait(workers: dict[int, int], grace: float) -> int:
     """Wait for every worker; after the first failure the rest get ``grace`` seconds, then are killed."""
     first_failure, deadline, killed = 0, None, False
@@ -87,6 +102,22 @@ def _wait(workers: dict[int, int], grace: float) -> int:
     return first_failure
 
 
+def launch(nproc: int, grace: float, script: str, args: list[str]) -> int:
+    """Fork ``nproc`` workers running ``script``; the first failing worker's exit code, or 0."""
+    for name in PRELOADED:
+        __import__(name)
+    port, run_id = _free_port(), uuid.uuid4().hex
+    workers: dict[int, int] = {}
+    for rank in range(nproc):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _end_worker(_worker(rank, nproc, port, run_id, script, args))
+        workers[pid] = rank
+    return _wait(workers, grace)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, required=True)
@@ -94,21 +125,7 @@ def main() -> int:
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args()
-    for name in PRELOADED:
-        __import__(name)
-    port, run_id = _free_port(), uuid.uuid4().hex
-    workers: dict[int, int] = {}
-    for rank in range(options.nproc):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = _worker(rank, options.nproc, port, run_id, options.script, options.args)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            raise SystemExit(code)  # a normal exit: the worker's atexit handlers run
-        workers[pid] = rank
-    return _wait(workers, options.grace)
+    return launch(options.nproc, options.grace, options.script, options.args)
 
 
 if __name__ == "__main__":

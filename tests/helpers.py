@@ -7,9 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,46 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SCRIPTS = Path(__file__).parent / "scripts"
+
+
+# imported once in multiprocessing's forkserver; every test process is forked from it. lightning_hier is left
+# out: it reads LIGHTNING_HIER_AUDIT_DIR when imported, and each run sets its own environment first
+PRELOADED = ["torch", "torch.distributed", "lightning.pytorch"]
+
+
+def _forkserver() -> Any:
+    """The multiprocessing context whose server has torch and Lightning imported (started on first use)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)
+    # OpenMP reads its thread count when torch is loaded, in the server: one thread per process, as
+    # the tests' processes share two cores
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return ctx
+
+
+def _launch_workers(nproc: int, grace: float, script: str, args: list[str], env: dict, log: str) -> None:
+    """In a process forked from the server: a session of its own (so a timeout kills every worker), the
+    run's environment, output to ``log``, then ``fork_launch.launch``'s workers."""
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("PYTHONWARNINGS") == "ignore":  # read at interpreter start, which the server's was not
+        warnings.simplefilter("ignore")
+    from fork_launch import launch
+
+    sys.exit(launch(nproc, grace, script, args))
 
 
 def run_torchrun(
@@ -30,27 +73,45 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess:
     """Run ``tests/scripts/<script>`` on ``nproc`` local processes; raise with the log on failure.
 
-    The processes are forked by ``tests/fork_launch.py`` with torchrun's environment, so torch and Lightning
-    are imported once rather than once per process. ``env`` adds environment variables for the processes.
+    The processes get torchrun's environment (``tests/fork_launch.py``) but are forked from a server that
+    imported torch and Lightning once for the whole session: a new interpreter per process costs about
+    7 s of CPU for those imports alone. ``env`` adds environment variables for the processes.
     ``launcher_args`` are torchrun's: ``--monitor-interval=S`` (how long the others may go on after one
-    fails) is honoured by the fork launcher; any other sends the run through torchrun itself."""
-    grace = [a.split("=", 1)[1] for a in launcher_args if a.startswith("--monitor-interval=")]
-    if len(grace) == len(launcher_args):
-        launcher = [
-            str(Path(__file__).parent / "fork_launch.py"),
-            f"--nproc={nproc}",
-            *(f"--grace={g}" for g in grace),
-        ]
-    else:
-        launcher = [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            *launcher_args,
-        ]
-    cmd = [sys.executable, *launcher, str(SCRIPTS / script), *args]
+    fails) is honoured; any other sends the run through torchrun itself."""
+    grace = [float(a.split("=", 1)[1]) for a in launcher_args if a.startswith("--monitor-interval=")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    if len(grace) != len(launcher_args):
+        return _run_under_torchrun(script, nproc, args, timeout, env, launcher_args)
+    handle, log = tempfile.mkstemp(prefix=f"{Path(script).stem}-", suffix=".log")
+    os.close(handle)
+    path = str(SCRIPTS / script)
+    launcher = _forkserver().Process(
+        target=_launch_workers, args=(nproc, grace[-1] if grace else 5.0, path, list(args), env, log)
+    )
+    try:
+        launcher.start()
+        launcher.join(timeout)
+        timed_out = launcher.is_alive()
+        if timed_out:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.join()
+        output = Path(log).read_text(errors="replace")
+    finally:
+        os.unlink(log)
+    if timed_out:
+        raise AssertionError(f"{script} did not finish in {timeout} s:\n{output[-12000:]}")
+    if launcher.exitcode != 0:
+        raise AssertionError(f"{script} failed ({launcher.exitcode}):\n{output[-12000:]}")
+    return subprocess.CompletedProcess([path, *args], 0, output, "")
+
+
+def _run_under_torchrun(
+    script: str, nproc: int, args: tuple[str, ...], timeout: float, env: dict, launcher_args: tuple[str, ...]
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        *launcher_args, str(SCRIPTS / script), *args,
+    ]  # fmt: skip
     # a session of its own, so a hang kills the workers too (torchrun alone would leave them behind)
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
@@ -95,8 +156,7 @@ def run_spawned(fn: Callable[..., Any], world: int, tmp_path: Path, *args: Any) 
 
     The processes are forked from a server that imported torch and lightning_hier once for the whole
     session (multiprocessing's forkserver), not started as new interpreters that each import them again."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning_hier"])
+    ctx = _forkserver()
     store = str(tmp_path / "store")
     procs = [
         ctx.Process(target=_spawned, args=(fn, r, world, store, str(tmp_path), *args)) for r in range(world)
