@@ -289,6 +289,18 @@ def test_unknown_optimizers_are_refused_unless_declared_elementwise() -> None:
     check_optimizer(MySGD(params, lr=0.1), declared_elementwise=["MySGD"])  # the user vouches for it
 
 
+def test_hier_bsp_refuses_an_unknown_optimizer_naming_its_own_setting() -> None:
+    """The parameter server shards the optimizer as hier_sliced does; the error names HierBSPStrategy's
+    setting (before: HierSlicedStrategy's, which a hier_bsp user cannot pass)."""
+    from lightning_hier.bsp.engine import BSPEngine
+    from lightning_hier.bsp.settings import BSPSettings
+
+    model = nn.Linear(3, 1)
+    settings = BSPSettings(superstep_steps=1, max_staleness=0)
+    with pytest.raises(ValueError, match=r"HierBSPStrategy\(elementwise_optimizers=\['MySGD'\]\)"):
+        BSPEngine(model, MySGD(model.parameters(), lr=0.1), None, settings)  # refused before any group
+
+
 def test_a_subclass_that_keeps_the_parents_step_runs_the_parents_update() -> None:
     from lightning_hier.sliced.sharded_optim import update_rule_of
 

@@ -51,8 +51,13 @@ def decide(rows: Sequence[Sequence[int]], settings: BSPSettings, version: int) -
     """The decision for one tick; ``version`` is the newest announced model (the number of closes)."""
     folded = sum(row[FOLDED] for row in rows)
     if all(row[DRAIN] for row in rows):
+        # every worker is inside its drain, so none computes. One inside an accumulation window
+        # (validation in the middle of one) keeps its micro-step in flight until after the drain; the
+        # close then waits for that fold unless closing now keeps its gradient within max_staleness
+        # (before: the drain waited for a fold that only the draining worker itself could make)
         in_flight = any(row[INFLIGHT] >= 0 for row in rows)
-        return TickDecision(close=folded > 0 and not in_flight, pause=not in_flight)
+        close = folded > 0 and (not in_flight or safe_to_close(rows, version, settings.max_staleness))
+        return TickDecision(close=close, pause=True)
     if settings.fill_idle:  # every worker folded its share; the faster ones may have folded more
         due = all(row[FOLDED] >= settings.superstep_steps for row in rows)
     elif settings.superstep_steps is not None:

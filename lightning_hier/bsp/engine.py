@@ -60,7 +60,7 @@ class BSPEngine:
         """``plan``: the buckets (default: by size, up to ``bucket_cap_mb``). ``profile``: ``(warmup, steps)``
         to time when each gradient is ready in the last backward of that many micro-steps, after skipping
         ``warmup``, for :meth:`time_plan`."""
-        check_optimizer(optimizer, elementwise_optimizers)
+        check_optimizer(optimizer, elementwise_optimizers, strategy="HierBSPStrategy")
         # plain BSP only: there a worker's last micro-step of a superstep is known before its backward
         self.early_push = early_push and settings.lockstep
         self.settings = settings

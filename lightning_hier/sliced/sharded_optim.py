@@ -62,26 +62,31 @@ def update_rule_of(optimizer: torch.optim.Optimizer) -> str:
     return cls.__name__
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, declared_elementwise: Sequence[str] = ()) -> None:
+def check_optimizer(
+    optimizer: torch.optim.Optimizer,
+    declared_elementwise: Sequence[str] = (),
+    strategy: str = "HierSlicedStrategy",
+) -> None:
     """Refuse optimizers whose update is not elementwise, and unknown ones not declared elementwise.
 
     ``declared_elementwise`` lists optimizer class names the user vouches for (an update that looks
     only at each element's own gradient and state: no per-tensor norms, shapes or trust ratios).
+    ``strategy`` is the class the errors name (hier_bsp's server shards the optimizer the same way).
     """
     name = type(optimizer).__name__
     if name in NOT_ELEMENTWISE:
         raise ValueError(
             f"{name} cannot run on flat parameter slices: its update is not elementwise. "
-            f"HierSlicedStrategy supports elementwise optimizers such as {', '.join(ELEMENTWISE)}; "
+            f"{strategy} supports elementwise optimizers such as {', '.join(ELEMENTWISE)}; "
             "use strategy='ddp' for this optimizer."
         )
     if update_rule_of(optimizer) not in ELEMENTWISE and name not in declared_elementwise:
         raise ValueError(
-            "HierSlicedStrategy shards the optimizer by flat parameter slices, which gives DDP's result "
+            f"{strategy} shards the optimizer by flat parameter slices, which gives DDP's result "
             "only if its update is elementwise (no per-tensor norms, shapes or trust ratios). "
             f"{name} is not one it knows ({', '.join(ELEMENTWISE)}). "
             f"If {name}'s update is elementwise, declare it: "
-            f"HierSlicedStrategy(elementwise_optimizers=[{name!r}]); otherwise use strategy='ddp'."
+            f"{strategy}(elementwise_optimizers=[{name!r}]); otherwise use strategy='ddp'."
         )
 
 

@@ -77,6 +77,14 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(val_check_interval=4, num_sanity_val_steps=0),
         validate=True,
     ),
+    # validation every 2 batches inside 3-batch accumulation windows: every worker drains with its micro-step
+    # in flight (before: the drain waited for that worker's own fold and hung until the timeout)
+    "sgd_validation_inside_accumulation_window": dict(
+        model=dict(optimizer="sgd"),
+        bsp=dict(devices_per_node=2, early_push=True),
+        trainer=dict(accumulate_grad_batches=3, val_check_interval=2, num_sanity_val_steps=0),
+        validate=True,
+    ),
     "sgd_clip_value_no_early_push": dict(
         model=dict(optimizer="sgd"),
         bsp=dict(devices_per_node=2),  # early_push=None: off on CPU
