@@ -238,6 +238,8 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     # one replica: the last stage (rank 0) returns and writes every prediction, the other stage none
     # (before: a None per batch, which a writer's merge could not concatenate)
     assert result["predict_returned_by_rank"] == [len(expected_batches), 0]
+    # the metrics copy the strategy installs for a run leaves trainer.callbacks as the user made it
+    assert result["callbacks_as_before_by_rank"] == [True, True]
     files = [torch.load(result["prediction_files"].format(rank=r)) for r in range(2)]
     assert torch.equal(torch.cat(files[0]["predictions"]), expected)
     assert len(files[0]["batch_indices"][0]) == len(expected_batches)

@@ -344,8 +344,15 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
 
     def _install_metric_sync(self, trainer: pl.Trainer) -> None:
         if not any(isinstance(cb, StageMetricsSync) for cb in trainer.callbacks):
-            # before ModelCheckpoint / EarlyStopping, which read the metrics on every rank
+            # before ModelCheckpoint / EarlyStopping, which read the metrics on every rank; taken out again
+            # at teardown, so trainer.callbacks is the user's list between runs, as under ddp
             trainer.callbacks.insert(0, StageMetricsSync())
+
+    def _remove_metric_sync(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is not None:
+            trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, StageMetricsSync)]
 
     # ------------------------------------------------------------------ steps
     def _step_forward(
@@ -586,6 +593,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         if self.engine is not None and not self._failed and dist.is_initialized():
             self.engine.restore_full_model("cpu")
         remove_global_norm_clipping(self.precision_plugin)
+        self._remove_metric_sync()
         module = self.lightning_module
         if module is not None and "optimizer_zero_grad" in module.__dict__:
             del module.optimizer_zero_grad

@@ -355,6 +355,7 @@ def main() -> None:
         train_loader = flagged_loader()
     else:
         train_loader = loader(batch_size=spec.get("batch_size", 32), shuffle=spec.get("shuffle", False))
+    callbacks_before = [type(cb).__name__ for cb in trainer.callbacks]
     trainer.fit(
         model,
         train_loader,
@@ -411,6 +412,8 @@ def main() -> None:
         "headers_sent": engine.link.headers_sent,
         "torch_save_calls": saves.calls,
         "predict_returned": len(predictions) if spec.get("monitor") else None,
+        # what the strategy added to trainer.callbacks for the run is gone again (fit and predict)
+        "callbacks_as_before": [type(cb).__name__ for cb in trainer.callbacks] == callbacks_before,
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
@@ -422,6 +425,7 @@ def main() -> None:
     result["headers_sent_by_rank"] = [g["headers_sent"] for g in gathered]
     result["torch_save_calls_by_rank"] = [g["torch_save_calls"] for g in gathered]
     result["predict_returned_by_rank"] = [g["predict_returned"] for g in gathered]
+    result["callbacks_as_before_by_rank"] = [g["callbacks_as_before"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     result["gathered"] = getattr(model, "gathered", None)
     if trainer.is_global_zero:
