@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_torchrun
+from helpers import init_gloo, run_spawned, run_torchrun
 from scripts.bsp_equivalence import SCENARIOS
 from torch.utils.data.distributed import DistributedSampler
 
@@ -816,3 +816,29 @@ def test_an_error_in_training_step_ends_every_worker_promptly(tmp_path: Path, wh
     # model every worker last picked up, without a drain (which waited for the unfinished step: hung)
     saved = results["rank0"]["checkpoint"]
     assert saved == {"keys_match": True, "equals_worker_model": True, "optimizer_groups": 1}, saved
+
+
+# ---------------------------------------------------------------------- liveness
+def _heartbeat_stopped(rank: int, world: int, store: str) -> dict:
+    import threading
+    import time
+
+    from lightning_hier.bsp.liveness import Heartbeat
+
+    init_gloo(rank, world, store)
+    beat = Heartbeat("test", rank)
+    beat.start()
+    time.sleep(0.05)
+    beat.stop()
+    alive = beat.is_alive()
+    beat.join()  # threading's own join calls Thread._stop, which the heartbeat once shadowed
+    return {"alive_after_stop": alive, "threads": [t.name for t in threading.enumerate()]}
+
+
+def test_a_stopped_heartbeat_has_ended_and_joins(tmp_path: Path) -> None:
+    """Lightning's test suite stops leftover daemon threads through their ``stop()`` and asserts they ended;
+    the heartbeat's stop only set its flag, and ``join()`` raised ``'Event' object is not callable``."""
+    (result,) = run_spawned(_heartbeat_stopped, 1, tmp_path)
+    assert result is not None and "error" not in result, result
+    assert result["alive_after_stop"] is False
+    assert not any(name.startswith("hier-bsp-heartbeat") for name in result["threads"])

@@ -31,19 +31,25 @@ class Heartbeat(threading.Thread):
     def __init__(self, run_key: str, rank: int) -> None:
         super().__init__(name=f"hier-bsp-heartbeat-rank{rank}", daemon=True)
         self.key = f"{run_key}/beat/{rank}"
-        self._stop = threading.Event()
+        # not ``_stop``: that name is threading.Thread's own method, which join() calls (it raised
+        # "'Event' object is not callable" there)
+        self._stopping = threading.Event()
 
     def run(self) -> None:
         try:
             store = dist.distributed_c10d._get_default_store()
-            while not self._stop.is_set():
+            while not self._stopping.is_set():
                 store.add(self.key, 1)
-                self._stop.wait(BEAT_SECONDS)
+                self._stopping.wait(BEAT_SECONDS)
         except Exception:  # noqa: BLE001, S110 - the store's host is gone; lost_ranks reports it
             pass
 
-    def stop(self) -> None:
-        self._stop.set()
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop beating; the thread has ended when this returns (unless a store call hangs past
+        ``timeout``), so no beat outlives the run that started it."""
+        self._stopping.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout)
 
 
 def lost_ranks(run_key: str, world_size: int, watch_s: float = WATCH_SECONDS) -> list[int] | None:

@@ -510,6 +510,15 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
                 logger.log_metrics(metrics, step=number + 1)  # superstep numbers go on across a rebuild
             self._logged += 1
 
+    def on_train_start(self) -> None:
+        """The server starts from the module as training starts, after every restore hook and the
+        callbacks' and module's ``on_train_start``, as ``ddp`` trains whatever the module then holds.
+        ``WeightAveraging`` loads its ``current_model_state`` into the module directly, after
+        :meth:`load_model_state_dict` gave the server the averaged weights; the server then trained from
+        those instead (Lightning's ``test_ema_resume`` found it)."""
+        if self.engine is not None:
+            self.engine.load_params()
+
     def on_validation_start(self) -> None:
         if self.engine is not None:
             self.engine.drain()

@@ -12,6 +12,9 @@ writes ``OUT_DIR/results.json``:
   epoch 3, then resumed to epoch 5. The checkpoint holds SWALR's state, which SWA must take back in
   ``on_fit_start`` before Lightning restores the schedulers. The final parameters are compared across
   strategies (``hier_pipeline`` refuses SWA, as a stage holds only part of the model).
+- ``ema``: ``EMAWeightAveraging`` over two epochs, resumed to four. The callback loads the trained
+  weights into the module after the strategy loaded the averaged ones; the final parameters are compared
+  across strategies (not ``hier_pipeline``, which refuses weight averaging).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging, Timer
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging, Timer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -117,6 +120,26 @@ def swa(make_strategy: Any, root: Path) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
+def ema(make_strategy: Any, root: Path) -> list[float]:
+    """Two epochs, a checkpoint, resumed to four: the checkpoint's ``state_dict`` holds the averaged weights
+    and ``current_model_state`` the trained ones, which EMAWeightAveraging loads into the module itself."""
+
+    def fit(epochs: int, ckpt_path: str | None = None) -> pl.LightningModule:
+        pl.seed_everything(5, verbose=False)
+        model = Net()
+        run = trainer(
+            make_strategy(), root, max_epochs=epochs, limit_train_batches=4,
+            callbacks=[EMAWeightAveraging(decay=0.5), saved],
+        )  # fmt: skip
+        run.fit(model, loader(), ckpt_path=ckpt_path)
+        return model
+
+    saved = ModelCheckpoint(dirpath=root / "ema", save_last=True)
+    fit(2)
+    model = fit(4, saved.last_model_path)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
 def reported(scenario: Any, *args: Any) -> Any:
     """The scenario's result, or the error it raised (on every rank alike: restoring fails everywhere)."""
     try:
@@ -130,8 +153,12 @@ def main() -> None:
     results = {}
     for name, make in STRATEGIES.items():
         # hier_pipeline refuses StochasticWeightAveraging (a stage holds part of the model)
-        averaged = reported(swa, make, out / name) if name != "hier_pipeline" else None
-        results[name] = {"timer": reported(timer, make, out / name), "swa": averaged}
+        whole = name != "hier_pipeline"
+        results[name] = {
+            "timer": reported(timer, make, out / name),
+            "swa": reported(swa, make, out / name) if whole else None,
+            "ema": reported(ema, make, out / name) if whole else None,
+        }
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results))
 
