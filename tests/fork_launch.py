@@ -24,7 +24,6 @@ import os
 import random
 import runpy
 import signal
-import socket
 import sys
 import threading
 import time
@@ -32,12 +31,6 @@ import traceback
 import uuid
 
 PRELOADED = ("torch", "torch.distributed", "lightning.pytorch", "lightning_hier")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, run_id: str, script: str, args: list[str]) -> int:
@@ -106,7 +99,9 @@ def launch(nproc: int, grace: float, script: str, args: list[str]) -> int:
     """Fork ``nproc`` workers running ``script``; the first failing worker's exit code, or 0."""
     for name in PRELOADED:
         __import__(name)
-    port, run_id = _free_port(), uuid.uuid4().hex
+    from helpers import free_port  # beside this file (tests/), imports torch: after the preload
+
+    port, run_id = free_port(), uuid.uuid4().hex
     workers: dict[int, int] = {}
     for rank in range(nproc):
         sys.stdout.flush()

@@ -154,8 +154,9 @@ def run_spawned(fn: Callable[..., Any], world: int, tmp_path: Path, *args: Any) 
     """Run ``fn(rank, world, store, *args)`` on ``world`` new processes; return per-rank results
     (what ``fn`` returned, ``{"error", "traceback"}`` if it raised, ``None`` if the process died).
 
-    The processes are forked from a server that imported torch and lightning_hier once for the whole
-    session (multiprocessing's forkserver), not started as new interpreters that each import them again."""
+    The processes are forked from a server that imported torch and Lightning once for the whole session
+    (multiprocessing's forkserver, :data:`PRELOADED`), not started as new interpreters that each import them
+    again."""
     ctx = _forkserver()
     store = str(tmp_path / "store")
     procs = [
