@@ -282,6 +282,27 @@ class BSPEngine:
             memory.picked_up = memory.version
             memory.started_since_pickup = 0
 
+    @torch.no_grad()
+    def await_stepped_model(self) -> None:
+        """In lockstep, after the superstep's last micro-step: wait for the model the server makes of it
+        and take it into the parameters now, rather than at the next :meth:`begin_step`, so the hooks
+        after the optimizer step (``on_train_batch_end``: EMA weight averaging, weight logging, a
+        checkpoint every n steps) see the stepped weights, as under ``ddp``. Lockstep waits for that
+        model before the next micro-step anyway; elsewhere a worker goes on without it."""
+        memory, quota = self.memory, self.settings.quota
+        if not self.settings.lockstep or quota is None:
+            return
+        with memory.cond:
+            if memory.started_since_pickup < quota:
+                return  # the superstep wants more micro-steps (or this one computed nothing)
+            while (
+                memory.picked_up == memory.version
+                and not (memory.paused or memory.draining or memory.aborted)
+                and self.module.is_alive()
+            ):
+                memory.wait(self.timeout_s, "new model from the parameter server")
+            self._pick_up()
+
     @property
     def fit_should_end(self) -> bool:
         """Some worker reached max_steps: end the fit here too (all then drain together)."""

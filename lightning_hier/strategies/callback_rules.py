@@ -13,11 +13,12 @@
 - ``ModelPruning``, under ``hier_pipeline``: it masks parameters every process holds only part of, and
   rewrites every checkpoint's state dict with its masks, which fails on the other stages' empty tensors.
 
-Under ``hier_bsp`` a ``WeightAveraging`` that updates every step is served with a warning: it averages
-the model each worker computed its step with, and the server's update of that step reaches the worker
-at its next step (later with staleness), so the average trails ``ddp``'s by about a step. Averaging at
-epoch ends (``StochasticWeightAveraging``, or ``should_update`` on ``epoch_idx``) sees the drained,
-current model and matches ``ddp``.
+Under ``hier_bsp`` off lockstep (``max_staleness`` > 0, ``superstep_seconds`` or ``fill_idle``) a
+``WeightAveraging`` is served with a warning: a worker goes on without waiting for the server's update
+of its step, so the model it averages at the end of a step trails ``ddp``'s by about a step (more with
+staleness), and workers take different numbers of steps. In lockstep (plain BSP) each worker takes the
+stepped model before ``on_train_batch_end``, as ``ddp`` has it. Averaging at epoch ends
+(``StochasticWeightAveraging``, or ``should_update`` on ``epoch_idx``) sees the drained, current model.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ except ImportError:  # Lightning before 2.5 has no WeightAveraging
 AVERAGING: tuple[type, ...] = (StochasticWeightAveraging,) + ((WeightAveraging,) if WeightAveraging else ())
 
 
-def refuse_unsupported_callbacks(module: pl.LightningModule | None, strategy: str) -> None:
-    """Raise ``ValueError`` naming the first callback of the fit that ``strategy`` cannot serve."""
+def refuse_unsupported_callbacks(
+    module: pl.LightningModule | None, strategy: str, lockstep: bool = False
+) -> None:
+    """Raise ``ValueError`` naming the first callback of the fit that ``strategy`` cannot serve.
+    ``lockstep``: ``hier_bsp``'s workers take every stepped model before their next hook (no warning
+    for per-step weight averaging)."""
     trainer = getattr(module, "_trainer", None)
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:
         return
@@ -64,11 +69,13 @@ def refuse_unsupported_callbacks(module: pl.LightningModule | None, strategy: st
                 "hier_pipeline process holds only its stage's parameters (the others are empty there). "
                 "Prune under hier_sliced, hier_bsp or ddp, or prune the trained model after fit."
             )
-        if WeightAveraging is not None and isinstance(callback, WeightAveraging) and strategy == "hier_bsp":
+        averages = WeightAveraging is not None and isinstance(callback, WeightAveraging)
+        if averages and strategy == "hier_bsp" and not lockstep:
             rank_zero_warn(
-                f"{name} under hier_bsp averages each worker's model at the end of its step, the model it "
-                "computed that step with: the server's update of the step reaches the worker at its next "
-                "step (later with max_staleness > 0), so the average trails ddp's by about a step. "
-                "Averaging at epoch ends (should_update on epoch_idx, or StochasticWeightAveraging) sees "
-                "the drained, current model."
+                f"{name} under hier_bsp off lockstep averages each worker's model at the end of its step, "
+                "before the server's update of that step has reached the worker (it goes on without "
+                "waiting), so the average trails ddp's by about a step, and workers take different numbers "
+                "of steps. Plain BSP (superstep_steps=1, max_staleness=0) averages the stepped model as ddp "
+                "does; averaging at epoch ends (should_update on epoch_idx, or StochasticWeightAveraging) "
+                "sees the drained, current model."
             )

@@ -211,7 +211,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         module = self.lightning_module
         if module is None:
             return
-        refuse_unsupported_callbacks(module, "hier_bsp")
+        refuse_unsupported_callbacks(module, "hier_bsp", lockstep=self.settings.lockstep)
         if (
             self._layer_sync is not None
             and module._trainer is not None
@@ -485,6 +485,8 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             self.engine.drain(epoch_end=True, fit_end=reached_max_steps)
             if self.engine.fit_should_end:
                 trainer.should_stop = True
+        else:
+            self.engine.await_stepped_model()
         self._log_supersteps(trainer)
         return result
 
