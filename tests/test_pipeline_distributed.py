@@ -238,8 +238,14 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     # one replica: the last stage (rank 0) returns and writes every prediction, the other stage none
     # (before: a None per batch, which a writer's merge could not concatenate)
     assert result["predict_returned_by_rank"] == [len(expected_batches), 0]
-    # the metrics copy the strategy installs for a run leaves trainer.callbacks as the user made it
+    # the metrics copy the strategy installs for a run leaves trainer.callbacks as the user made it, during
+    # the run as well as after it (before 2026-11-27: a callback of its own was first in the list meanwhile)
     assert result["callbacks_as_before_by_rank"] == [True, True]
+    # a metric the module logs in its own on_train_epoch_end reaches the other stage before the monitoring
+    # callbacks run (before: copied before that hook, so the other stage held the previous epoch's value)
+    last_epoch = result["losses"][-4:]  # limit_train_batches=4
+    assert result["train_epoch_loss_by_rank"] == [pytest.approx(sum(last_epoch) / 4, rel=1e-6)] * 2
+    assert result["callbacks_during_fit_as_before_by_rank"] == [True, True]
     files = [torch.load(result["prediction_files"].format(rank=r)) for r in range(2)]
     assert torch.equal(torch.cat(files[0]["predictions"]), expected)
     assert len(files[0]["batch_indices"][0]) == len(expected_batches)

@@ -41,7 +41,7 @@ from lightning_hier.strategies.global_norm_clipping import (
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
-from lightning_hier.strategies.stage_metrics_sync import StageMetricsSync
+from lightning_hier.strategies.stage_metrics_sync import InstanceHooks, StageMetricsSync
 from lightning_hier.topology import control_group, resolve_backend
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             activation breaks the assumption raises naming ``static_shapes``.
     """
 
-    _runtime_state = {"engine": lambda: None}
+    _runtime_state = {"engine": lambda: None, "_metric_sync": lambda: None}
 
     strategy_name = "hier_pipeline"
 
@@ -187,6 +187,8 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         self.engine: PipelineEngine | None = None
         self._failed = False
         self._user_zero_grad: Callable[..., Any] = _skip_zero_grad
+        self._metric_sync: StageMetricsSync | None = None
+        self._zero_grad_hook = InstanceHooks()
 
     # ------------------------------------------------------------------ environment
     def setup_distributed(self) -> None:
@@ -245,9 +247,9 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
     def _take_over_zero_grad(self, module: pl.LightningModule) -> None:
         """Lightning zeroes gradients between ``training_step`` and ``backward``; the schedule's
         backward runs inside ``training_step``, so the strategy zeroes them before it instead."""
-        if "optimizer_zero_grad" not in module.__dict__:
-            self._user_zero_grad = module.optimizer_zero_grad
-            module.optimizer_zero_grad = _skip_zero_grad  # type: ignore[method-assign]
+        self._zero_grad_hook.restore()
+        self._user_zero_grad = module.optimizer_zero_grad  # the user's, also an instance attribute of theirs
+        self._zero_grad_hook.wrap(module, "optimizer_zero_grad", skip=True)
 
     def _zero_grad(self, batch_idx: int) -> None:
         module = self.lightning_module
@@ -343,16 +345,27 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         log.info("hier_pipeline: %d clusters, partition %s", graph.num_clusters, partition)
 
     def _install_metric_sync(self, trainer: pl.Trainer) -> None:
-        if not any(isinstance(cb, StageMetricsSync) for cb in trainer.callbacks):
-            # before ModelCheckpoint / EarlyStopping, which read the metrics on every rank; taken out again
-            # at teardown, so trainer.callbacks is the user's list between runs, as under ddp
-            trainer.callbacks.insert(0, StageMetricsSync())
+        """The last stage's metrics on every stage (ModelCheckpoint, EarlyStopping and ReduceLROnPlateau
+        read them everywhere), for this run only."""
+        self._remove_metric_sync()
+        module = self.lightning_module
+        assert module is not None
+        self._metric_sync = StageMetricsSync(trainer, module)
 
     def _remove_metric_sync(self) -> None:
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        if trainer is not None:
-            trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, StageMetricsSync)]
+        if self._metric_sync is not None:
+            self._metric_sync.remove()
+            self._metric_sync = None
+
+    def on_predict_start(self) -> None:
+        if self._metric_sync is not None:
+            self._metric_sync.on_predict_start()
+        super().on_predict_start()
+
+    def on_predict_end(self) -> None:
+        if self._metric_sync is not None:
+            self._metric_sync.on_predict_end()
+        super().on_predict_end()
 
     # ------------------------------------------------------------------ steps
     def _step_forward(
@@ -594,9 +607,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             self.engine.restore_full_model("cpu")
         remove_global_norm_clipping(self.precision_plugin)
         self._remove_metric_sync()
-        module = self.lightning_module
-        if module is not None and "optimizer_zero_grad" in module.__dict__:
-            del module.optimizer_zero_grad
+        self._zero_grad_hook.restore()
         super().teardown()
 
     @classmethod

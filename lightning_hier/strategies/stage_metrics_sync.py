@@ -1,35 +1,114 @@
-"""``StageMetricsSync``: the last pipeline stage's logged metrics, copied to every stage.
+"""``StageMetricsSync``: the last pipeline stage's logged metrics, copied to every stage, for one run.
 
-Installed by :class:`~lightning_hier.strategies.hier_pipeline.HierPipelineStrategy` (Lightning
-glue: it lives beside the strategy, so the strategy imports no callback module).
+Only the last stage (rank 0) computes the loss and the metrics, but ``ModelCheckpoint``,
+``EarlyStopping`` and ``ReduceLROnPlateau`` read them on every rank. The copy is taken right after the
+LightningModule's own ``on_train_epoch_end`` / ``on_validation_epoch_end``, which Lightning calls
+after the callbacks' plain hooks and before the monitoring callbacks (train) or ``on_validation_end``
+(validation): metrics the module logs in those hooks are included.
+
+It wraps those module hooks for the run instead of adding a callback: ``trainer.callbacks`` stays the
+user's list during the run as well as after it, as under ``ddp`` (before 2026-11-27 a callback was
+inserted first in the list; a user's callback that captured the list saw one more entry, and the copy
+was taken before the module's ``on_train_epoch_end``, so a metric logged there was missing on the
+other stages). Lightning glue: it lives beside the strategy, which imports no callback module.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback
+from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_hier.pipeline.object_wire import from_wire, to_wire
 from lightning_hier.topology import control_group
 
-
-def _no_batch_write(*args: Any, **kwargs: Any) -> None:
-    """Stands in for a prediction writer's per-batch hook on a stage that computes no prediction."""
+_ABSENT = object()
 
 
-class StageMetricsSync(Callback):
-    """Copies the last stage's (rank 0's) logged metrics to every stage process; empties the other
-    stages' prediction lists.
+def _unwrapped(hook: Callable[..., Any]) -> Callable[..., Any]:
+    return hook
 
-    Only the last stage computes the loss and the metrics, but ``ModelCheckpoint`` and
-    ``EarlyStopping`` read them on every rank; ``HierPipelineStrategy`` installs this callback
-    first in the list so they see the same values everywhere.
-    """
 
-    def _sync(self, trainer: pl.Trainer) -> None:
+class _RunHook:
+    """``hook`` with something run before or after it, or skipped. Pickles (``torch.save`` or
+    ``copy.deepcopy`` of the module in the middle of a run) as the user's hook alone: the additions
+    belong to one run."""
+
+    def __init__(
+        self,
+        hook: Callable[..., Any],
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+        skip: bool = False,
+    ) -> None:
+        functools.update_wrapper(self, hook)  # Lightning's is_overridden follows __wrapped__ to the user's
+        self.hook, self.before, self.after, self.skip = hook, before, after, skip
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.before is not None:
+            self.before()
+        result = None if self.skip else self.hook(*args, **kwargs)
+        if self.after is not None:
+            self.after()
+        return result
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unwrapped, (self.hook,))
+
+
+class InstanceHooks:
+    """Replaces methods of objects by instance attributes, and puts back exactly what was there (a user's
+    own instance attribute, as Lightning's hook-recording test models set, or nothing)."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def wrap(
+        self,
+        owner: Any,
+        name: str,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+        skip: bool = False,
+    ) -> None:
+        """``owner.name`` runs ``before``, itself (unless ``skip``), then ``after``."""
+        self._saved.append((owner, name, owner.__dict__.get(name, _ABSENT)))
+        setattr(owner, name, _RunHook(getattr(owner, name), before, after, skip))
+
+    def restore(self) -> None:
+        for owner, name, previous in reversed(self._saved):
+            if previous is _ABSENT:
+                owner.__dict__.pop(name, None)
+            else:
+                owner.__dict__[name] = previous
+        self._saved = []
+
+
+class StageMetricsSync:
+    """Installed by :class:`~lightning_hier.strategies.hier_pipeline.HierPipelineStrategy` for a run:
+    copies rank 0's logged metrics to every stage at epoch ends and keeps predictions on the last stage
+    only (the others have none: a ``None`` per batch)."""
+
+    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.trainer = trainer
+        self._module_hooks = InstanceHooks()
+        self._writer_hooks = InstanceHooks()
+        self._module_hooks.wrap(module, "on_train_epoch_end", after=self._sync)
+        self._module_hooks.wrap(module, "on_validation_epoch_end", after=self._sync_unless_sanity)
+        if trainer.global_rank != 0:
+            self._module_hooks.wrap(module, "on_predict_epoch_end", before=self._drop_predictions)
+
+    def remove(self) -> None:
+        self._writer_hooks.restore()
+        self._module_hooks.restore()
+
+    # ------------------------------------------------------------------ metrics
+    def _sync(self) -> None:
+        trainer = self.trainer
         if trainer.world_size < 2 or not dist.is_initialized():
             return
         metrics = trainer.callback_metrics
@@ -38,34 +117,30 @@ class StageMetricsSync(Callback):
         if trainer.global_rank != 0:
             metrics.update(from_wire(payload[0]))
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._sync(trainer)
+    def _sync_unless_sanity(self) -> None:
+        if not self.trainer.sanity_checking:  # no callback acts on the sanity check's metrics
+            self._sync()
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(trainer)
-
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A batch-interval ``BasePredictionWriter`` writes on the last stage only: the others have no
-        prediction (a ``None`` per batch), and the last stage writes every one of them."""
-        if trainer.global_rank == 0:
+    # ------------------------------------------------------------------ predictions
+    def on_predict_start(self) -> None:
+        """A stage other than the last: its writers write nothing per batch, and empty lists at the
+        epoch's end (the last stage writes every prediction once)."""
+        if self.trainer.global_rank == 0:
             return
-        for callback in trainer.callbacks:
-            if isinstance(callback, BasePredictionWriter) and callback.interval.on_batch:
-                callback.on_predict_batch_end = _no_batch_write  # type: ignore[method-assign]
-
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for callback in trainer.callbacks:
+        for callback in self.trainer.callbacks:
             if isinstance(callback, BasePredictionWriter):
-                callback.__dict__.pop("on_predict_batch_end", None)
+                self._writer_hooks.wrap(callback, "on_predict_batch_end", skip=True)
+                self._writer_hooks.wrap(callback, "on_predict_epoch_end", before=self._drop_predictions)
 
-    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Only the last stage (rank 0) computes predictions; the other stages' lists (a ``None`` per
-        batch) are emptied here, before any ``BasePredictionWriter`` reads them. A writer on every rank
-        then writes the pipeline's predictions once, from rank 0, and ``trainer.predict`` returns them
-        there and an empty list elsewhere, as ``ddp`` returns each rank's share."""
-        if trainer.global_rank != 0:
-            loop = trainer.predict_loop
-            # Lightning keeps them in these attributes (the writer reads `predictions`, a view of them)
-            loop._predictions = [[] for _ in loop._predictions]
-            loop.epoch_batch_indices = [[] for _ in loop.epoch_batch_indices]
+    def on_predict_end(self) -> None:
+        self._writer_hooks.restore()
+
+    def _drop_predictions(self) -> None:
+        """Empty this stage's prediction lists in place: ``trainer.predict`` returns them (an empty list
+        here, as ``ddp`` returns each rank's share), and a writer reads them."""
+        loop = self.trainer.predict_loop
+        # Lightning keeps them in these attributes (a writer reads `predictions`, a view of them)
+        for predictions in loop._predictions:
+            predictions.clear()
+        for indices in loop.epoch_batch_indices:
+            indices.clear()

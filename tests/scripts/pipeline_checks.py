@@ -81,6 +81,7 @@ SCENARIOS: dict[str, dict] = {
     ),
     "validate_predict_monitor": dict(
         model=dict(optimizer="adam"),
+        model_class="epoch_logging",
         # static_shapes: validation and predict remember their own cut specs beside training's
         strategy=dict(partition="time", profile_steps=2, micro_batches=2, static_shapes=True),
         trainer=dict(max_epochs=2, limit_train_batches=4, limit_val_batches=2),
@@ -228,6 +229,22 @@ class TorchSaveCounter(pl.Callback):
         torch.save = self._original
 
 
+class RunProbe(pl.Callback):
+    """What this rank's callbacks see during the fit: the callback list, and at its end the metric the module
+    logs in its own on_train_epoch_end."""
+
+    def __init__(self) -> None:
+        self.callbacks_at_fit_start: list[str] = []
+        self.train_epoch_loss: float | None = None
+
+    def on_fit_start(self, trainer, pl_module):  # noqa: ANN001
+        self.callbacks_at_fit_start = [type(cb).__name__ for cb in trainer.callbacks]
+
+    def on_train_end(self, trainer, pl_module):  # noqa: ANN001
+        value = trainer.callback_metrics.get("train_epoch_loss")
+        self.train_epoch_loss = None if value is None else float(value)
+
+
 class LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -311,7 +328,8 @@ def main() -> None:
     recorder = LossRecorder()
     hooks = BackwardHooks()
     saves = TorchSaveCounter()
-    callbacks: list[pl.Callback] = [recorder, hooks, saves]
+    probe = RunProbe()
+    callbacks: list[pl.Callback] = [recorder, hooks, saves, probe]
     if spec.get("rebalancer"):
         callbacks.append(StageRebalancer(output_dir=str(workdir / "rebalancer")))
     if spec.get("monitor"):
@@ -414,10 +432,15 @@ def main() -> None:
         "predict_returned": len(predictions) if spec.get("monitor") else None,
         # what the strategy added to trainer.callbacks for the run is gone again (fit and predict)
         "callbacks_as_before": [type(cb).__name__ for cb in trainer.callbacks] == callbacks_before,
+        # and during the run: the strategy adds no callback of its own
+        "callbacks_during_fit_as_before": probe.callbacks_at_fit_start == callbacks_before,
+        "train_epoch_loss": probe.train_epoch_loss,
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
     result["val_loss_by_rank"] = [g["val_loss"] for g in gathered]
+    result["train_epoch_loss_by_rank"] = [g["train_epoch_loss"] for g in gathered]
+    result["callbacks_during_fit_as_before_by_rank"] = [g["callbacks_during_fit_as_before"] for g in gathered]
     result["measured_peak_by_rank"] = [g["measured_peak"] for g in gathered]
     result["batches_by_rank"] = [g["batches"] for g in gathered]
     result["backward_hooks_by_rank"] = [g["backward_hooks"] for g in gathered]

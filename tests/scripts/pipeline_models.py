@@ -185,8 +185,28 @@ class IterNet(SkewedNet):
         return {"loss": loss, "rows": x.shape[0]}
 
 
+class EpochLoggingNet(SkewedNet):
+    """Logs its epoch's mean training loss in its own ``on_train_epoch_end`` (where the loss is computed:
+    the last stage), the hook Lightning runs before the monitoring callbacks."""
+
+    def __init__(self, **kwargs) -> None:  # noqa: ANN003
+        super().__init__(**kwargs)
+        self.epoch_losses: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        loss = super().training_step(batch, batch_idx)
+        self.epoch_losses.append(loss.detach())
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.epoch_losses:
+            self.log("train_epoch_loss", torch.stack(self.epoch_losses).mean())
+        self.epoch_losses.clear()
+
+
 MODELS = {
     "skewed": SkewedNet,
+    "epoch_logging": EpochLoggingNet,
     "twice": TwiceNet,
     "drop": DropNet,
     "gather": GatherNet,
