@@ -40,7 +40,7 @@ from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.bucketing.time_bucketing import validate_time_settings
 from lightning_hier.bucketing.time_plan import TimePlan
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
-from lightning_hier.strategies.optimizer_routing import route_zero_grad
+from lightning_hier.strategies.optimizer_routing import route_zero_grad, without_optimizer
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
@@ -274,11 +274,16 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
+        serving = fitting and not without_optimizer(self.optimizers)
+        if serving:
             self._build_engine()
         else:
+            if fitting and self.engine is not None:  # no optimizer: no server, parameters stay as they are
+                self.engine.close()
+                self.engine = None
             _sync_module_states(self.model)
         self.setup_precision_plugin()
-        if fitting:
+        if serving:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._route_to_engine()
             _without_step_broadcast(trainer)

@@ -38,6 +38,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
 )
+from lightning_hier.strategies.optimizer_routing import without_optimizer
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
@@ -572,7 +573,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         return self.engine.consolidated_state_dict(state)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.engine is None:
+        if self.engine is None or without_optimizer([optimizer]):  # no optimizer: Lightning's empty state
             return super().optimizer_state(optimizer)
         return self.engine.consolidated_optimizer_state(optimizer)
 

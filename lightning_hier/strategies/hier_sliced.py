@@ -41,6 +41,7 @@ from lightning_hier.strategies.optimizer_routing import (
     install_optimizer_toggle,
     remove_optimizer_toggle,
     route_zero_grad,
+    without_optimizer,
 )
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
@@ -258,11 +259,15 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self._attach_hybrid_embeddings()
         if fitting:
             self.setup_optimizers(trainer)
+        sharding = fitting and not without_optimizer(self.optimizers)
+        if sharding:
             self._build_engine()
         else:
+            if fitting:  # no optimizer: nothing to shard, the parameters stay as they are
+                self.engines, self.engine = [], None
             _sync_module_states(self.model)
         self.setup_precision_plugin()  # (re)creates the LightningOptimizer wrappers
-        if fitting:
+        if sharding:
             self._route_manual_zero_grad()
             install_optimizer_toggle(
                 self.lightning_module,

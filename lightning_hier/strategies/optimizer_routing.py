@@ -16,10 +16,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from torch import nn
 from torch.optim import Optimizer
 
 ParamsOf = Callable[[Optimizer], Sequence[nn.Parameter]]
+
+
+def without_optimizer(optimizers: Sequence[Optimizer]) -> bool:
+    """``configure_optimizers`` returned ``None`` (or is not defined): Lightning then fits with a no-op
+    ``_MockOptimizer`` and the model is never updated, so there is nothing to shard or to serve. The
+    strategies then train like Lightning does (the parameters stay as they are) instead of refusing an
+    unknown optimizer (before 2026-11-27 they did, and ``hier_pipeline`` failed to checkpoint)."""
+    # a LightningOptimizer wraps the optimizer in _optimizer
+    unwrapped = [getattr(optimizer, "_optimizer", optimizer) for optimizer in optimizers]
+    return bool(unwrapped) and all(isinstance(optimizer, _MockOptimizer) for optimizer in unwrapped)
 
 
 def route_zero_grad(strategy: Any, index: int, zero_grad: Callable[..., None]) -> None:
