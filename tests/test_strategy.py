@@ -139,6 +139,9 @@ def test_manual_optimization_matches_single_device_strategy(single_results: dict
     result = single_results[f"manual_{variant}"]
     assert result["strategies"] == ["SingleDeviceStrategy", "HierSlicedStrategy"]
     assert result["steps_run"][0] == result["steps_run"][1] > 0
+    # optimizer.zero_grad() unsets every .grad, as torch's does (before 2026-11-27: zero views were left)
+    reference, hier = result["grads_unset"]
+    assert hier == reference and reference.count(True) > 1, result["grads_unset"]
     assert result["reference_moved"] > 1e-3
     assert result["max_rel_diff"] < 1e-5, result
 
@@ -179,6 +182,7 @@ def test_manual_optimization_matches_ddp(eval_results: dict, variant: str) -> No
     result = eval_results[f"manual_{variant}"]
     assert result["strategies"] == ["DDPStrategy", "HierSlicedStrategy"]
     assert result["steps_run"][0] == result["steps_run"][1] > 0
+    assert result["grads_unset"][1] == result["grads_unset"][0], result["grads_unset"]
     assert result["reference_moved"] > 1e-3
     assert result["max_rel_diff"] < 1e-5, result
 

@@ -546,9 +546,14 @@ class HierSlicedEngine:
         for work in works:
             work.wait()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Clear the local gradient buckets. ``set_to_none``: also unset every parameter's ``.grad``, as
+        ``optimizer.zero_grad()`` does (the next backward's gradient is taken back into its bucket)."""
         for bucket in self.buckets:
             bucket.grads.zero_()
+        if set_to_none:
+            for param in self.params:
+                param.grad = None
 
     # ------------------------------------------------------------------ checkpoints and teardown
     def optimizer_state_dict(self) -> dict[str, Any]:

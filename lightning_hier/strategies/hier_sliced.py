@@ -65,7 +65,7 @@ def _zero_grad_with_buckets(
 
     def zero_grad(set_to_none: bool = True) -> None:
         clear_slices(set_to_none=set_to_none)
-        engine.zero_grad()
+        engine.zero_grad(set_to_none=set_to_none)
 
     return zero_grad
 

@@ -61,6 +61,8 @@ class ManualModel(EquivModel):
         self.clip = clip
         self.raw_backward = raw_backward
         self.steps_run = 0
+        # per step: whether every trainable parameter's .grad is unset as it starts (zero_grad unsets it)
+        self.grads_unset: list[bool] = []
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.raw_backward:
@@ -70,6 +72,7 @@ class ManualModel(EquivModel):
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         self.steps_run += 1
+        self.grads_unset.append(all(p.grad is None for p in self.parameters() if p.requires_grad))
         optimizer = self.optimizers()
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
@@ -225,6 +228,7 @@ def manual_optimization(strategy, devices: int, variant: str, reference: bool = 
     trainer.fit(model, train_dataloaders=loader())
     return {
         "steps_run": model.steps_run,
+        "grads_unset": model.grads_unset,
         "strategy": type(trainer.strategy).__name__,
         "moved": max_rel_diff(state(model), initial),
         "state": state(model),
@@ -235,6 +239,7 @@ def compare_manual(reference: dict, hier: dict) -> dict:
     return {
         "strategies": [reference["strategy"], hier["strategy"]],
         "steps_run": [reference["steps_run"], hier["steps_run"]],
+        "grads_unset": [reference.get("grads_unset"), hier.get("grads_unset")],
         "reference_moved": reference["moved"],
         "max_rel_diff": max_rel_diff(reference["state"], hier["state"]),
     }
