@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -311,29 +312,102 @@ def test_a_subclass_that_keeps_the_parents_step_runs_the_parents_update() -> Non
     check_optimizer(DefaultsAdamW(params))  # accepted without declaring it
 
 
-def test_state_made_in_the_constructor_is_made_again_for_slices() -> None:
-    from lightning_hier.sliced.sharded_optim import constructed_state
+class _Eager(torch.optim.Optimizer):
+    """Makes its state in the constructor, as torch 2.11's Adagrad (and fails in step without it)."""
 
-    class Eager(torch.optim.Optimizer):  # makes its state in the constructor, as torch 2.11's Adagrad
-        def __init__(self, params, lr: float = 0.1, start: float = 0.5) -> None:  # noqa: ANN001
-            super().__init__(params, {"lr": lr, "start": start})
-            for group in self.param_groups:
-                for p in group["params"]:
-                    self.state[p]["acc"] = torch.full_like(p, group["start"])
+    def __init__(self, params, lr: float = 0.1, start: float = 0.5) -> None:  # noqa: ANN001
+        super().__init__(params, {"lr": lr, "start": start})
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["acc"] = torch.full_like(p, group["start"])
 
+    def step(self, closure=None) -> None:  # noqa: ANN001
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["acc"].add_(p.grad)
+                p.data.add_(self.state[p]["acc"], alpha=-group["lr"])
+
+
+def _eager_state_through_slices(rank: int, world: int, store: str) -> dict:
+    init_gloo(rank, world, store)
     model = nn.Linear(3, 2)
-    optimizer = Eager([{"params": [model.weight]}, {"params": [model.bias], "start": 2.0}])
-    slices = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(1))]
-    optimizer.param_groups[0]["params"], optimizer.param_groups[1]["params"] = [slices[0]], [slices[1]]
-    state = constructed_state(optimizer)
-    assert set(state) == set(slices)  # keyed by the slices, built with each group's own settings
-    assert torch.equal(state[slices[0]]["acc"], torch.full((4,), 0.5))
-    assert torch.equal(state[slices[1]]["acc"], torch.full((1,), 2.0))
+    optimizer = _Eager([{"params": [model.weight]}, {"params": [model.bias], "start": 2.0}])
+    topology = Topology(world, rank, world).build_groups()
+    engine = HierSlicedEngine(
+        model, optimizer, topology, SlicePlan((1.0, 1.0)), elementwise_optimizers=["_Eager"]
+    )
+    sliced = {key: value["acc"].clone() for key, value in optimizer.state.items()}
+    engine.close()
+    engine.sharding.unshard()
+    return {"sliced_numel": sum(v.numel() for v in sliced.values()), "state": optimizer.state_dict()["state"]}
 
-    class NeedsMore(Eager):  # a constructor that cannot be called from its defaults: a warning, no state
-        def __init__(self, params, extra, lr: float = 0.1) -> None:  # noqa: ANN001
-            super().__init__(params, lr)
 
-    odd = NeedsMore([model.weight], extra=1)
-    with pytest.warns(UserWarning, match="could not be rebuilt for the parameter slices"):
-        assert constructed_state(odd) == {}
+def test_state_the_optimizer_already_holds_is_sliced_and_given_back(tmp_path: Path) -> None:
+    """State made in the constructor (or loaded by the user, or left by an earlier fit) is kept: each rank
+    holds its slices of it (8 elements over 2 ranks), and given back it is the constructor's state again."""
+    for result in run_spawned(_eager_state_through_slices, 2, tmp_path):
+        assert result is not None and "error" not in result, result
+        assert result["sliced_numel"] == 4
+        assert torch.equal(result["state"][0]["acc"], torch.full((2, 3), 0.5))
+        assert torch.equal(result["state"][1]["acc"], torch.full((2,), 2.0))
+
+
+def _two_engines_one_optimizer(rank: int, world: int, store: str, steps: int) -> dict:
+    """``steps`` steps under one engine, the optimizer given back (unshard), then ``steps`` more under a new
+    engine over the same optimizer object: what a second fit with the same optimizer does."""
+    init_gloo(rank, world, store)
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    topology = Topology(world, rank, world).build_groups()
+    batches = _batches(2 * steps, world)
+    lo, hi = rank * 4, (rank + 1) * 4
+    unsharded_state = None
+    for half in range(2):
+        engine = HierSlicedEngine(model, optimizer, topology, SlicePlan((1.0, 3.0)), bucket_cap_mb=0.001)
+        for x, y in batches[half * steps : (half + 1) * steps]:
+            nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+            engine.finish_backward()
+            optimizer.step()
+            engine.after_step()
+        engine.close()
+        engine.sharding.unshard()
+        if half == 0:
+            unsharded_state = optimizer.state_dict()
+            given_back = zip(optimizer.param_groups[0]["params"], model.parameters())
+            params_given_back = [p is q for p, q in given_back]
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "params_given_back": params_given_back,
+        "state_after_first": unsharded_state,
+        "state_after_second": optimizer.state_dict(),
+    }
+
+
+def test_an_optimizer_given_back_equals_the_unsharded_one_and_a_new_engine_goes_on_from_its_state(
+    tmp_path: Path,
+) -> None:
+    world, steps = 2, 3
+    results = run_spawned(_two_engines_one_optimizer, world, tmp_path, steps)
+    model = _model()
+    reference = torch.optim.Adam(model.parameters(), lr=1e-2)
+    reference_states = []
+    for index, (x, y) in enumerate(_batches(2 * steps, world)):
+        reference.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        reference.step()
+        if index + 1 == steps:  # state_dict() holds the live tensors, which later steps change in place
+            reference_states.append(copy.deepcopy(reference.state_dict()))
+    reference_states.append(reference.state_dict())
+    for result in results:
+        assert result is not None and "error" not in result, result
+        assert all(result["params_given_back"])  # the optimizer steps the module's parameters again
+        for got, want in zip(result["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        for got, want in zip(
+            (result["state_after_first"], result["state_after_second"]), reference_states, strict=True
+        ):
+            assert got["param_groups"] == want["param_groups"]
+            assert got["state"].keys() == want["state"].keys()
+            for index, entry in want["state"].items():
+                for key, value in entry.items():
+                    torch.testing.assert_close(got["state"][index][key], value, rtol=1e-5, atol=1e-7)

@@ -63,3 +63,84 @@ def test_a_fit_without_an_optimizer_leaves_the_model_and_checkpoints_as_lightnin
     assert set(saved["state_dict"]) == set(NoOptimizer().state_dict())
     resumed = _fit(strategy, tmp_path / "resumed", ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=2)
     assert resumed == {"changed": [], "step": 6}
+
+
+class SharedOptimizer(BoringModel):
+    """``configure_optimizers`` returns the same Adam object on every fit (as Lightning's own tests do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:  # the same batches whatever RNG setup consumed
+        data = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+
+def _two_fits_one_optimizer(strategy: str | None, root: Path) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    model = SharedOptimizer()
+    for fit in range(2):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=STRATEGIES[strategy]() if strategy else "auto",
+            max_steps=3, limit_val_batches=0, logger=False, use_distributed_sampler=False,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+            default_root_dir=root / str(fit),
+        )  # fmt: skip
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.fit(model)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return model.state_dict(), model.optimizer.state_dict()
+
+
+def test_an_optimizer_object_fits_twice_as_on_one_device(tmp_path: Path) -> None:
+    """After a fit hier_sliced gives the optimizer back with the module's parameters and its full state, as
+    one device leaves it; a second fit (another Trainer) goes on from that state. Before 2026-11-27 the
+    object kept the first run's flat slices and the second fit refused it ("no trainable parameters")."""
+    reference_params, reference_state = _two_fits_one_optimizer(None, tmp_path / "reference")
+    params, state = _two_fits_one_optimizer("hier_sliced", tmp_path / "hier_sliced")
+    for name, value in reference_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-7)
+    assert state["param_groups"] == reference_state["param_groups"]
+    for index, entry in reference_state["state"].items():
+        assert float(entry["step"]) == 6.0
+        for key, value in entry.items():
+            torch.testing.assert_close(state["state"][index][key], value, rtol=1e-5, atol=1e-7)
+
+
+def _resume_without_optimizer_states(strategy: str | None, ckpt: Path, root: Path) -> dict:
+    model = SharedOptimizer()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=STRATEGIES[strategy]() if strategy else "auto",
+        max_steps=5, limit_val_batches=0, logger=False, use_distributed_sampler=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=root,
+    )  # fmt: skip
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, ckpt_path=ckpt)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return model.state_dict()
+
+
+def test_a_checkpoint_with_no_optimizer_states_resumes_as_on_one_device(tmp_path: Path) -> None:
+    """Lightning loads nothing from an empty ``optimizer_states`` (NeMo writes such files); before 2026-11-27
+    hier_sliced refused it ("0 optimizer state(s); this run has 1")."""
+    torch.manual_seed(0)
+    ckpt = tmp_path / "weights.ckpt"
+    torch.save({"state_dict": SharedOptimizer().state_dict(), "optimizer_states": [], "lr_schedulers": [],
+                "global_step": 2, "epoch": 0, "pytorch-lightning_version": pl.__version__}, ckpt)  # fmt: skip
+    reference = _resume_without_optimizer_states(None, ckpt, tmp_path / "reference")
+    resumed = _resume_without_optimizer_states("hier_sliced", ckpt, tmp_path / "hier_sliced")
+    for name, value in reference.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-7)

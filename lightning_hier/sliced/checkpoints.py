@@ -143,6 +143,8 @@ class SlicedCheckpoints:
             load_sharded_optimizer(engines[0], checkpoint[LOADED_FROM], checkpoint)  # one optimizer
             return
         states = checkpoint["optimizer_states"]
+        if len(states) == 0:
+            return  # none saved (an empty list or dict): nothing to load, as Lightning's own loader does
         if len(states) != len(engines):
             raise ValueError(
                 f"the checkpoint holds {len(states)} optimizer state(s); this run has {len(engines)} "

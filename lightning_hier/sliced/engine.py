@@ -147,6 +147,7 @@ class HierSlicedEngine:
         self.open_unannounced_backward: Callable[[], Callable[[], None] | None] | None = None
         self.last_timeline: StepTimeline | None = None
         self.sharding: OptimizerSharding | None = None
+        self.optimizer_given_back = False  # give_back_optimizer ran: the optimizer is the user's again
         self._layout(bucket_plan or plan_size_buckets(self.param_infos, self.cap_bytes))
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
@@ -557,10 +558,25 @@ class HierSlicedEngine:
 
     # ------------------------------------------------------------------ checkpoints and teardown
     def optimizer_state_dict(self) -> dict[str, Any]:
+        if self.optimizer_given_back:
+            return self.optimizer.state_dict()
         return self.sharding.consolidated_state_dict()
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.sharding.load_consolidated_state_dict(state_dict)
+        if self.optimizer_given_back:
+            self.optimizer.load_state_dict(state_dict)
+        else:
+            self.sharding.load_consolidated_state_dict(state_dict)
+
+    def give_back_optimizer(self) -> None:
+        """The optimizer steps the module's parameters again, with its full state (a collective over the
+        node); the engine is done with it."""
+        assert self.sharding is not None
+        if self.optimizer_given_back:
+            return
+        self.sharding.unshard()
+        self.optimizer.__dict__.pop("zero_grad", None)  # a routed zero_grad (manual optimization)
+        self.optimizer_given_back = True
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread (parameters stay as they are)."""

@@ -19,9 +19,7 @@ resumes under any topology, or under plain ``ddp``.
 
 from __future__ import annotations
 
-import inspect
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,30 +124,6 @@ def is_elementwise_state(key: str, value: Any, shape: torch.Size) -> bool:
     return key not in SCALAR_STATE_KEYS and torch.is_tensor(value) and value.shape == shape
 
 
-def constructed_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
-    """The state ``type(optimizer)``'s constructor creates for the optimizer's current param groups.
-
-    Most optimizers create their state at the first step, for whatever parameters they hold then.
-    Some create it in the constructor (``Adagrad`` in torch 2.11 and before) and fail in ``step`` without
-    it, so after their parameters were swapped for slices the state is built anew the same way:
-    a second instance of the class, over the same groups and hyperparameters.
-    """
-    groups = [dict(group) for group in optimizer.param_groups]  # every hyperparameter rides along
-    accepted = inspect.signature(type(optimizer)).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
-    try:
-        fresh = type(optimizer)(groups, **defaults)
-    except TypeError as error:  # a constructor that takes other arguments than its defaults' keys
-        warnings.warn(
-            f"{type(optimizer).__name__} created optimizer state in its constructor, which could not be "
-            f"rebuilt for the parameter slices ({error}); its step must create missing state itself.",
-            stacklevel=3,
-        )
-        return {}
-    return dict(fresh.state)
-
-
 class OptimizerSharding:
     """Owns the rewiring of one optimizer onto the slices of ``buckets``."""
 
@@ -175,12 +149,18 @@ class OptimizerSharding:
                 self._state_index.setdefault(id(param), len(self._state_index))
         self._index_of_param = {id(p): i for i, p in enumerate(param_of_index)}
         self._param_of_index = list(param_of_index)
-        made_at_construction = bool(optimizer.state)  # e.g. Adagrad's "sum" in torch 2.11 and before
+        # state the optimizer already holds for its own parameters: made at construction (Adagrad's "sum"
+        # in torch 2.11 and before), loaded by the user in configure_optimizers, or left by an earlier fit
+        # of the same optimizer object; each rank keeps its slices of it (before 2026-11-27 it was dropped)
+        original_ids = set(self._state_index)
+        held = None
+        if optimizer.state and all(id(key) in original_ids for key in optimizer.state):
+            held = optimizer.state_dict()
         for group_index, group in enumerate(optimizer.param_groups):
             group["params"] = self._optimizer_params(group_index)
         optimizer.state.clear()
-        if made_at_construction:
-            optimizer.state.update(constructed_state(optimizer))
+        if held is not None:
+            self.load_consolidated_state_dict(held)
 
     def _optimizer_params(self, group_index: int) -> list[nn.Parameter]:
         """What the optimizer steps for param group ``group_index``: one slice per bucket."""
@@ -244,6 +224,15 @@ class OptimizerSharding:
                         entry = state.setdefault(self._saved_index(slot.index), {})
                         entry[key] = value.clone() if torch.is_tensor(value) else value
         return {"state": state, "param_groups": self.saved_param_groups()}
+
+    def unshard(self) -> None:
+        """Give the optimizer its own parameters back, with the full state (a collective over the node):
+        after a fit it is the optimizer ``ddp`` would leave, and a later fit can take it up again."""
+        state = self.consolidated_state_dict()
+        for group, original in zip(self.optimizer.param_groups, self._original_groups):
+            group["params"] = list(original)
+        self.optimizer.state.clear()
+        self.optimizer.load_state_dict(state)
 
     def saved_param_groups(self) -> list[dict[str, Any]]:
         """The param groups of the unsharded optimizer's ``state_dict``: settings, parameter numbers."""

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -219,6 +220,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None  # the first optimizer's (the only one, usually)
         self.engines: list[HierSlicedEngine] = []  # one per optimizer
+        self._failed = False
         self._backward_engines: list[HierSlicedEngine] = []  # those the running backward feeds
         self.tables = NodeTables()
         self._table_exchange: Topology | None = None  # the tables' thread's own groups, built once
@@ -555,12 +557,27 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         return self.checkpoints.module_state(self.engine, super().lightning_module_state_dict())
 
     # ------------------------------------------------------------------ teardown
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown must not wait in a collective for ranks that may be gone
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         self.tables.close()
+        # after a fit the optimizers are given back as ddp leaves them (the module's parameters, the full
+        # state): trainer.optimizers[i].state_dict() is the unsharded one, and a later fit may reuse the
+        # object (before 2026-11-27 it kept flat slices of a finished run, and a second fit refused it);
+        # a checkpoint saved after fit then holds the optimizer's own state_dict(). With
+        # checkpoint_format="sharded" (or after an exception, when peers may be gone) the optimizers stay
+        # sharded and such a checkpoint consolidates through the engines, which are kept either way
+        # (on one device per node no peer takes part, so an exception does not rule it out)
+        alone = self.topology is not None and self.topology.devices_per_node == 1
+        give_back = (not self._failed or alone) and self.checkpoint_format != "sharded"
+        give_back = give_back and dist.is_initialized()
         for engine in self.engines:
-            # keep the engines: the optimizers stay sharded, and a checkpoint saved after fit
-            # (trainer.save_checkpoint) must still consolidate through them
             engine.close()
+            if give_back:
+                engine.give_back_optimizer()
+        self._failed = False
         remove_global_norm_clipping(self.precision_plugin)
         remove_optimizer_toggle(self.lightning_module)
         super().teardown()
