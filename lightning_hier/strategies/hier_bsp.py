@@ -638,6 +638,8 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         if self.engine is None:
             return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
+        if len(states) == 0:
+            return None  # none saved (an empty list or dict): nothing to load, as Lightning's own loader does
         if len(states) != 1:
             raise ValueError(
                 f"the checkpoint holds {len(states)} optimizer states; HierBSPStrategy uses one."
