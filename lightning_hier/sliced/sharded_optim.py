@@ -223,7 +223,8 @@ class OptimizerSharding:
                     for slot in bucket.slots:
                         entry = state.setdefault(self._saved_index(slot.index), {})
                         entry[key] = value.clone() if torch.is_tensor(value) else value
-        return {"state": state, "param_groups": self.saved_param_groups()}
+        # in parameter order, as the unsharded optimizer's own state_dict() lists them after its steps
+        return {"state": dict(sorted(state.items())), "param_groups": self.saved_param_groups()}
 
     def unshard(self) -> None:
         """Give the optimizer its own parameters back, with the full state (a collective over the node):

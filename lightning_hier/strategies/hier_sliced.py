@@ -329,6 +329,9 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             )
         for engine in self.engines:
             engine.close()
+            if not engine.optimizer_given_back and any(engine.optimizer is o for o in self.optimizers):
+                # a fit that raised left it sharded; every rank is here now (setup), so give it back first
+                engine.give_back_optimizer()
         self.engines = [
             HierSlicedEngine(
                 self.lightning_module,
