@@ -31,6 +31,16 @@ class NoOptimizer(BoringModel):
         return None
 
 
+def _fit_in_this_process(trainer: pl.Trainer, model: pl.LightningModule, **fit_kwargs: object) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, **fit_kwargs)
+    finally:
+        if dist.is_initialized():  # the tests after this one check that no group exists yet
+            dist.destroy_process_group()
+
+
 def _fit(strategy: str, root: Path, ckpt_path: str | None = None, max_epochs: int = 1) -> dict:
     torch.manual_seed(0)
     model = NoOptimizer()
@@ -41,13 +51,7 @@ def _fit(strategy: str, root: Path, ckpt_path: str | None = None, max_epochs: in
         enable_model_summary=False, default_root_dir=root,
         callbacks=[ModelCheckpoint(dirpath=root, save_last=True)],
     )  # fmt: skip
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(model, ckpt_path=ckpt_path)
-    finally:
-        if dist.is_initialized():  # the tests after this one check that no group exists yet
-            dist.destroy_process_group()
+    _fit_in_this_process(trainer, model, ckpt_path=ckpt_path)
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, initial[k])]
     return {"changed": changed, "step": trainer.global_step}
 
@@ -90,13 +94,7 @@ def _two_fits_one_optimizer(strategy: str | None, root: Path) -> tuple[dict, dic
             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
             default_root_dir=root / str(fit),
         )  # fmt: skip
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer.fit(model)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        _fit_in_this_process(trainer, model)
     return model.state_dict(), model.optimizer.state_dict()
 
 
@@ -123,13 +121,7 @@ def _resume_without_optimizer_states(strategy: str | None, ckpt: Path, root: Pat
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         default_root_dir=root,
     )  # fmt: skip
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(model, ckpt_path=ckpt)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    _fit_in_this_process(trainer, model, ckpt_path=ckpt)
     return model.state_dict()
 
 

@@ -38,11 +38,12 @@ from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
 )
+from lightning_hier.strategies.instance_hooks import InstanceHooks
 from lightning_hier.strategies.optimizer_routing import without_optimizer
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
-from lightning_hier.strategies.stage_metrics_sync import InstanceHooks, StageMetricsSync
+from lightning_hier.strategies.stage_metrics_sync import StageMetricsSync
 from lightning_hier.topology import control_group, resolve_backend
 
 log = logging.getLogger(__name__)
