@@ -47,13 +47,20 @@ def check_gpu_results(results: dict, audit_dir: Path) -> None:
             assert result["max_rel_diff"] > 1e-3, (case, result)
         else:
             assert result["max_rel_diff"] < tolerance, (case, result)
+        if "optimizer_state_rel_diff" in result and case not in NEGATIVE_CONTROLS:  # as the fit leaves it
+            assert result["optimizer_state_rel_diff"] < tolerance, (case, result)
     if "bsp_plain_time_buckets" in results:
         assert results["bsp_plain_time_buckets"]["rebuilt_on_time_plan"], results["bsp_plain_time_buckets"]
-    # CommProfiler's CUDA-event clock under real NCCL: ddp all-reduces every gradient byte each step
+    # CommProfiler under real NCCL: ddp's numbers come from DDP's own CUDA-event timing of its C++
+    # all-reduces (profiling/ddp_reducer.py), so the profiler issues and times nothing itself there;
+    # every step all-reduces every gradient byte
     ddp = results["profiler_ddp"]
-    assert ddp["events"] > 0 and ddp["cuda_events"] == ddp["events"], ddp
-    assert ddp["unobserved_completions"] == 0, ddp  # each all-reduce's end stamped on the device
+    assert ddp["events"] == 0 and ddp["unobserved_completions"] == 0, ddp
     assert [step["kinds"]["world"][1] for step in ddp["steps"]] == [ddp["param_bytes"]] * len(ddp["steps"])
+    assert all(step["kinds"]["world"][2] > 0 for step in ddp["steps"]), ddp  # DDP timed its all-reduce
+    # what the package issues itself on device tensors is timed with CUDA events
+    for case in ("profiler_hier_sliced", "profiler_hier_bsp"):
+        assert results[case]["unobserved_completions"] == 0, results[case]
     for step in ddp["steps"]:
         _count, _bytes, time_ms, exposed_ms = step["kinds"]["world"]
         assert time_ms >= 0 and 0 <= exposed_ms <= time_ms + 1e-6 and exposed_ms <= step["step_ms"], step

@@ -650,6 +650,19 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         return None
 
     # ------------------------------------------------------------------ teardown
+    def _give_back_optimizer(self) -> None:
+        """After a fit the user's optimizer holds the server's state, as ``ddp`` leaves it: the server
+        steps a copy of it, sharded, so without this ``trainer.optimizers[0].state_dict()`` after fit had
+        no state and a second fit of the same object began Adam's moments afresh. A consolidation (a
+        collective over each node, every rank at teardown); skipped after an exception, when peers may be
+        gone, as hier_sliced keeps its shards then."""
+        assert self.engine is not None
+        memory = self.engine.memory
+        if memory.aborted or memory.error is not None or not dist.is_initialized():
+            return
+        optimizer = self.optimizers[0]
+        optimizer.load_state_dict(self.optimizer_state(optimizer))
+
     def on_exception(self, exception: BaseException) -> None:
         """Training raised on this rank: the other workers are told at the next tick and stop with an
         error naming it, and teardown does not drain (a drain would wait for this worker's step)."""
@@ -659,6 +672,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
 
     def teardown(self) -> None:
         if self.engine is not None:
+            self._give_back_optimizer()
             self.engine.close()
         self.precision_plugin.__dict__.pop("clip_gradients", None)
         module = self.lightning_module

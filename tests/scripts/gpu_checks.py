@@ -74,6 +74,7 @@ BSP = {
 NEGATIVE_CONTROLS = ("bsp_lagging_unordered",)
 # CommProfiler on CUDA tensors (CUDA-event timing): the profiled fit against the same fit without it
 PROFILED = ("profiler_ddp", "profiler_hier_sliced", "profiler_hier_bsp")
+RESUMED = ("sliced_checkpoint_resume",)  # a checkpoint of a CUDA run, resumed on the device
 
 
 def trainer(strategy, steps: int, **kwargs) -> pl.Trainer:  # noqa: ANN001, ANN003
@@ -115,12 +116,58 @@ def against_ddp(
 ) -> dict:
     """``model_class`` trained for 6 optimizer steps under ``ddp`` and under ``contender``."""
     steps = 6 * trainer_kwargs.get("accumulate_grad_batches", 1)
-    results = []
+    results, optimizer_states = [], []
     for strategy in (ddp, contender):
         pl.seed_everything(1234, verbose=False)
         model = model_class(**model_kwargs)
         initial = state(model)
-        trainer(strategy, steps, **trainer_kwargs).fit(model, loader())
+        fitted = trainer(strategy, steps, **trainer_kwargs)
+        fitted.fit(model, loader())
+        results.append(state(model))
+        optimizer_states.append(optimizer_state(fitted))
+    return {
+        "max_rel_diff": max_rel_diff(results[0], results[1]),
+        "reference_moved": max_rel_diff(results[0], initial),
+        # the optimizer as the fit leaves it (hier_sliced gives it back whole, as ddp leaves it)
+        "optimizer_state_rel_diff": (
+            max_rel_diff(optimizer_states[0], optimizer_states[1])
+            if optimizer_states[0].keys() == optimizer_states[1].keys()
+            else float("inf")
+        ),  # fmt: skip
+    }
+
+
+def optimizer_state(fitted: pl.Trainer) -> dict[str, torch.Tensor]:
+    """The first optimizer's per-parameter tensors after the fit, keyed by parameter index and name."""
+    saved = fitted.optimizers[0].state_dict()["state"]
+    return {
+        f"{index}.{name}": value.detach().float().cpu().reshape(-1).clone()
+        for index, entry in saved.items()
+        for name, value in entry.items()
+        if torch.is_tensor(value) and value.dim() > 0
+    }
+
+
+def resumed(case: str) -> dict:
+    """hier_sliced fits one epoch, checkpoints, and a new Trainer resumes it to two on the same device:
+    the parameters against ddp's uninterrupted two epochs."""
+    directory = Path(sys.argv[1]).parent / case
+    results = []
+    for strategy in ("ddp", "hier_sliced"):
+        pl.seed_everything(1234, verbose=False)
+        model = EquivModel(optimizer="adam", scheduler=True)
+        initial = state(model)
+        if strategy == "ddp":
+            trainer(DDPStrategy(), -1, max_epochs=2).fit(model, loader())
+        else:
+            first = trainer(HierSlicedStrategy(bucket_cap_mb=0.002), -1, max_epochs=1)
+            first.fit(model, loader())
+            first.save_checkpoint(directory / "epoch1.ckpt")
+            pl.seed_everything(1234, verbose=False)
+            model = EquivModel(optimizer="adam", scheduler=True)
+            trainer(HierSlicedStrategy(bucket_cap_mb=0.002), -1, max_epochs=2).fit(
+                model, loader(), ckpt_path=str(directory / "epoch1.ckpt")
+            )
         results.append(state(model))
     return {
         "max_rel_diff": max_rel_diff(results[0], results[1]),
@@ -260,12 +307,13 @@ def profiled(case: str) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    cases = sys.argv[2].split(",") if len(sys.argv) > 2 else [*SLICED, *PIPELINE, *HYBRID, *BSP, *PROFILED]
+    every = [*SLICED, *RESUMED, *PIPELINE, *HYBRID, *BSP, *PROFILED]
+    cases = sys.argv[2].split(",") if len(sys.argv) > 2 else every
     results: dict = {}
     for case in cases:
         run = (
             sliced if case in SLICED else pipeline if case in PIPELINE else bsp if case in BSP
-            else profiled if case in PROFILED else hybrid
+            else profiled if case in PROFILED else resumed if case in RESUMED else hybrid
         )  # fmt: skip
         try:
             results[case] = run(case)
