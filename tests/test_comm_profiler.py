@@ -166,6 +166,39 @@ def _per_step(result: dict, kind: str) -> list[int]:
     return [step.get(kind, [0, 0])[1] for step in result["steps"]]
 
 
+def test_ddp_timing_is_sampled_as_asked_and_bytes_are_exact_every_step() -> None:
+    """Under ddp the profiler reads DDP's own timing; with ``timing_every=N`` (the CUDA default, where a
+    timed step makes the host wait) DDP times its first ten iterations and then every N-th, and the
+    steps in between carry the latest timing. Reference: DDP's own logging data read every step; bytes
+    against the parameters counted by hand."""
+    from helpers import free_port
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_hier.profiling.ddp_reducer import DDPReducerStats
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)))
+        stats = DDPReducerStats(model, timing_every=4)
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        read, recorded = [], []
+        for _ in range(18):
+            model(torch.randn(3, 8)).sum().backward()
+            read.append(stats.read())
+            data = model._get_ddp_logging_data()
+            recorded.append((data["iteration"], data["backward_comm_time"] * 1e-9))
+    finally:
+        dist.destroy_process_group()
+    assert [r.nbytes for r in read] == [param_bytes] * 18
+    assert [iteration for iteration, _ in recorded] == [*range(1, 11), 10, 12, 12, 12, 12, 16, 16, 16]
+    assert [r.time_s for r in read] == [time for _, time in recorded]
+    assert len({r.time_s for r in read}) == 12  # ten first iterations and two samples, each its own time
+    with pytest.raises(ValueError, match="timing_every"):
+        DDPReducerStats(model, timing_every=0)
+
+
 def test_ddp_bytes_are_the_gradient_bytes(measured: dict) -> None:
     for result in measured["ddp"]:
         assert result["expected"]["max_diff_from_plain_ddp"] <= 1e-6  # same parameters as without it

@@ -48,6 +48,9 @@ class CommProfiler(Callback):
         filename: stem of the CSV and PNG files.
         save_figure: draw the PNG (matplotlib, Agg backend).
         print_summary: print the table at the end of training (rank 0).
+        ddp_timing_every: under Lightning's ``ddp``, time DDP's all-reduces every N synchronising steps
+            (``None``: every step on CPU, every 20th on CUDA, where each timed step makes the host wait
+            for the device; steps in between carry the latest timing, counts and bytes stay exact).
     """
 
     # its on_after_backward reads the clock only: hier_bsp keeps pushing buckets during backward with it
@@ -60,9 +63,13 @@ class CommProfiler(Callback):
         filename: str = "comm_profile",
         save_figure: bool = True,
         print_summary: bool = True,
+        ddp_timing_every: int | None = None,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1 or None, got {log_every_n_steps!r}.")
+        if ddp_timing_every is not None and ddp_timing_every < 1:
+            raise ValueError(f"ddp_timing_every must be >= 1 or None, got {ddp_timing_every!r}.")
+        self.ddp_timing_every = ddp_timing_every
         self.log_every_n_steps = log_every_n_steps
         self.output_dir = output_dir
         self.filename = filename
@@ -84,7 +91,7 @@ class CommProfiler(Callback):
         self._stop()
         stats = CommStats()
         self._register_groups(stats, trainer.strategy)
-        self._ddp, self._ddp_steps = DDPReducerStats.attach(trainer.strategy), {}
+        self._ddp, self._ddp_steps = DDPReducerStats.attach(trainer.strategy, self.ddp_timing_every), {}
         self.stats, self.rows, self._batches, self._global_steps = stats, [], 0, {}
         stats.start()
 
