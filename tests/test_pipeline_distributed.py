@@ -67,10 +67,12 @@ def reference(
     model_class: type[pl.LightningModule] = SkewedNet,
     batch_size: int = 32,
     model_kwargs: dict | None = None,
+    optimizer_state_out: dict | None = None,
     **trainer_kwargs,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process Lightning; with ``resume_after`` it saves after that many steps and resumes,
-    so Lightning's own resume bookkeeping (which epoch/batch comes next) is the same as compared."""
+    so Lightning's own resume bookkeeping (which epoch/batch comes next) is the same as compared.
+    ``optimizer_state_out`` receives the optimizer's ``state_dict()`` as the fit leaves it."""
     pl.seed_everything(0, verbose=False)
     model = model_class(optimizer=optimizer, **(model_kwargs or {}))
     losses = _Losses()
@@ -84,7 +86,10 @@ def reference(
         pl.seed_everything(0, verbose=False)
         model = model_class(optimizer=optimizer)
     data = flagged_loader(batch_size) if issubclass(model_class, SkippingNet) else loader(batch_size)
-    _plain_trainer(losses, **trainer_kwargs).fit(model, data, ckpt_path=ckpt_path)
+    trainer = _plain_trainer(losses, **trainer_kwargs)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    if optimizer_state_out is not None:
+        optimizer_state_out.update(trainer.optimizers[0].state_dict())
     return losses.values, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -122,12 +127,30 @@ def assert_every_rank_holds(pattern: str, ranks: int, expected: dict[str, torch.
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {key}")
 
 
+def assert_every_rank_optimizer_holds(pattern: str, ranks: int, expected: dict) -> None:
+    """The user's optimizer on every rank after a fit: the whole state, as one process leaves it (before
+    2026-11-27 each rank kept its own stage's parameters' state only)."""
+    for rank in range(ranks):
+        state = torch.load(pattern.format(rank=rank))
+        assert state["param_groups"] == expected["param_groups"], rank
+        assert sorted(state["state"]) == sorted(expected["state"]), rank
+        for index, entry in expected["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(
+                    state["state"][index][key], value, rtol=1e-4, atol=1e-6, msg=f"rank {rank}: {index}.{key}"
+                )
+
+
 def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: Path) -> None:
     result = run_scenario("rebalance_adam_1f1b", 4, tmp_path)
-    expected_losses, expected_state = reference("adam", max_steps=8, precision="64-true")
+    expected_optimizer: dict = {}
+    expected_losses, expected_state = reference(
+        "adam", max_steps=8, precision="64-true", optimizer_state_out=expected_optimizer
+    )
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state)
     assert_every_rank_holds(result["module_after_fit"], 4, expected_state)
+    assert_every_rank_optimizer_holds(result["optimizer_after_fit"], 4, expected_optimizer)
     history = result["history"]
     assert history, "the lopsided start [1, 1, 1, 17] must be rebalanced"
     first = history[0]

@@ -215,6 +215,24 @@ class PipelineEngine:
         }
         materialize_state(self.root, foreign, torch.device(device))
 
+    def restore_full_optimizer_state(self, optimizers: Sequence[Optimizer]) -> None:
+        """Give every rank's optimizers the whole state again, as one process would hold it (collective;
+        after :meth:`restore_full_model`, whose parameters the state is keyed by). Each stage holds the
+        state of its own parameters only; without this ``trainer.optimizers[0].state_dict()`` after a fit
+        lacked the other stages' moments, and a second fit of the same object restarted them."""
+        if self.num_stages == 1:  # the one stage holds everything already
+            return
+        for optimizer in optimizers:
+            local = optimizer.state_dict()
+            mine = {index: state_on_host(state) for index, state in local["state"].items()}
+            parts: list[Any] = [None] * self.num_stages
+            dist.all_gather_object(parts, to_wire(mine), group=self.group)
+            merged: dict[Any, Any] = {}
+            for part in map(from_wire, parts):
+                merged.update(part)
+            whole = {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+            optimizer.load_state_dict(whole)
+
     def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """The optimizers over the whole model; state of parameters elsewhere is dropped."""
         self.optimizers = list(optimizers)
@@ -498,6 +516,7 @@ class PipelineEngine:
         state = named_state(self.root)
         owned = {id(state[n]) for n in self.owned_state_names() if n in state}
         total = 0
+        params = []
         for tensor in state.values():
             if id(tensor) not in owned:
                 continue
@@ -505,8 +524,11 @@ class PipelineEngine:
             total += tensor.numel() * tensor.element_size()
             if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
                 total += tensor.numel() * tensor.element_size()  # its gradient
+                params.append(tensor)
+        # this stage's parameters' state only (after a fit every rank's optimizer holds the whole state)
         for opt in self.optimizers:
-            for per_param in opt.state.values():
+            for param in params:
+                per_param = opt.state.get(param, {})
                 total += sum(v.numel() * v.element_size() for v in per_param.values() if torch.is_tensor(v))
         return total
 

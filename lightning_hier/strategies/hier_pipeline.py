@@ -604,9 +604,12 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
 
     def teardown(self) -> None:
         """After a run every rank's module holds the whole trained model, as under ``ddp``, so the
-        user's script can save, export or run it (and ``start_method="spawn"`` can hand it back)."""
+        user's script can save, export or run it (and ``start_method="spawn"`` can hand it back), and
+        after a fit every rank's optimizer holds the whole state, as ``ddp`` leaves it."""
         if self.engine is not None and not self._failed and dist.is_initialized():
             self.engine.restore_full_model("cpu")
+            if self.optimizers and not without_optimizer(self.optimizers):
+                self.engine.restore_full_optimizer_state(self.optimizers)
         remove_global_norm_clipping(self.precision_plugin)
         self._remove_metric_sync()
         self._zero_grad_hook.restore()

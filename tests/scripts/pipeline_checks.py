@@ -383,10 +383,14 @@ def main() -> None:
     # after fit every rank's module holds the whole trained model, as under ddp
     module_after_fit = workdir / f"{name}.module_after_fit.rank{trainer.global_rank}.pt"
     torch.save(model.state_dict(), module_after_fit)
+    if trainer.optimizers:  # and its optimizer the whole state
+        optimizer_after_fit = workdir / f"{name}.optimizer_after_fit.rank{trainer.global_rank}.pt"
+        torch.save(trainer.optimizers[0].state_dict(), optimizer_after_fit)
     final = workdir / f"{name}.ckpt"
     trainer.save_checkpoint(final)
     result: dict = {"losses": recorder.losses, "checkpoint": str(final)}
     result["module_after_fit"] = str(workdir / f"{name}.module_after_fit.rank{{rank}}.pt")
+    result["optimizer_after_fit"] = str(workdir / f"{name}.optimizer_after_fit.rank{{rank}}.pt")
     result["val_losses"] = recorder.val_losses
     result["extra_keys"] = recorder.extra_keys
     if spec.get("top_k"):
