@@ -655,10 +655,13 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         steps a copy of it, sharded, so without this ``trainer.optimizers[0].state_dict()`` after fit had
         no state and a second fit of the same object began Adam's moments afresh. A consolidation (a
         collective over each node, every rank at teardown); skipped after an exception, when peers may be
-        gone, as hier_sliced keeps its shards then."""
+        gone, as hier_sliced keeps its shards then. Once per fit: a later validate / test keeps the closed
+        engine of the fit, whose thread (the one that issues on its groups) has ended."""
         assert self.engine is not None
         memory = self.engine.memory
         if memory.aborted or memory.error is not None or not dist.is_initialized():
+            return
+        if not self.engine.module.is_alive() or not self.optimizers:
             return
         optimizer = self.optimizers[0]
         optimizer.load_state_dict(self.optimizer_state(optimizer))
