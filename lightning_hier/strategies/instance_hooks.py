@@ -20,7 +20,8 @@ def _unwrapped(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _RunHook:
-    """``hook`` with something run before or after it, or skipped. Pickles (``torch.save`` or
+    """``hook`` with something run before or after it, or skipped, its result passed through ``transform``
+    when given. Pickles (``torch.save`` or
     ``copy.deepcopy`` of the module in the middle of a run) as the user's hook alone: the additions
     belong to one run."""
 
@@ -30,9 +31,11 @@ class _RunHook:
         before: Callable[[], None] | None = None,
         after: Callable[[], None] | None = None,
         skip: bool = False,
+        transform: Callable[[Any], Any] | None = None,
     ) -> None:
         functools.update_wrapper(self, hook)  # Lightning's is_overridden follows __wrapped__ to the user's
         self.hook, self.before, self.after, self.skip = hook, before, after, skip
+        self.transform = transform
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.before is not None:
@@ -40,7 +43,7 @@ class _RunHook:
         result = None if self.skip else self.hook(*args, **kwargs)
         if self.after is not None:
             self.after()
-        return result
+        return result if self.transform is None else self.transform(result)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_unwrapped, (self.hook,))
@@ -60,10 +63,12 @@ class InstanceHooks:
         before: Callable[[], None] | None = None,
         after: Callable[[], None] | None = None,
         skip: bool = False,
+        transform: Callable[[Any], Any] | None = None,
     ) -> None:
-        """``owner.name`` runs ``before``, itself (unless ``skip``), then ``after``."""
+        """``owner.name`` runs ``before``, itself (unless ``skip``), then ``after``, and returns its result
+        through ``transform`` when given."""
         self._saved.append((owner, name, owner.__dict__.get(name, _ABSENT)))
-        setattr(owner, name, _RunHook(getattr(owner, name), before, after, skip))
+        setattr(owner, name, _RunHook(getattr(owner, name), before, after, skip, transform))
 
     def restore(self) -> None:
         for owner, name, previous in reversed(self._saved):

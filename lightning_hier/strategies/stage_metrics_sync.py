@@ -39,6 +39,11 @@ class StageMetricsSync:
         self._module_hooks.wrap(module, "on_validation_epoch_end", after=self._sync_unless_sanity)
         if trainer.global_rank != 0:
             self._module_hooks.wrap(module, "on_predict_epoch_end", before=self._drop_predictions)
+        # trainer.validate() / test() return the last stage's results on every rank, as under ddp each
+        # rank gets a result dict with every logged key (before 2026-11-27 the other stages got empty
+        # dicts, and a script reading metrics[0]["val_loss"] on every rank failed there)
+        for loop in (trainer.validate_loop, trainer.test_loop):
+            self._module_hooks.wrap(loop, "run", transform=self._share_results)
 
     def remove(self) -> None:
         self._writer_hooks.restore()
@@ -54,6 +59,14 @@ class StageMetricsSync:
         dist.broadcast_object_list(payload, src=0, group=control_group())
         if trainer.global_rank != 0:
             metrics.update(from_wire(payload[0]))
+
+    def _share_results(self, results: Any) -> Any:
+        trainer = self.trainer
+        if trainer.world_size < 2 or not dist.is_initialized():
+            return results
+        payload: list[Any] = [to_wire(results) if trainer.global_rank == 0 else None]
+        dist.broadcast_object_list(payload, src=0, group=control_group())
+        return results if trainer.global_rank == 0 else from_wire(payload[0])
 
     def _sync_unless_sanity(self) -> None:
         if not self.trainer.sanity_checking:  # no callback acts on the sanity check's metrics

@@ -416,7 +416,7 @@ def main() -> None:
         metrics = fresh.validate(
             SkewedNet(), loader(batch_size=32, seed=1), ckpt_path=checkpoint_cb.best_model_path
         )
-        result["fresh_validate_val_loss"] = float(metrics[0]["val_loss"]) if fresh.is_global_zero else None
+        fresh_validate_val_loss = float(metrics[0]["val_loss"])  # every rank's result, as under ddp
         # predict released the other stages' layers again and gave them back at its teardown
         torch.save(model.state_dict(), workdir / f"{name}.module_after_predict.rank{trainer.global_rank}.pt")
         result["module_after_predict"] = str(workdir / f"{name}.module_after_predict.rank{{rank}}.pt")
@@ -434,6 +434,7 @@ def main() -> None:
         "headers_sent": engine.link.headers_sent,
         "torch_save_calls": saves.calls,
         "predict_returned": len(predictions) if spec.get("monitor") else None,
+        "fresh_validate_val_loss": fresh_validate_val_loss if spec.get("monitor") else None,
         # what the strategy added to trainer.callbacks for the run is gone again (fit and predict)
         "callbacks_as_before": [type(cb).__name__ for cb in trainer.callbacks] == callbacks_before,
         # and during the run: the strategy adds no callback of its own
@@ -452,6 +453,7 @@ def main() -> None:
     result["headers_sent_by_rank"] = [g["headers_sent"] for g in gathered]
     result["torch_save_calls_by_rank"] = [g["torch_save_calls"] for g in gathered]
     result["predict_returned_by_rank"] = [g["predict_returned"] for g in gathered]
+    result["fresh_validate_val_loss_by_rank"] = [g["fresh_validate_val_loss"] for g in gathered]
     result["callbacks_as_before_by_rank"] = [g["callbacks_as_before"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     result["gathered"] = getattr(model, "gathered", None)
