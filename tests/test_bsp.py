@@ -842,3 +842,27 @@ def test_a_stopped_heartbeat_has_ended_and_joins(tmp_path: Path) -> None:
     assert result is not None and "error" not in result, result
     assert result["alive_after_stop"] is False
     assert not any(name.startswith("hier-bsp-heartbeat") for name in result["threads"])
+
+
+def _lost_among_stopped(rank: int, world: int, store: str) -> dict:
+    from lightning_hier.bsp.liveness import Heartbeat, lost_ranks
+
+    init_gloo(rank, world, store)
+    beating = Heartbeat("lost", 0)  # this process: still beating
+    beating.start()
+    kv = torch.distributed.distributed_c10d._get_default_store()
+    kv.add("lost/beat/1", 5)  # rank 1 beat, then tore down in order after seeing the failure itself
+    Heartbeat("lost", 1).stop()  # never started: stop() only says it left
+    kv.add("lost/beat/2", 5)  # rank 2 beat, then died without a word
+    try:
+        return {"lost": lost_ranks("lost", 3, watch_s=1.5)}
+    finally:
+        beating.stop()
+
+
+def test_a_rank_that_left_in_order_is_not_named_lost(tmp_path: Path) -> None:
+    """After a worker dies the survivors fail too and tear down; one whose teardown ended its heartbeat
+    before rank 0 looked was named lost beside the dead one ('lost rank(s) [1, 2, 3]' for [3], seen in
+    CI). A rank that stops beating because its run ended now says so in the store first."""
+    (result,) = run_spawned(_lost_among_stopped, 1, tmp_path)
+    assert result == {"lost": [2]}, result

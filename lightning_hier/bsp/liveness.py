@@ -4,11 +4,13 @@ When a worker dies, the others' next collective fails (gloo: the connection clos
 group's timeout) with an error that names an address, not a rank. Every rank's :class:`Heartbeat`
 bumps a counter in the job's key-value store once a second from a thread of its own (a rank stuck
 in a collective still beats); after a failure, the counters that did not move for a few seconds
-name the lost ranks.
+name the lost ranks. A rank that stops beating because its run ended (it saw the failure too and tore
+down) says so in the store first, so a peer still watching does not take it for lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -31,6 +33,7 @@ class Heartbeat(threading.Thread):
     def __init__(self, run_key: str, rank: int) -> None:
         super().__init__(name=f"hier-bsp-heartbeat-rank{rank}", daemon=True)
         self.key = f"{run_key}/beat/{rank}"
+        self.left_key = f"{run_key}/left/{rank}"
         # not ``_stop``: that name is threading.Thread's own method, which join() calls (it raised
         # "'Event' object is not callable" there)
         self._stopping = threading.Event()
@@ -50,20 +53,23 @@ class Heartbeat(threading.Thread):
         self._stopping.set()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout)
+        with contextlib.suppress(Exception):  # the store's host is gone: nobody is left to ask
+            dist.distributed_c10d._get_default_store().set(self.left_key, "1")
 
 
 def lost_ranks(run_key: str, world_size: int, watch_s: float = WATCH_SECONDS) -> list[int] | None:
-    """Ranks whose heartbeat did not move within ``watch_s`` (``None``: the store is unreachable,
-    which means the process hosting it, normally global rank 0's, is gone)."""
+    """Ranks whose heartbeat did not move within ``watch_s`` and that did not leave in order (``None``:
+    the store is unreachable, which means the process hosting it, normally global rank 0's, is gone)."""
     try:
         store = dist.distributed_c10d._get_default_store()
         keys = [f"{run_key}/beat/{rank}" for rank in range(world_size)]
         before = [store.add(key, 0) for key in keys]
         time.sleep(watch_s)
         after = [store.add(key, 0) for key in keys]
+        stopped = [rank for rank, (a, b) in enumerate(zip(before, after)) if a == b]
+        return [rank for rank in stopped if not store.check([f"{run_key}/left/{rank}"])]
     except Exception:  # noqa: BLE001 - any store failure means its host is unreachable
         return None
-    return [rank for rank, (a, b) in enumerate(zip(before, after)) if a == b]
 
 
 def describe_loss(error: BaseException, lost: list[int] | None) -> str:
