@@ -52,3 +52,24 @@ def test_ema_resumed_ends_where_ddp_ends(results: dict, strategy: str) -> None:
     reference, averaged = results["reference"]["ema"], results[strategy]["ema"]
     assert "error" not in reference and "error" not in averaged, averaged
     assert averaged == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["hier_sliced", "hier_bsp"])
+def test_on_load_checkpoint_runs_before_configure_optimizers_as_ddp(results: dict, strategy: str) -> None:
+    """A consolidated checkpoint restores the module before the strategy's setup, where ddp restores it: a
+    module that builds its optimizer from state restored in ``on_load_checkpoint`` sees the restored rate
+    (until 2026-11-27 configure_optimizers ran first and saw the constructor's)."""
+    reference, resumed = results["reference"]["hook_order"], results[strategy]["hook_order"]
+    assert "error" not in reference and "error" not in resumed, resumed
+    assert reference["hooks"] == ["setup", "on_load_checkpoint", "configure_optimizers", "on_fit_start"]
+    assert resumed["hooks"] == reference["hooks"]
+    assert resumed["rate"] == reference["rate"] == 0.02
+    assert resumed["params"] == pytest.approx(reference["params"], rel=1e-5, abs=1e-6)
+
+
+def test_the_pipeline_restores_after_its_setup(results: dict) -> None:
+    """hier_pipeline adopts the checkpoint's stage split, which needs its stages: it restores at the end of
+    its setup, after configure_optimizers, and says so in its docs (the rate comes too late)."""
+    resumed = results["hier_pipeline"]["hook_order"]
+    assert "error" not in resumed, resumed
+    assert resumed["hooks"] == ["setup", "configure_optimizers", "on_load_checkpoint", "on_fit_start"]

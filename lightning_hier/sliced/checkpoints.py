@@ -106,6 +106,15 @@ class SlicedCheckpoints:
 
     # ------------------------------------------------------------------ load
     @staticmethod
+    def loads_before_setup(path: PathLike, module: nn.Module) -> bool:
+        """Whether the module in ``path`` loads into the plain module before the engines exist: a
+        consolidated file does; a sharded directory needs the slices, and node-shared embedding tables
+        their shared memory, which the strategy's setup creates."""
+        from lightning_hier.sparse.checkpoint import find_hybrid_embeddings
+
+        return not is_sharded_checkpoint(path) and not find_hybrid_embeddings(module)
+
+    @staticmethod
     def read(path: PathLike, read_file: Callable[[PathLike], dict[str, Any]]) -> dict[str, Any]:
         """The checkpoint at ``path``: a sharded directory's ``meta.pt`` (slices are read later, in
         place), or ``read_file(path)``."""

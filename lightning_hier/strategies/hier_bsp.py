@@ -629,9 +629,12 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             saved.update({k: v for k, v in group.items() if k != "params"})
         return state
 
+    def _can_restore_before_setup(self, ckpt_path: Any) -> bool:
+        return True  # one file, the whole model: the server starts from the module (on_train_start)
+
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        if self.engine is not None:
+        if self.engine is not None and not self._awaiting_setup:  # before setup: the previous run's engine
             self.engine.load_params()
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:

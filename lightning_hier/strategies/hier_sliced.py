@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 
 from lightning_hier.bucketing.time_bucketing import TimeBucketingConfig, validate_time_settings
-from lightning_hier.sliced.checkpoints import SlicedCheckpoints, validate_checkpoint_format
+from lightning_hier.sliced.checkpoints import PLAN_KEY, SlicedCheckpoints, validate_checkpoint_format
 from lightning_hier.sliced.engine import HierSlicedEngine
 from lightning_hier.sliced.reducer import REDUCERS
 from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
@@ -223,6 +223,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self._failed = False
         self._backward_engines: list[HierSlicedEngine] = []  # those the running backward feeds
         self.tables = NodeTables()
+        self._checkpoint_engine_state: dict[str, Any] | None = None
         self._table_exchange: Topology | None = None  # the tables' thread's own groups, built once
         self._buffers_changed = False
 
@@ -264,6 +265,9 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         sharding = fitting and not without_optimizer(self.optimizers)
         if sharding:
             self._build_engine()
+            if self._checkpoint_engine_state is not None:  # the time plan of a checkpoint loaded before setup
+                self.engine.load_checkpoint_state(self._checkpoint_engine_state)
+            self._checkpoint_engine_state = None
         else:
             if fitting:  # no optimizer: nothing to shard, the parameters stay as they are
                 self.engines, self.engine = [], None
@@ -538,6 +542,10 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         read_file = partial(super().load_checkpoint, weights_only=weights_only)
         return self.checkpoints.read(checkpoint_path, read_file)
 
+    def _can_restore_before_setup(self, ckpt_path: Any) -> bool:
+        assert self.lightning_module is not None
+        return self.checkpoints.loads_before_setup(ckpt_path, self.lightning_module)
+
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         # a checkpoint may be restored into a module no Trainer holds (after a spawned fit, Lightning's
@@ -545,7 +553,10 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         trainer = self.lightning_module._trainer
         self.tables.restore(checkpoint, getattr(trainer, "ckpt_path", None))
         load_whole = super().load_model_state_dict
-        self.checkpoints.restore_model(self.engine, self.lightning_module, checkpoint, strict, load_whole)
+        engine = self.engine
+        if self._awaiting_setup:  # restored before setup, as under ddp: the engines come later, with the plan
+            engine, self._checkpoint_engine_state = None, checkpoint.get(PLAN_KEY)
+        self.checkpoints.restore_model(engine, self.lightning_module, checkpoint, strict, load_whole)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if self.engine is None:

@@ -140,6 +140,52 @@ def ema(make_strategy: Any, root: Path) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
+class RestoresItsRate(Net):
+    """Keeps its learning rate in the checkpoint and builds its optimizer from it, recording the hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rate, self.hooks = 0.1, []
+
+    def setup(self, stage: str) -> None:
+        self.hooks.append("setup")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rate"] = 0.02
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.hooks.append("on_load_checkpoint")
+        self.rate = checkpoint["rate"]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.hooks.append("configure_optimizers")
+        self.configured_rate = self.rate
+        return torch.optim.SGD(self.parameters(), momentum=0.9, lr=self.rate)
+
+    def on_fit_start(self) -> None:
+        self.hooks.append("on_fit_start")
+
+
+def hook_order(make_strategy: Any, root: Path) -> dict[str, Any]:
+    """A resumed fit of a module whose ``configure_optimizers`` reads what ``on_load_checkpoint`` restored:
+    the hooks' order, the rate ``configure_optimizers`` saw and the parameters after the resumed epoch
+    (the optimizer state restored after setup brings the saved rate back, under every strategy)."""
+    saved = ModelCheckpoint(dirpath=root / "hooks", save_last=True)
+    pl.seed_everything(7, verbose=False)
+    trainer(make_strategy(), root, max_epochs=1, limit_train_batches=4, callbacks=[saved]).fit(
+        RestoresItsRate(), loader()
+    )
+    pl.seed_everything(7, verbose=False)
+    model = RestoresItsRate()
+    resumed = trainer(make_strategy(), root, max_epochs=2, limit_train_batches=4)
+    resumed.fit(model, loader(), ckpt_path=saved.last_model_path)
+    return {
+        "hooks": model.hooks,
+        "rate": model.configured_rate,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    }
+
+
 def reported(scenario: Any, *args: Any) -> Any:
     """The scenario's result, or the error it raised (on every rank alike: restoring fails everywhere)."""
     try:
@@ -158,6 +204,7 @@ def main() -> None:
             "timer": reported(timer, make, out / name),
             "swa": reported(swa, make, out / name) if whole else None,
             "ema": reported(ema, make, out / name) if whole else None,
+            "hook_order": reported(hook_order, make, out / name),
         }
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results))
