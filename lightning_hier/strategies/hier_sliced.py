@@ -263,11 +263,11 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         if fitting:
             self.setup_optimizers(trainer)
         sharding = fitting and not without_optimizer(self.optimizers)
+        checkpoint_engine_state, self._checkpoint_engine_state = self._checkpoint_engine_state, None
         if sharding:
             self._build_engine()
-            if self._checkpoint_engine_state is not None:  # the time plan of a checkpoint loaded before setup
-                self.engine.load_checkpoint_state(self._checkpoint_engine_state)
-            self._checkpoint_engine_state = None
+            if checkpoint_engine_state is not None:  # the time plan of a checkpoint loaded before setup
+                self.engine.load_checkpoint_state(checkpoint_engine_state)
         else:
             if fitting:  # no optimizer: nothing to shard, the parameters stay as they are
                 self.engines, self.engine = [], None
