@@ -10,7 +10,7 @@ repartitions, is rank 0, where Lightning logs and saves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -224,14 +224,9 @@ class PipelineEngine:
             return
         for optimizer in optimizers:
             local = optimizer.state_dict()
-            mine = {index: state_on_host(state) for index, state in local["state"].items()}
             parts: list[Any] = [None] * self.num_stages
-            dist.all_gather_object(parts, to_wire(mine), group=self.group)
-            merged: dict[Any, Any] = {}
-            for part in map(from_wire, parts):
-                merged.update(part)
-            whole = {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
-            optimizer.load_state_dict(whole)
+            dist.all_gather_object(parts, to_wire(_host_states(local)), group=self.group)
+            optimizer.load_state_dict(_merged_states(map(from_wire, parts), local))
 
     def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """The optimizers over the whole model; state of parameters elsewhere is dropped."""
@@ -406,14 +401,10 @@ class PipelineEngine:
     def consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` as one process training the whole model would write it."""
         local = optimizer.state_dict()
-        states = {k: state_on_host(s) for k, s in local["state"].items()}
-        gathered = self._gather_on_last(states)
+        gathered = self._gather_on_last(_host_states(local))
         if not self.is_last:
             return local
-        merged: dict[Any, Any] = {}
-        for part in gathered:
-            merged.update(part)
-        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+        return _merged_states(gathered, local)
 
     def drop_foreign_optimizer_state(self) -> None:
         """After loading a full optimizer state dict: keep only this stage's parameters' state."""
@@ -643,3 +634,17 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 32 << 20) -> floa
             torch.cuda.synchronize(device)
         best = min(best, perf_counter() - start)
     return nbytes / max(best, 1e-9)
+
+
+def _host_states(state_dict: dict[str, Any]) -> dict[Any, dict[str, Any]]:
+    """An optimizer ``state_dict``'s per-parameter states with their tensors on the host (to send)."""
+    return {index: state_on_host(state) for index, state in state_dict["state"].items()}
+
+
+def _merged_states(parts: Iterable[dict[Any, Any]], local: dict[str, Any]) -> dict[str, Any]:
+    """Every stage's per-parameter states as one ``state_dict``, in parameter order (as one process
+    training the whole model lists them), with ``local``'s param groups."""
+    merged: dict[Any, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}

@@ -5,7 +5,7 @@ DDP's C++ reducer all-reduces the gradient buckets out of Python's sight, but it
 first bucket's launch to the last one's completion (``backward_comm_time``), the part of that span
 during which backward was still computing (``backward_compute_comm_overlap_time``), the buckets
 reduced and their sizes. :class:`DDPReducerStats` asks for those numbers after each synchronising
-backward (DDP samples every iteration while it is attached) and turns them into the profiler's
+backward (DDP's sampling set as below while it is attached) and turns them into the profiler's
 :class:`~lightning_hier.profiling.comm_stats.KindStats`. DDP keeps its own C++ all-reduce, so the
 profiler costs nothing there (a Python comm hook cost ~3 % on CPU and more on a GPU), and a user's
 comm hook stays in place (its time is DDP's communication time; bytes are the buckets' sizes, what
@@ -13,7 +13,7 @@ the default all-reduce sends).
 
 On CUDA DDP's timer waits for its events (``cudaEventSynchronize``) whenever it records an iteration,
 which stalls the host that would otherwise run a step ahead of the device: sampling every iteration cost
-18-33 % of an 8 x 4096 MLP's step on an H100 (2026-11-28). So on CUDA the time is DDP's sample of every
+18-33 % of an 8 x 4096 MLP's step on an H100 (2026-11-27). So on CUDA the time is DDP's sample of every
 ``timing_every``-th synchronising iteration (and of the first ten, which DDP always samples), and the
 iterations in between carry the latest sample; counts and bytes are exact every iteration. On CPU the
 timer reads the host clock and every iteration is timed.
@@ -51,7 +51,6 @@ class DDPReducerStats:
             timing_every = self.CUDA_TIMING_EVERY if on_cuda else 1
         if timing_every < 1:
             raise ValueError(f"timing_every must be >= 1, got {timing_every!r}.")
-        self.timing_every = timing_every
         # DDP's default samples one iteration in 100 (after the first 10)
         model._set_ddp_runtime_logging_sample_rate(timing_every)
         self._sampled_iteration: int | None = None

@@ -50,23 +50,23 @@ class StageMetricsSync:
         self._module_hooks.restore()
 
     # ------------------------------------------------------------------ metrics
-    def _sync(self) -> None:
+    def _from_last_stage(self, value: Any) -> Any:
+        """Rank 0's (the last stage's) ``value`` on every rank (a broadcast on the host group)."""
         trainer = self.trainer
         if trainer.world_size < 2 or not dist.is_initialized():
-            return
-        metrics = trainer.callback_metrics
-        payload: list[Any] = [to_wire(dict(metrics)) if trainer.global_rank == 0 else None]
+            return value
+        payload: list[Any] = [to_wire(value) if trainer.global_rank == 0 else None]
         dist.broadcast_object_list(payload, src=0, group=control_group())
-        if trainer.global_rank != 0:
-            metrics.update(from_wire(payload[0]))
+        return value if trainer.global_rank == 0 else from_wire(payload[0])
+
+    def _sync(self) -> None:
+        metrics = self.trainer.callback_metrics
+        last_stage = self._from_last_stage(dict(metrics))
+        if self.trainer.global_rank != 0:
+            metrics.update(last_stage)
 
     def _share_results(self, results: Any) -> Any:
-        trainer = self.trainer
-        if trainer.world_size < 2 or not dist.is_initialized():
-            return results
-        payload: list[Any] = [to_wire(results) if trainer.global_rank == 0 else None]
-        dist.broadcast_object_list(payload, src=0, group=control_group())
-        return results if trainer.global_rank == 0 else from_wire(payload[0])
+        return self._from_last_stage(results)
 
     def _sync_unless_sanity(self) -> None:
         if not self.trainer.sanity_checking:  # no callback acts on the sanity check's metrics
