@@ -6,8 +6,10 @@ forwards each layer's timer saw against the counts the policy implies.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from lightning_hier.pipeline.engine import FULLY_TIMED_MICRO_BATCHES, PipelineEn
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.partition import StagePartition
 from lightning_hier.pipeline.settings import PipelineSettings
+from lightning_hier.pipeline.stage import StageExecutor
 
 
 @pytest.fixture()
@@ -164,3 +167,74 @@ def test_static_shapes_keys_and_a_broken_assumption_named() -> None:
     assert link.send_header(activation, "k") is True and link.headers_sent == 0  # remembered: no message
     with pytest.raises(RuntimeError, match="static_shapes=False"):
         link.send_header(torch.randn(5, 8, requires_grad=True), "k")
+
+
+class _SlowGrad(torch.autograd.Function):
+    """Identity whose backward sleeps ``seconds``: a layer of known backward time."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _Slow(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowGrad.apply(x, self.seconds)
+
+
+class _Block(nn.Module):
+    """``x + tanh(slow(fc(x)))``: the skip connection makes its four layers one cluster."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.slow = _Slow(seconds)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.slow(self.fc(x)))
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = _Block(0.05), _Block(0.0), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(x)))
+
+
+def test_backward_time_is_booked_to_the_cluster_that_spent_it_with_one_hook_per_cluster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cluster ``a``'s backward sleeps 50 ms, ``b``'s nothing: ``a``'s layers are booked the 50 ms and
+    ``b``'s almost none, though only one gradient hook per cluster (3) timed them, not one per layer (9)."""
+    graph = LayerGraph(_TwoBlocks(), leaf_modules=["a.slow", "b.slow"])
+    assert [(c.start, c.end) for c in graph.clusters] == [(0, 4), (4, 8), (8, 9)]
+    executor = StageExecutor(graph, StagePartition((0,), graph.num_clusters), 0)
+    hooks = 0
+    register_hook = torch.Tensor.register_hook
+
+    def counting(tensor: torch.Tensor, hook: Any) -> Any:
+        nonlocal hooks
+        hooks += 1
+        return register_hook(tensor, hook)
+
+    monkeypatch.setattr(torch.Tensor, "register_hook", counting)
+    for _ in range(2):
+        executor.forward(torch.randn(3, 4)).sum().backward()
+        executor.finish_backward()
+    assert hooks == 2 * graph.num_clusters
+    times = executor.times
+    booked = [sum(times.backward[i] for i in range(c.start, c.end)) / 2 for c in graph.clusters]
+    assert booked[0] >= 0.05 and booked[1] < 0.01, booked
+    assert all(times.backward_count[i] == 2 for i in range(len(graph.layers)))
