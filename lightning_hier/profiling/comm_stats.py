@@ -234,7 +234,6 @@ class CommStats:
         # operations found finished at a step's end whose moment of completion nobody saw (counted as
         # ending there, or on CUDA at their issue); a diagnostic of the timing, not of the bytes
         self.unobserved_completions = 0
-        self.last_training_issue: float = float("-inf")  # host time of the training thread's latest issue
 
     # ------------------------------------------------------------------ setup
     def register_group(self, group: dist.ProcessGroup | None, kind: str) -> None:
@@ -515,8 +514,6 @@ class CommStats:
         if outside:
             self._tally_outside(event)
             event.done = issued  # not tracked further
-        if training:
-            self.last_training_issue = self.clock.host()
         return event
 
     def _track(self, work: dist.Work, events: list[CommEvent]) -> None:
