@@ -191,6 +191,11 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         self.topology: Topology | None = None
         self.engine: BSPEngine | None = None
         self._in_step = False
+        # this optimizer step's backward passes: whether any ran, and whether the one completing it was
+        # announced to the engine (by its start; a user's optimizer_step may run the closure itself
+        # before calling optimizer.step(), which then hands the strategy an empty closure)
+        self._backward_ran = False
+        self._last_backward_announced = False
         self._logged = 0
 
     # ------------------------------------------------------------------ environment
@@ -445,8 +450,24 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         # here rather than in an overridden backward: Lightning's Strategy.backward stays as it is
         if self.engine is not None:
+            if not self._last_backward_announced and not self._accumulating():
+                self._announce_last_backward()
+            self._backward_ran = True
             self.engine.backward_starts()
         super().pre_backward(closure_loss)
+
+    def _accumulating(self) -> bool:
+        """Whether the running batch only accumulates gradients (Lightning steps the optimizer later)."""
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        try:
+            return bool(trainer.fit_loop.epoch_loop._should_accumulate())  # type: ignore[union-attr]
+        except AttributeError:  # no fit running (a step driven by hand)
+            return False
+
+    def _announce_last_backward(self) -> None:
+        assert self.engine is not None
+        self.engine.expect_last_backward()  # this backward completes the micro-step
+        self._last_backward_announced = True
 
     def optimizer_step(
         self,
@@ -462,11 +483,15 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         # forward, backward and the hooks before the step; the step itself is the server's
         if not self._in_step:  # this optimizer step's first micro-batch runs inside the closure
             self._rebuild_when_profiled()
-        self.engine.expect_last_backward()  # this closure's backward completes the micro-step
+        if not self._last_backward_announced:
+            self._announce_last_backward()  # the closure's backward (if it runs one) completes the micro-step
         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
         if self._in_step:
-            self.engine.end_step(computed=result is not None)
-            self._in_step = False
+            # computed: some backward of this step ran, inside the closure or before it (a user's
+            # optimizer_step that calls the closure, then optimizer.step(); ddp steps on those gradients
+            # too). A step whose every training_step returned None ran none and is skipped.
+            self.engine.end_step(computed=self._backward_ran)
+            self._in_step = self._backward_ran = self._last_backward_announced = False
         # the server's copy steps for this optimizer; torch's LR schedulers read this flag (set by the
         # step wrapper they install) to warn about a scheduler stepped before its optimizer
         optimizer._opt_called = True  # type: ignore[attr-defined]

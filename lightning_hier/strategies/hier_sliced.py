@@ -60,13 +60,15 @@ INTER_NODE_DTYPES: dict[str | None, torch.dtype | None] = {
 
 
 def _zero_grad_with_buckets(
-    clear_slices: Callable[..., None], engine: HierSlicedEngine
+    clear_slices: Callable[..., None], engine: HierSlicedEngine, keep_views: bool
 ) -> Callable[..., None]:
-    """An optimizer's ``zero_grad`` that also clears ``engine``'s local gradient buckets."""
+    """An optimizer's ``zero_grad`` that also clears ``engine``'s local gradient buckets. ``keep_views``:
+    every parameter's ``.grad`` stays its (zeroed) bucket view even for ``set_to_none=True``, so the next
+    backward accumulates in place instead of allocating a gradient that is then copied in."""
 
     def zero_grad(set_to_none: bool = True) -> None:
         clear_slices(set_to_none=set_to_none)
-        engine.zero_grad(set_to_none=set_to_none)
+        engine.zero_grad(set_to_none=set_to_none and not keep_views)
 
     return zero_grad
 
@@ -274,7 +276,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             _sync_module_states(self.model)
         self.setup_precision_plugin()  # (re)creates the LightningOptimizer wrappers
         if sharding:
-            self._route_manual_zero_grad()
+            self._route_zero_grad()
             install_optimizer_toggle(
                 self.lightning_module,
                 lambda optimizer: self.engine_for(optimizer).params,
@@ -308,16 +310,18 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
                 exchange_groups=(exchange.intra_group, exchange.inter_group),
             )
 
-    def _route_manual_zero_grad(self) -> None:
-        """Manual optimization: the user's ``optimizer.zero_grad()`` also clears this rank's local
-        gradient buckets. The sharded optimizer holds slices only, so its own ``zero_grad`` would leave
-        the full local gradients to be summed into the next ``manual_backward`` (under automatic
-        optimization the strategy clears them after each step, where Lightning would)."""
+    def _route_zero_grad(self) -> None:
+        """``optimizer.zero_grad()`` also clears this rank's local gradient buckets. The sharded optimizer
+        holds slices only, so its own ``zero_grad`` would leave the full local gradients to be summed into
+        the next backward: under manual optimization, and under automatic optimization wherever a step
+        is skipped (a user's ``optimizer_step`` that runs the closure and steps only on some batches, such
+        as skipping non-finite losses; ddp drops that batch's gradients at the next ``zero_grad``). After
+        a step the strategy has cleared them already, so this costs nothing then. Automatic optimization
+        keeps the ``.grad`` views, as it always has between steps."""
         assert self.lightning_module is not None and self.engine is not None
-        if self.lightning_module.automatic_optimization:
-            return
+        keep_views = self.lightning_module.automatic_optimization
         for index, (optimizer, engine) in enumerate(zip(self.optimizers, self.engines)):
-            route_zero_grad(self, index, _zero_grad_with_buckets(optimizer.zero_grad, engine))
+            route_zero_grad(self, index, _zero_grad_with_buckets(optimizer.zero_grad, engine, keep_views))
 
     def _build_engine(self) -> None:
         assert self.topology is not None and self.lightning_module is not None
