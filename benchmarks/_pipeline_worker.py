@@ -124,6 +124,41 @@ class Window:
 
 
 # ---------------------------------------------------------------------- hier_pipeline
+class StepParts:
+    """Where this stage's steps go: the strategy's ``training_step`` (the schedule, the loss broadcast),
+    what follows it up to the end of ``optimizer_step`` (Lightning's backward hooks, the optimizer's own
+    step, a rebalance check when due), and the rest (Lightning between steps, the batch)."""
+
+    def __init__(self, strategy: HierPipelineStrategy) -> None:
+        self.seconds = {"training_step": 0.0, "optimizer_step": 0.0}
+        self.counting = False
+        self._training_end = 0.0
+        training_step, optimizer_step = strategy.training_step, strategy.optimizer_step
+
+        def timed_training_step(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return training_step(*args, **kwargs)
+            finally:
+                self._training_end = time.perf_counter()
+                if self.counting:
+                    self.seconds["training_step"] += self._training_end - start
+
+        def timed_optimizer_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return optimizer_step(*args, **kwargs)
+            finally:
+                if self.counting:
+                    self.seconds["optimizer_step"] += time.perf_counter() - self._training_end
+
+        strategy.training_step, strategy.optimizer_step = timed_training_step, timed_optimizer_step
+
+    def per_step_ms(self, steps: int, window_s: float) -> dict[str, float]:
+        parts = {name: seconds / steps * 1e3 for name, seconds in self.seconds.items()}
+        parts["between_steps"] = window_s / steps * 1e3 - sum(parts.values())
+        return parts
+
+
 class HierWindow(pl.Callback):
     """Opens the window after ``warmup`` steps or (rebalancing) once a check left the split unchanged."""
 
@@ -133,6 +168,9 @@ class HierWindow(pl.Callback):
         self.window = window
         self.settled = False
         self.stage_times: list[float] = []
+        self.parts = StepParts(strategy)
+        self.parts_by_stage: list[dict[str, float]] = []
+        self._opened = 0.0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.c["rebalance"] == "never":  # nothing reads layer times: sample them for the report
@@ -150,7 +188,14 @@ class HierWindow(pl.Callback):
         edge = self.window.step(batch_idx, opens)
         if edge == "open":
             engine.executor.reset_times()
+            self.parts.counting, self._opened = True, time.perf_counter()
         elif edge == "close":
+            self.parts.counting = False
+            parts = self.parts.per_step_ms(self.window.steps, time.perf_counter() - self._opened)
+            mine_parts = {"stage": engine.stage, **parts}
+            all_parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(all_parts, mine_parts)
+            self.parts_by_stage = sorted(all_parts, key=lambda part: part["stage"])
             if self.c["rebalance"] == "never":  # per stage: its layers' mean forward + backward
                 mine = (engine.stage, sum(f + b for f, b in engine.local_times()["layers"].values()))
                 gathered: list[Any] = [None] * dist.get_world_size()
@@ -195,10 +240,18 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
     # one micro-batch passes through the others on the way in and out (fill and drain); balanced stages:
     # (micro + stages - 1) x the stage time
     ideal_s = (micro - 1) * max(stage_times) + sum(stage_times) if stage_times else NAN
+    # the optimizer's own step (with Lightning's hooks around it) is the model's work, not the engine's:
+    # the overhead once the slowest stage's part is taken out of the step too
+    optimizer_ms = max(part["optimizer_step"] for part in timer.parts_by_stage)
     return {
         **window,
         "ideal_step_s": ideal_s,
         "engine_overhead_ms_per_micro_batch": (window["window_s"] / steps - ideal_s) / micro * 1e3,
+        "step_parts_ms_by_stage": timer.parts_by_stage,
+        "engine_overhead_without_optimizer_ms_per_micro_batch": (
+            (window["window_s"] / steps - ideal_s) * 1e3 - optimizer_ms
+        )
+        / micro,
         "settled": timer.settled,
         "final_starts": list(engine.partition.starts),
         "stage_times_s": stage_times,  # per micro-batch: the window's checks', or (never) since it opened
