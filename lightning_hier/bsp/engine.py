@@ -175,7 +175,8 @@ class BSPEngine:
             memory.in_flight = memory.picked_up
             memory.started_since_pickup += 1
             memory.cycle_starts(time.monotonic())
-        self.zero_grad()
+        # the gradients are cleared by the optimizer's zero_grad (routed here), where Lightning calls it:
+        # a module whose optimizer_zero_grad skips batches adds them to the next micro-step, as under ddp
 
     @torch.no_grad()
     def end_step(self, computed: bool = True) -> None:

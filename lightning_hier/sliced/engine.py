@@ -522,14 +522,16 @@ class HierSlicedEngine:
         return self.sharding.clip_grad_norm_(max_norm, norm_type)
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        """Restore untouched parameters, all-gather updated slices in the node, clear gradients.
+    def after_step(self, clear_gradients: bool = True) -> None:
+        """Restore untouched parameters, all-gather updated slices in the node, clear gradients
+        (``clear_gradients=False``: leave that to the next ``zero_grad``, as Lightning's loop does).
 
         With ``bucketing="time"`` this is also where a new plan, once decided, takes effect.
         """
         self._unused_snapshot.restore(self.sharding.shards, self.optimizer)
         self.gather_params()
-        self.zero_grad()
+        if clear_gradients:
+            self.zero_grad()
         plan = None
         if self.time_bucketing is not None:
             new_plan = self.time_bucketing.after_step(self._globally_used)

@@ -315,9 +315,10 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         holds slices only, so its own ``zero_grad`` would leave the full local gradients to be summed into
         the next backward: under manual optimization, and under automatic optimization wherever a step
         is skipped (a user's ``optimizer_step`` that runs the closure and steps only on some batches, such
-        as skipping non-finite losses; ddp drops that batch's gradients at the next ``zero_grad``). After
-        a step the strategy has cleared them already, so this costs nothing then. Automatic optimization
-        keeps the ``.grad`` views, as it always has between steps."""
+        as skipping non-finite losses; ddp drops that batch's gradients at the next ``zero_grad``). The
+        strategy leaves them after a step until this ``zero_grad``, as ddp leaves ``.grad``, so a module
+        whose ``optimizer_zero_grad`` skips batches accumulates across steps as under ddp. Automatic
+        optimization keeps the ``.grad`` views (zeroed), so backward accumulates in place."""
         assert self.lightning_module is not None and self.engine is not None
         keep_views = self.lightning_module.automatic_optimization
         for index, (optimizer, engine) in enumerate(zip(self.optimizers, self.engines)):
@@ -515,7 +516,9 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engines:
-            self.engine_for(optimizer).after_step()
+            # the gradients stay until the optimizer's zero_grad (routed to the buckets), as under ddp:
+            # a module whose optimizer_zero_grad skips some batches adds them to the next step's
+            self.engine_for(optimizer).after_step(clear_gradients=False)
         self.tables.apply_update(*self._table_update_factor())
         return output
 
