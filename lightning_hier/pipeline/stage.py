@@ -303,7 +303,7 @@ class StageExecutor:
         first = self.layer_range.start - 1
         for events, end in self._pending_backward:
             for (mark, layer), (next_mark, below) in zip(events, events[1:] + [(end, first)]):
-                self._share_backward(layer, max(below, first), self.clock.seconds(mark, next_mark))
+                self._share_backward(layer, below, self.clock.seconds(mark, next_mark))
         self._pending_forward.clear()
         self._pending_backward.clear()
 

@@ -140,7 +140,6 @@ class HierSlicedEngine:
         self._unused_snapshot = UnusedSnapshot()
         self._end_callback_queued = False
         self._backward_open = False  # between begin_backward and finish_backward
-        self._grads_clean = False  # the local buckets hold zeros (nothing wrote them since zero_grad)
         # set by the strategy: called when a gradient arrives outside begin/finish_backward (a raw
         # ``loss.backward()`` under manual optimization); it opens this backward and returns what ends
         # it, or returns None for a backward that only accumulates locally. None here: every backward
@@ -295,7 +294,6 @@ class HierSlicedEngine:
 
     def _make_hook(self, index: int):  # noqa: ANN202 - autograd hook signature
         def hook(param: torch.Tensor) -> None:
-            self._grads_clean = False
             if not self._backward_open and not self._open_unannounced():
                 bucket_index, slot = self._where[index]
                 adopt_gradient(param, self.buckets[bucket_index].grad_view(slot))  # local accumulation only
@@ -396,7 +394,6 @@ class HierSlicedEngine:
         """
         if self.topology.devices_per_node == 1:
             return
-        self._grads_clean = False
         works = []
         for bucket, shard in zip(self.buckets, self.sharding.shards):
             start, end = bucket.owned_range
@@ -553,13 +550,10 @@ class HierSlicedEngine:
             work.wait()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Clear the local gradient buckets (no work where nothing wrote them since the last clear).
-        ``set_to_none``: also unset every parameter's ``.grad``, as ``optimizer.zero_grad()`` does (the
-        next backward's gradient is taken back into its bucket)."""
-        if not self._grads_clean:
-            for bucket in self.buckets:
-                bucket.grads.zero_()
-            self._grads_clean = True
+        """Clear the local gradient buckets. ``set_to_none``: also unset every parameter's ``.grad``, as
+        ``optimizer.zero_grad()`` does (the next backward's gradient is taken back into its bucket)."""
+        for bucket in self.buckets:
+            bucket.grads.zero_()
         if set_to_none:
             for param in self.params:
                 param.grad = None

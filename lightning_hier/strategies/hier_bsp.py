@@ -457,12 +457,15 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         super().pre_backward(closure_loss)
 
     def _accumulating(self) -> bool:
-        """Whether the running batch only accumulates gradients (Lightning steps the optimizer later)."""
+        """Whether the running batch only accumulates gradients (Lightning steps the optimizer later).
+        Where that cannot be read (no fit running, or a Lightning without its private
+        ``_should_accumulate``) the answer is yes: the backward is then announced in ``optimizer_step``,
+        before its closure, and never one that only accumulates."""
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         try:
             return bool(trainer.fit_loop.epoch_loop._should_accumulate())  # type: ignore[union-attr]
-        except AttributeError:  # no fit running (a step driven by hand)
-            return False
+        except AttributeError:
+            return True
 
     def _announce_last_backward(self) -> None:
         assert self.engine is not None
