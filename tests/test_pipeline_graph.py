@@ -398,3 +398,67 @@ def test_rebalance_needs_a_real_gain_and_an_imbalance() -> None:
     assert d.new is None and "faster" in d.reason
     d = decide_rebalance(graph, lopsided, times(0.5, 0.48, 0.26, 0.26), exits, 0.1, min_gain=0.0)
     assert d.new is not None and d.new.starts == (0, 2)
+
+
+class TorchContainersWithDropout(nn.Module):
+    """torch's own leaves that draw random numbers inside: an encoder layer (``nn.Dropout`` children and
+    attention dropout), a recurrent layer (dropout between its layers, a float attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.3, batch_first=True)
+        self.lstm = nn.LSTM(8, 8, num_layers=2, dropout=0.3, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.encoder(x))
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+def _pipeline_forward(graph: LayerGraph, stages: int, x: torch.Tensor, global_draws: int) -> torch.Tensor:
+    """``x`` through ``stages`` executors seeded per layer, each stage's process RNG advanced differently."""
+    partition = partition_uniform(graph.layer_counts(), stages)
+    value = x
+    for stage in range(stages):
+        executor = StageExecutor(graph, partition, stage)
+        executor.rng_base, executor.rng_position = 1234, (3, 1)
+        torch.manual_seed(stage)
+        torch.rand(global_draws + stage)  # what else this process drew before (data loading, other layers)
+        value = executor.forward(value)
+    return value
+
+
+def test_torch_leaves_holding_dropout_draw_from_the_per_layer_stream() -> None:
+    """An ``nn.TransformerEncoderLayer`` or ``nn.LSTM(dropout=...)`` leaf gets the same masks on any stage
+    and whatever its process drew before, as ``nn.Dropout`` does (before: only the leaf's own type was
+    asked, so these drew from the process's global stream and their masks followed the placement)."""
+    torch.manual_seed(0)
+    model = TorchContainersWithDropout().double().train()
+    graph = LayerGraph(model)
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    one_stage = _pipeline_forward(graph, 1, x, global_draws=0)
+    for draws in (0, 7):
+        torch.testing.assert_close(_pipeline_forward(graph, 2, x, draws), one_stage, rtol=0, atol=0)
+    model.eval()
+    torch.testing.assert_close(_pipeline_forward(graph, 2, x, 7), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("module", "draws"),
+    [
+        (nn.Linear(4, 4), False),
+        (nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1), True),
+        (nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), False),
+        (nn.MultiheadAttention(8, 2, dropout=0.1), True),
+        (nn.GRU(4, 4, num_layers=2, dropout=0.2), True),
+        (nn.GRU(4, 4, num_layers=2), False),
+        (nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), True),
+        (nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)).eval(), False),
+    ],
+)
+def test_which_torch_leaves_may_draw_random_numbers(module: nn.Module, draws: bool) -> None:
+    from lightning_hier.pipeline.layer_rng import may_draw_random
+
+    node = LayerGraph(nn.Sequential(module)).graph_module.graph.find_nodes(op="call_module")[0]
+    assert may_draw_random(node, module) is draws

@@ -35,14 +35,35 @@ _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
 
 
+def _draws_itself(module: nn.Module) -> bool:
+    """Whether ``module``'s own code (not its children's) may consume random numbers in its current mode."""
+    if not type(module).__module__.startswith("torch."):
+        return True  # a user's module, in either mode (Monte Carlo dropout): assume it may
+    if not module.training:
+        return False
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    if isinstance(module, (nn.MultiheadAttention, nn.RNNBase)):
+        return module.dropout > 0
+    return isinstance(module, _RANDOM_MODULES)
+
+
+def _module_draws_random(module: nn.Module) -> bool:
+    """Whether calling ``module`` (a leaf of the trace) may consume random numbers in its current mode.
+
+    torch's own leaves are containers too: ``nn.TransformerEncoderLayer`` holds ``nn.Dropout`` modules,
+    ``nn.MultiheadAttention`` and the recurrent layers apply dropout from a float attribute, so the
+    whole subtree is asked, not only the leaf's own type."""
+    if not module._modules:  # most leaves (Linear, Conv, norms): asked at every call, so keep it cheap
+        return _draws_itself(module)
+    return any(_draws_itself(sub) for sub in module.modules())
+
+
 def may_draw_random(node: fx.Node, module: nn.Module | None) -> bool:
-    """Whether running ``node`` may consume random numbers (known random ops, or user modules)."""
+    """Whether running ``node`` may consume random numbers (known random ops, torch modules that hold
+    one, or user modules)."""
     if node.op == "call_module" and module is not None:
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            return module.training and module.p > 0
-        if isinstance(module, _RANDOM_MODULES):
-            return module.training
-        return not type(module).__module__.startswith("torch.")  # a user's leaf module: assume it may
+        return _module_draws_random(module)
     if node.op == "call_function":
         return node.target in _RANDOM_FUNCTIONS
     return False
