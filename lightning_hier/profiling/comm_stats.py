@@ -56,6 +56,8 @@ _SENDS = ("send", "isend")
 
 
 def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):  # the common case, once per message
+        return value.numel() * value.element_size()
     return sum(t.numel() * t.element_size() for t in tensors_in(value))
 
 
@@ -152,7 +154,7 @@ class _Clock:
 
 
 # ---------------------------------------------------------------------- records
-@dataclass
+@dataclass(slots=True)
 class CommEvent:
     """One operation as this rank issued it (stamps: see :class:`_Clock`)."""
 
@@ -256,7 +258,7 @@ class CommStats:
             try:
                 return original(*args, **kwargs)
             finally:
-                self._add_blocked(start, self.clock.host())
+                self._add_blocked(start, self.clock.host(), training=True)
 
         setattr(obj, name, waiting)
         self._watched.append((obj, name, original if had_own else None))
@@ -471,56 +473,66 @@ class CommStats:
             event.done = self.clock.stamp(event.cuda)
             raise
         returned = self.clock.stamp(cuda)
+        training = event.training_thread
         if result is not None and hasattr(result, "is_completed"):  # a Work (isinstance costs ~1 us here)
-            self._track(result, [event])
+            self._track(result, [event], training)
         else:
             event.done = returned
-        if event.training_thread:
-            self._add_blocked(event.issued, returned)
+        if training:
+            self._add_blocked(event.issued, returned, training)
         return result
 
     def _batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ops = args[0] if args else kwargs["p2p_op_list"]
         events = []
+        training = threading.get_ident() == self._thread
         for op in ops:
             name = p2p_op_name(op)
             nbytes = _nbytes(op.tensor) if name == "isend" else 0
-            events.append(self._issue(name, "p2p", nbytes, nbytes, op.tensor.is_cuda))
+            events.append(self._issue(name, "p2p", nbytes, nbytes, op.tensor.is_cuda, training))
         works = original(*args, **kwargs)
         returned = self.clock.stamp(bool(events) and events[0].cuda)
         works_list = list(works or [])
         if len(works_list) == len(events):
             for work, event in zip(works_list, events):
-                self._track(work, [event])
+                self._track(work, [event], training)
         elif works_list:  # coalesced: one handle for all of them
-            self._track(works_list[-1], events)
+            self._track(works_list[-1], events, training)
         else:
             for event in events:
                 event.done = returned
-        if events and events[0].training_thread:
-            self._add_blocked(events[0].issued, returned)
+        if events and training:
+            self._add_blocked(events[0].issued, returned, training)
         return works
 
-    def _issue(self, name: str, kind: str, nbytes: int, wire: int, cuda: bool) -> CommEvent:
-        training = threading.get_ident() == self._thread
+    def _issue(
+        self, name: str, kind: str, nbytes: int, wire: int, cuda: bool, training: bool | None = None
+    ) -> CommEvent:
+        if training is None:
+            training = threading.get_ident() == self._thread
         issued = self.clock.stamp(cuda)
         event = CommEvent(name, kind, nbytes, wire, training, cuda, issued)
-        with self._lock:
-            if training and self._window is None:
-                outside = True
+        if training:
+            # no lock: the lists are swapped only by this thread (begin_step / end_step / stop), and
+            # another thread's append under the lock cannot interleave with an atomic list append
+            if self._window is None:
+                self._tally_outside(event)
+                event.done = issued  # not tracked further
             else:
-                outside = False
                 self._events.append(event)
-        if outside:
-            self._tally_outside(event)
-            event.done = issued  # not tracked further
+            return event
+        with self._lock:
+            self._events.append(event)
         return event
 
-    def _track(self, work: dist.Work, events: list[CommEvent]) -> None:
+    def _track(self, work: dist.Work, events: list[CommEvent], training: bool = False) -> None:
         """Completion of an asynchronous operation: its future (host clock) or a wait (CUDA)."""
         key = id(work)
-        with self._lock:
+        if training:  # the training thread swaps the dict itself (see _issue)
             self._pending[key] = (work, events)
+        else:
+            with self._lock:
+                self._pending[key] = (work, events)
         cuda = events[0].cuda
         if not cuda:
             # a host operation's end is stamped at its Work.wait (every issuer here waits, in the step
@@ -561,12 +573,16 @@ class CommStats:
                     if event.done is None:
                         event.done = after
                 if threading.get_ident() == self._thread:
-                    self._add_blocked(before, after)
+                    self._add_blocked(before, after, training=True)
 
         wait.__wrapped__ = original  # type: ignore[attr-defined]
         return wait
 
-    def _add_blocked(self, start: Any, end: Any) -> None:
+    def _add_blocked(self, start: Any, end: Any, training: bool = False) -> None:
+        if training:  # the training thread swaps the list itself (see _issue)
+            if self._window is not None:
+                self._blocked.append((start, end))
+            return
         with self._lock:
             if self._window is not None:
                 self._blocked.append((start, end))
