@@ -83,6 +83,56 @@ class _DeviceStamp:
         return self.reached
 
 
+def _brute_force_account(
+    events: list[CommEvent], blocked: list[tuple[float, float]], origin: float, end: int
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """Per unit of a grid of whole seconds: which kinds run, whether the thread is blocked (the reference)."""
+    time_s: dict[str, float] = {}
+    exposed_s: dict[str, float] = {}
+    exposed_total = 0.0
+    for t in range(end):
+        moment = origin + t + 0.5
+        running = sorted({e.kind for e in events if e.issued <= moment < e.done})
+        is_blocked = any(a <= moment < b for a, b in blocked)
+        for kind in running:
+            time_s[kind] = time_s.get(kind, 0.0) + 1.0
+            if is_blocked:
+                exposed_s[kind] = exposed_s.get(kind, 0.0) + 1.0 / len(running)
+        if is_blocked and running:
+            exposed_total += 1.0
+    return time_s, exposed_s, exposed_total
+
+
+def test_accounting_sweep_matches_a_brute_force_count_on_random_steps() -> None:
+    """The sweep over start and end marks (tuned: kinds as small integers, a running counter) against
+    counting every second of a 60 s step by hand, on random overlapping operations of three kinds."""
+    import random
+
+    rng = random.Random(13)
+    stats = CommStats()
+    origin = stats.clock._origin_host
+    for _ in range(40):
+        events = []
+        for _ in range(rng.randint(0, 12)):
+            a = rng.randint(0, 59)
+            b = rng.randint(a, 60)
+            events.append(_event(rng.choice(["intra", "inter", "p2p"]), origin + a, origin + b))
+        blocked = []
+        for _ in range(rng.randint(0, 6)):
+            a = rng.randint(-5, 60)
+            # a span may start before the step or end after it
+            blocked.append((origin + a, origin + rng.randint(a, 66)))
+        step = stats._account(0, events, blocked, origin + 0.0, origin + 60.0)
+        time_s, exposed_s, exposed_total = _brute_force_account(events, blocked, origin, 60)
+        assert step.exposed_s == pytest.approx(exposed_total, abs=1e-6)
+        assert {kind: s.count for kind, s in step.kinds.items()} == {
+            kind: sum(e.kind == kind for e in events) for kind in {e.kind for e in events}
+        }
+        for kind, kind_stats in step.kinds.items():
+            assert kind_stats.time_s == pytest.approx(time_s.get(kind, 0.0), abs=1e-6)
+            assert kind_stats.exposed_s == pytest.approx(exposed_s.get(kind, 0.0), abs=1e-6)
+
+
 def test_steps_timed_on_the_device_are_accounted_once_it_got_there() -> None:
     stats = CommStats()
     origin = stats.clock._origin_host

@@ -53,6 +53,7 @@ KINDS = ("intra", "inter", "p2p", "ps_push", "ps_pull", "world", "other")
 PS = "ps"  # a registered parameter-server group: reductions are pushes, gathers and broadcasts pulls
 _PULL_OPS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced", "broadcast")
 _SENDS = ("send", "isend")
+_TENSOR_P2P = ("send", "recv", "isend", "irecv")
 
 
 def _nbytes(value: Any) -> int:
@@ -354,13 +355,14 @@ class CommStats:
     def _account_ready(self, wait: bool) -> list[StepStats]:
         """Account deferred steps in order while the device has reached their stamps (all if ``wait``)."""
         accounted = []
+        ready = self.clock.ready
         while self._deferred:
             index, events, blocked, start, end = self._deferred[0]
-            stamps = (
-                [e.issued for e in events] + [e.done for e in events] + [s for pair in blocked for s in pair]
-            )
-            if not wait and not all(self.clock.ready(stamp) for stamp in stamps):
-                break
+            if not wait and _on_device(events, blocked):  # host stamps (floats) are always readable
+                stamps = [e.issued for e in events] + [e.done for e in events]
+                stamps += [s for pair in blocked for s in pair]
+                if not all(ready(stamp) for stamp in stamps):
+                    break
             self._deferred.pop(0)
             stats = self._account(index, events, blocked, start, end)
             self.steps.append(stats)
@@ -370,42 +372,70 @@ class CommStats:
     def _account(
         self, index: int, events: list[CommEvent], blocked: list[tuple[Any, Any]], start: float, end: float
     ) -> StepStats:
-        seconds = self.clock.seconds
+        """One step's totals per kind, and the union of active (and of exposed) time, by a sweep over
+        the start and end marks of the operations and of the blocked spans (run every step on every
+        rank, so kept lean: a kind is a small integer in the marks, the running kinds a counter)."""
+        # host stamps are perf_counter floats: the sweep only takes differences, so they are used as
+        # they are; CUDA events are read through the clock
+        seconds = self.clock.seconds if _on_device(events, blocked) else float
         t0, t1 = seconds(start), seconds(end)
         kinds: dict[str, KindStats] = {}
-        marks: list[tuple[float, int, str | None]] = []  # (time, +1 / -1, kind; None: blocked)
+        names: list[str] = []
+        slot: dict[str, int] = {}
+        marks: list[tuple[float, int, int]] = []  # (time, +1 / -1, kind's slot; -1: blocked)
         for event in events:
-            stats = kinds.setdefault(event.kind, KindStats())
+            kind = event.kind
+            stats = kinds.get(kind)
+            if stats is None:
+                stats = kinds[kind] = KindStats()
+                slot[kind] = len(names)
+                names.append(kind)
             stats.count += 1
             stats.nbytes += event.nbytes
             stats.wire_bytes += event.wire_bytes
             a, b = seconds(event.issued), seconds(event.done)
             if b > a:
-                marks += [(a, 1, event.kind), (b, -1, event.kind)]
+                i = slot[kind]
+                marks.append((a, 1, i))
+                marks.append((b, -1, i))
         for a_stamp, b_stamp in blocked:
-            a, b = max(seconds(a_stamp), t0), min(seconds(b_stamp), t1)
+            a, b = seconds(a_stamp), seconds(b_stamp)
+            a = t0 if a < t0 else a
+            b = t1 if b > t1 else b
             if b > a:
-                marks += [(a, 1, None), (b, -1, None)]
-        marks.sort(key=lambda m: (m[0], m[1]))
-        active: dict[str, int] = {}
+                marks.append((a, 1, -1))
+                marks.append((b, -1, -1))
+        marks.sort()  # by time, ends before starts at one moment
+        active = [0] * len(names)
+        time_s = [0.0] * len(names)
+        exposed_s = [0.0] * len(names)
+        running = 0  # kinds with an operation in flight
         blocked_depth = 0
         exposed_total = 0.0
         previous = marks[0][0] if marks else 0.0
-        for moment, delta, kind in marks:
+        for moment, delta, i in marks:
             span = moment - previous
-            if span > 0:
-                running = [k for k, n in active.items() if n > 0]
-                for k in running:
-                    kinds[k].time_s += span
-                if blocked_depth > 0 and running:
+            if span > 0 and running:
+                share = span / running if blocked_depth > 0 else 0.0
+                if share:
                     exposed_total += span
-                    for k in running:
-                        kinds[k].exposed_s += span / len(running)
+                for k, n in enumerate(active):
+                    if n > 0:
+                        time_s[k] += span
+                        exposed_s[k] += share
             previous = moment
-            if kind is None:
+            if i < 0:
                 blocked_depth += delta
             else:
-                active[kind] = active.get(kind, 0) + delta
+                before = active[i]
+                active[i] = before + delta
+                if before == 0:
+                    running += 1
+                elif before + delta == 0:
+                    running -= 1
+        for k, name in enumerate(names):
+            kinds[name].time_s += time_s[k]
+            kinds[name].exposed_s += exposed_s[k]
         return StepStats(index, t1 - t0, exposed_total, kinds)
 
     def _tally_outside(self, event: CommEvent) -> None:
@@ -456,16 +486,21 @@ class CommStats:
         return wrapped
 
     def _call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        bound = self._bind(name, original, args, kwargs)
-        group = group_in(args, kwargs) or self._default_group or dist.group.WORLD
-        _, registered, size, rank = self._group_info(group)
-        kind = _kind_of(name, registered)
-        root = False
-        if name in ("broadcast", "scatter"):
-            src, group_src = bound.get("src"), bound.get("group_src")
-            root = (src == self._rank) if src is not None else (group_src == rank)
-        nbytes, wire = sent_bytes(name, bound, size, root)
-        cuda = _on_cuda(bound)
+        if name in _TENSOR_P2P:  # a pipeline's headers, once per micro-batch: no binding needed
+            tensor = args[0] if args else kwargs["tensor"]
+            nbytes = wire = tensor.numel() * tensor.element_size() if name in _SENDS else 0
+            kind, cuda = "p2p", tensor.is_cuda
+        else:
+            bound = self._bind(name, original, args, kwargs)
+            group = group_in(args, kwargs) or self._default_group or dist.group.WORLD
+            _, registered, size, rank = self._group_info(group)
+            kind = _kind_of(name, registered)
+            root = False
+            if name in ("broadcast", "scatter"):
+                src, group_src = bound.get("src"), bound.get("group_src")
+                root = (src == self._rank) if src is not None else (group_src == rank)
+            nbytes, wire = sent_bytes(name, bound, size, root)
+            cuda = _on_cuda(bound)
         event = self._issue(name, kind, nbytes, wire, cuda)
         try:
             result = original(*args, **kwargs)
@@ -484,26 +519,28 @@ class CommStats:
 
     def _batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ops = args[0] if args else kwargs["p2p_op_list"]
-        events = []
         training = threading.get_ident() == self._thread
+        events = []
         for op in ops:
             name = p2p_op_name(op)
             nbytes = _nbytes(op.tensor) if name == "isend" else 0
             events.append(self._issue(name, "p2p", nbytes, nbytes, op.tensor.is_cuda, training))
         works = original(*args, **kwargs)
         returned = self.clock.stamp(bool(events) and events[0].cuda)
-        works_list = list(works or [])
-        if len(works_list) == len(events):
-            for work, event in zip(works_list, events):
-                self._track(work, [event], training)
-        elif works_list:  # coalesced: one handle for all of them
-            self._track(works_list[-1], events, training)
-        else:
-            for event in events:
-                event.done = returned
+        self._track_batch(list(works or []), events, returned, training)
         if events and training:
             self._add_blocked(events[0].issued, returned, training)
         return works
+
+    def _track_batch(self, works: list[Any], events: list[CommEvent], returned: Any, training: bool) -> None:
+        if len(works) == len(events):
+            for work, event in zip(works, events):
+                self._track(work, [event], training)
+        elif works:  # coalesced: one handle for all of them
+            self._track(works[-1], events, training)
+        else:
+            for event in events:
+                event.done = returned
 
     def _issue(
         self, name: str, kind: str, nbytes: int, wire: int, cuda: bool, training: bool | None = None
@@ -594,6 +631,11 @@ def _kind_of(name: str, registered: str) -> str:
     if registered == PS:
         return "ps_pull" if name in _PULL_OPS else "ps_push"
     return registered
+
+
+def _on_device(events: list[CommEvent], blocked: list[tuple[Any, Any]]) -> bool:
+    """Whether a step holds device stamps (CUDA events) rather than host floats only."""
+    return any(event.cuda for event in events) or any(type(a) is not float for a, _ in blocked)
 
 
 def _on_cuda(bound: dict[str, Any]) -> bool:
