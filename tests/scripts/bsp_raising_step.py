@@ -1,5 +1,6 @@
 """One process per rank (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*`` set by the test): a ``hier_bsp`` run
-whose ``training_step`` raises in the first epoch, on every rank (``every``) or on rank 1 only (``one``).
+whose ``training_step`` raises in the first epoch, on every rank (``every``: at the same batch, once all
+have reached it) or on rank 1 only (``one``).
 
 ``bsp_raising_step.py OUT WHO`` has every rank write ``OUT/rank<r>.json`` with the error it ended with
 and when, and the rank that raised writes ``OUT/raised_at``. ``ModelCheckpoint(save_on_exception=True)``
@@ -32,9 +33,20 @@ class RaisingModel(EquivModel):
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         if batch_idx == 3 and (self.who == "every" or self.global_rank == 1):
+            if self.who == "every":
+                self._meet_the_others()
             (self.out_dir / "raised_at").write_text(str(time.time()))
             raise ValueError(f"boom on rank {self.global_rank}")
         return super().training_step(batch, batch_idx)
+
+    def _meet_the_others(self) -> None:
+        """Workers run free: without this, a worker still a step behind can hear that the first one
+        stopped before it reaches its own raise (it then ends with ``BSPStopped``, rightly, but that is
+        the ``one`` case). A file per rank, not a collective, so the BSP machinery is not involved."""
+        (self.out_dir / f"reached_{self.global_rank}").touch()
+        deadline = time.time() + 30
+        while len(list(self.out_dir.glob("reached_*"))) < self.trainer.world_size and time.time() < deadline:
+            time.sleep(0.01)
 
 
 def main() -> None:
