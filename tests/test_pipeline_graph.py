@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -462,3 +464,47 @@ def test_which_torch_leaves_may_draw_random_numbers(module: nn.Module, draws: bo
 
     node = LayerGraph(nn.Sequential(module)).graph_module.graph.find_nodes(op="call_module")[0]
     assert may_draw_random(node, module) is draws
+
+
+class MaskedEncoder(nn.Module):
+    """A padding mask passed to ``forward`` beside the token ids and read by every encoder layer."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.layers = nn.ModuleList(
+            [nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True) for _ in range(layers)]
+        )
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h, src_key_padding_mask=mask)
+        return self.head(h.mean(1))
+
+
+def test_an_input_read_deep_in_the_model_is_named_with_the_layers_it_keeps_together() -> None:
+    """The mask is live at every boundary from ``emb`` to the last encoder layer, so none of those can be
+    a stage boundary (one tensor crosses it): the split is legal but lopsided, and the user is told why
+    (before: silently one cluster)."""
+    with pytest.warns(UserWarning, match=r"input 'mask' is read by layers up to layers_3, so layers emb to "
+                      r"layers_3 stay on one stage \(4 possible stage boundaries lost\)"):  # fmt: skip
+        graph = LayerGraph(MaskedEncoder())
+    assert _cluster_names(graph)[0] == ["emb", "layers_0", "layers_1", "layers_2", "layers_3"]
+
+
+def test_a_plain_stack_and_a_short_skip_are_not_warned_about() -> None:
+    class ShortSkip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.c(torch.relu(self.b(h)) + h)  # a residual over one layer, not an input
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LayerGraph(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
+        LayerGraph(ShortSkip())
