@@ -23,12 +23,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(SCRIPTS))
 from pipeline_models import (  # noqa: E402
     DropNet,
+    GainNet,
     GatherNet,
     OneLayerNet,
     SkewedNet,
     SkippingNet,
     TwiceNet,
     flagged_loader,
+    gain_loader,
     loader,
 )
 
@@ -85,7 +87,12 @@ def reference(
         first.save_checkpoint(ckpt_path)
         pl.seed_everything(0, verbose=False)
         model = model_class(optimizer=optimizer)
-    data = flagged_loader(batch_size) if issubclass(model_class, SkippingNet) else loader(batch_size)
+    if issubclass(model_class, SkippingNet):
+        data = flagged_loader(batch_size)
+    elif issubclass(model_class, GainNet):
+        data = gain_loader(batch_size)
+    else:
+        data = loader(batch_size)
     trainer = _plain_trainer(losses, **trainer_kwargs)
     trainer.fit(model, data, ckpt_path=ckpt_path)
     if optimizer_state_out is not None:
@@ -436,6 +443,19 @@ def test_skipped_micro_batches_and_an_overridden_backward_match_one_process(tmp_
     # the reference itself differs from a run that ignores the override (the test can fail)
     _, without_override = reference("sgd", model_class=_PlainBackward, max_steps=5)
     assert not torch.allclose(without_override["head.weight"], expected_state["head.weight"], atol=1e-4)
+
+
+def test_a_further_input_of_forward_reaches_every_stage_that_reads_it(tmp_path: Path) -> None:
+    """``forward(x, gain)`` with the gain read after every block: the blocks are still separate clusters
+    (before, the gain blocked every cut and the model was one cluster), and three stages, each binding the
+    gain from its own call of forward, rebalancing every 2 steps, train as one process does."""
+    from lightning_hier.pipeline.graph import LayerGraph
+
+    assert LayerGraph(GainNet()).num_clusters >= 10
+    result = run_scenario("further_input_three_stages", 3, tmp_path)
+    expected_losses, expected_state = reference("sgd", model_class=GainNet, max_steps=6, precision="64-true")
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=GainNet)
 
 
 class _PlainBackward(SkippingNet):

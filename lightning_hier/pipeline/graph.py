@@ -284,20 +284,17 @@ class LayerGraph:
         live: set[str] = {p.name for p in self.placeholders if last[p.name] >= 0}
         cuts: list[tuple[int, str]] = []  # (position of the last layer before the cut, crossing value)
         by_name = {node.name: node for node in self.nodes}
-        # inputs of forward after the first (masks, conditioning): positions only they kept uncut (the
-        # first input read again later is a residual block's skip, a cluster like any other)
+        # inputs of forward after the first (a padding mask, conditioning) do not block a cut: every
+        # process holds the batch, so a later stage binds them from its own call of forward
         side_inputs = {p.name for p in self.placeholders[1:]}
-        held_by_input: dict[str, list[int]] = {}
         for pos, node in enumerate(self.nodes[:-1]):
             live.add(node.name)
             live = {name for name in live if last[name] > pos}
-            if len(live) == 1:
-                (value,) = live
+            main = live - side_inputs
+            if len(main) == 1:
+                (value,) = main
                 if value not in placeholder_names and not _unpacked_later(by_name[value]):
                     cuts.append((pos, value))
-            elif len(live) == 2 and len(inputs := live & side_inputs) == 1:
-                held_by_input.setdefault(next(iter(inputs)), []).append(pos)
-        self._warn_about_inputs_used_deep(held_by_input)
         cuts = self._drop_cuts_inside_shared_state(cuts)
         clusters: list[Cluster] = []
         start = 0
@@ -306,24 +303,6 @@ class LayerGraph:
             start = pos + 1
         clusters.append(Cluster(len(clusters), start, len(self.nodes), None))
         return clusters
-
-    def _warn_about_inputs_used_deep(self, held_by_input: dict[str, list[int]]) -> None:
-        """A further input of ``forward`` (an attention or padding mask) read by layers far apart keeps
-        every layer between them on one stage, since a stage boundary carries one tensor: say so, or the
-        user sees one stage doing nearly all the work and no error."""
-        for name, positions in held_by_input.items():
-            if len(positions) < 2:
-                continue
-            first, last = self.layers[positions[0]].name, self.layers[positions[-1] + 1].name
-            warnings.warn(
-                f"hier_pipeline: {type(self.root).__name__}.forward's input '{name}' is read by layers up to "
-                f"{last}, so layers {first} to {last} stay on one stage ({len(positions)} possible stage "
-                "boundaries lost): a stage boundary carries exactly one tensor. Where you can, compute it "
-                "inside forward from the input the first stage receives (a padding mask from the token "
-                "ids); the split balances the stages around that block.",
-                UserWarning,
-                stacklevel=2,
-            )
 
     def _drop_cuts_inside_shared_state(self, cuts: list[tuple[int, str]]) -> list[tuple[int, str]]:
         """A module or parameter used by several layers must not be split across stages."""

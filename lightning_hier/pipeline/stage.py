@@ -150,6 +150,11 @@ class StageExecutor:
             clusters[c].end - 1: c for c in self.cluster_range if clusters[c].exit_value is not None
         }
         self._cluster_ends = {clusters[c].end - 1 for c in self.cluster_range}
+        # forward's further inputs this (later) stage's layers read, bound from its own call of forward
+        later_inputs = {p.name for p in self.graph.placeholders[1:]} if not self.is_first else set()
+        self.reads_inputs = sorted(
+            {arg.name for i in self.layer_range for arg in self.graph.nodes[i].all_input_nodes} & later_inputs
+        )
 
     def state_names(self) -> list[str]:
         return self.graph.state_names(self.cluster_range.start, self.cluster_range.stop)
@@ -175,10 +180,23 @@ class StageExecutor:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run this stage; stage 0 takes the model's inputs, the others the value sent to them."""
         if self.is_first:
-            env = self._bind_inputs(args, kwargs)
-        else:
-            (value,) = args
-            env = {self.entry_value: value}
+            return self._run(self._bind_inputs(args, kwargs))
+        (value,) = args
+        return self.forward_received(value)
+
+    def forward_received(
+        self, value: Any, call_args: tuple[Any, ...] = (), call_kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Run a later stage on the ``value`` sent to it; ``call_args`` / ``call_kwargs`` are this
+        process's own call of ``forward`` (every process holds the batch), from which the further inputs
+        its layers read (:attr:`reads_inputs`, a padding mask) are bound."""
+        env: dict[str, Any] = {self.entry_value: value}
+        if self.reads_inputs:
+            bound = self._bind_inputs(call_args, call_kwargs or {})
+            env.update((name, bound[name]) for name in self.reads_inputs)
+        return self._run(env)
+
+    def _run(self, env: dict[str, Any]) -> Any:
         record_backward = self.timing and torch.is_grad_enabled()
         if self.timing:
             self.timed_forwards += 1

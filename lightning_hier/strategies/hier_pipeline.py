@@ -402,13 +402,14 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             # evaluation forwards (no graph) would bias the training layer times the decisions read
             executor.timing = training and engine.times_micro_batch(m, len(micro))
             # a middle stage runs the user's step too where the step pulls its own batch
-            # (``dataloader_iter``), so every stage's iterator advances as the first and last stages' do
-            if not engine.is_last and (engine.is_first or pulls_batches):
+            # (``dataloader_iter``), so every stage's iterator advances as the first and last stages' do,
+            # and where its layers read a further input of forward (a padding mask) from the call
+            if not engine.is_last and (engine.is_first or pulls_batches or executor.reads_inputs):
 
                 def up_to_this_stage(*f_args: Any, **f_kwargs: Any) -> Any:
                     if engine.is_first:
                         raise _StageOutput(executor.forward(*f_args, **f_kwargs))
-                    raise _StageOutput(executor.forward(received))
+                    raise _StageOutput(executor.forward_received(received, f_args, f_kwargs))
 
                 try:
                     run_user_step(m, up_to_this_stage)
@@ -424,7 +425,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             def last_stage(*f_args: Any, **f_kwargs: Any) -> Any:
                 if engine.is_first:
                     return executor.forward(*f_args, **f_kwargs)
-                return executor.forward(received)
+                return executor.forward_received(received, f_args, f_kwargs)
 
             output = run_user_step(m, last_stage)
             if not training:

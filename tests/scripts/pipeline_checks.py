@@ -21,7 +21,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint  # noqa: E402
-from pipeline_models import MODELS, SkewedNet, flagged_loader, loader  # noqa: E402
+from pipeline_models import MODELS, SkewedNet, flagged_loader, gain_loader, loader  # noqa: E402
 
 from lightning_hier import HierPipelineStrategy, StageRebalancer  # noqa: E402
 
@@ -148,6 +148,15 @@ SCENARIOS: dict[str, dict] = {
         strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
         trainer=dict(max_steps=5),
         flagged=True,
+    ),
+    # forward(x, gain): a further input read by layers on every stage (bound from each stage's own
+    # call of forward), on three stages with a rebalance moving layers
+    "further_input_three_stages": dict(
+        model=dict(optimizer="sgd"),
+        model_class="gain",
+        strategy=dict(partition="uniform", rebalance=2, micro_batches=2),
+        trainer=dict(max_steps=6, precision="64-true"),
+        gain=True,
     ),
     # one process: whole steps skipped as well (Lightning allows that only there)
     "skipped_steps_one_stage": dict(
@@ -371,6 +380,8 @@ def main() -> None:
     val_loader = loader(batch_size=32, seed=1) if validate else None
     if spec.get("flagged"):
         train_loader = flagged_loader()
+    elif spec.get("gain"):
+        train_loader = gain_loader()
     else:
         train_loader = loader(batch_size=spec.get("batch_size", 32), shuffle=spec.get("shuffle", False))
     callbacks_before = [type(cb).__name__ for cb in trainer.callbacks]

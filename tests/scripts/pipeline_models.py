@@ -204,6 +204,23 @@ class EpochLoggingNet(SkewedNet):
         self.epoch_losses.clear()
 
 
+class GainNet(SkewedNet):
+    """``forward(x, gain)``: a per-row gain (a further input, as a padding mask is) scales the activation
+    after every block, so every stage's layers read it. Batches are ``(x, y, gain)`` (:func:`gain_loader`)."""
+
+    def forward(self, x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x) * gain
+        return self.head(self.res(x))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y, gain = batch
+        loss = nn.functional.cross_entropy(self(x, gain), y)
+        self.log("train_loss", loss)
+        return loss
+
+
 MODELS = {
     "skewed": SkewedNet,
     "epoch_logging": EpochLoggingNet,
@@ -213,6 +230,7 @@ MODELS = {
     "one": OneLayerNet,
     "skipping": SkippingNet,
     "iter": IterNet,
+    "gain": GainNet,
 }
 
 
@@ -234,3 +252,10 @@ def flagged_loader(batch_size: int = 32) -> DataLoader:
     x, y = dataset().tensors
     skip = (torch.arange(len(x)) % batch_size) < batch_size // 2
     return DataLoader(TensorDataset(x, y, skip), batch_size=batch_size, shuffle=False)
+
+
+def gain_loader(batch_size: int = 32) -> DataLoader:
+    """:func:`loader`'s data with a per-row gain in [0.5, 1.5] (shape ``(N, 1)``) for :class:`GainNet`."""
+    x, y = dataset().tensors
+    gain = 0.5 + torch.rand(len(x), 1, generator=torch.Generator().manual_seed(3))
+    return DataLoader(TensorDataset(x, y, gain), batch_size=batch_size, shuffle=False)
