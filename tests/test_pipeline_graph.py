@@ -190,10 +190,18 @@ def test_plain_default_arguments_are_traced_as_their_defaults_and_other_values_f
     for kwargs in ({}, {"extra": False, "mask": None, "scale": 2.0}):
         value = executors[0].forward(x, **kwargs)
         torch.testing.assert_close(executors[1].forward(value), model(x), rtol=0, atol=0)
-    with pytest.raises(AssertionError, match="extra has been specialized to have value False"):
+    # another value is refused before any layer runs, naming the argument and the fix (before: fx's
+    # "has been specialized" assertion from inside the graph)
+    with pytest.raises(
+        ValueError, match=r"traced Switched.forward with extra=False, its default .* passes True"
+    ):
         executors[0].forward(x, extra=True)
-    with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
+    with pytest.raises(
+        ValueError, match=r"with mask=None, its default .* passes a Tensor\. Make 'mask' a required"
+    ):
         executors[0].forward(x, mask=torch.ones(3, 4))
+    with pytest.raises(ValueError, match=r"with scale=2\.0, its default .* passes 3\.0"):
+        executors[0].forward(x, False, None, 3.0)  # positional too
 
 
 def test_initial_partitions_and_their_errors() -> None:

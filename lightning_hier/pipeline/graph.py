@@ -211,6 +211,8 @@ class LayerGraph:
     def __init__(self, module: nn.Module, leaf_modules: Sequence[str] = ()) -> None:
         self.root = module
         self.graph_module = trace_model(module, leaf_modules)
+        # forward's arguments traced as their plain default: a call passing another value is refused
+        self.specialized: dict[str, Any] = _specialized_defaults(module)
         self.mode_args = _mode_dependent_args(module, leaf_modules, self.graph_module)
         self.num_relays = 0
         self._index_nodes()

@@ -175,7 +175,29 @@ class StageExecutor:
                 env[node.name] = node.args[0]
             else:
                 raise TypeError(f"forward is missing the input {name!r}.")
+        self._check_specialized(env)
         return env
+
+    def _check_specialized(self, env: dict[str, Any]) -> None:
+        """A clear error for an argument traced as its default (``mask=None``) that a call now passes
+        (fx's own assertion names neither the cause nor the fix)."""
+        specialized = self.graph.specialized
+        if not specialized:
+            return
+        for node in self.graph.placeholders:
+            name = str(node.target).lstrip("*")
+            if name not in specialized or node.name not in env:
+                continue
+            default, value = specialized[name], env[node.name]
+            if value is default or (type(value) is type(default) and value == default):
+                continue
+            passed = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)
+            raise ValueError(
+                f"hier_pipeline traced {type(self.graph.root).__name__}.forward with {name}={default!r}, its "
+                f"default (a plain default is traced as a constant so that a branch on it traces), but this "
+                f"call passes {passed}. Make '{name}' a required argument of forward (no default) to have it "
+                "traced as an input, or leave it at its default."
+            )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run this stage; stage 0 takes the model's inputs, the others the value sent to them."""
