@@ -236,6 +236,9 @@ class LayerGraph:
             owner, names = _state_names(module, node)
             self.layers.append(Layer(i, node.name, node.op, _target_text(node), owner, names))
         self.index_of = {layer.name: layer.index for layer in self.layers}
+        # inputs of forward after the first (a padding mask, conditioning): they never cross a stage
+        # boundary, since every process holds the batch and binds them from its own call of forward
+        self.further_inputs = frozenset(p.name for p in self.placeholders[1:])
         self.clusters = self._find_clusters()
 
     def pad_with_relays(self, num_clusters: int) -> int:
@@ -286,13 +289,10 @@ class LayerGraph:
         live: set[str] = {p.name for p in self.placeholders if last[p.name] >= 0}
         cuts: list[tuple[int, str]] = []  # (position of the last layer before the cut, crossing value)
         by_name = {node.name: node for node in self.nodes}
-        # inputs of forward after the first (a padding mask, conditioning) do not block a cut: every
-        # process holds the batch, so a later stage binds them from its own call of forward
-        side_inputs = {p.name for p in self.placeholders[1:]}
         for pos, node in enumerate(self.nodes[:-1]):
             live.add(node.name)
             live = {name for name in live if last[name] > pos}
-            main = live - side_inputs
+            main = live - self.further_inputs  # those do not block a cut
             if len(main) == 1:
                 (value,) = main
                 if value not in placeholder_names and not _unpacked_later(by_name[value]):

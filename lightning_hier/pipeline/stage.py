@@ -151,10 +151,8 @@ class StageExecutor:
         }
         self._cluster_ends = {clusters[c].end - 1 for c in self.cluster_range}
         # forward's further inputs this (later) stage's layers read, bound from its own call of forward
-        later_inputs = {p.name for p in self.graph.placeholders[1:]} if not self.is_first else set()
-        self.reads_inputs = sorted(
-            {arg.name for i in self.layer_range for arg in self.graph.nodes[i].all_input_nodes} & later_inputs
-        )
+        read = {arg.name for i in self.layer_range for arg in self.graph.nodes[i].all_input_nodes}
+        self.reads_inputs = [] if self.is_first else sorted(read & self.graph.further_inputs)
 
     def state_names(self) -> list[str]:
         return self.graph.state_names(self.cluster_range.start, self.cluster_range.stop)

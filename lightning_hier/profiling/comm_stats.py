@@ -488,7 +488,7 @@ class CommStats:
     def _call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if name in _TENSOR_P2P:  # a pipeline's headers, once per micro-batch: no binding needed
             tensor = args[0] if args else kwargs["tensor"]
-            nbytes = wire = tensor.numel() * tensor.element_size() if name in _SENDS else 0
+            nbytes = wire = _nbytes(tensor) if name in _SENDS else 0
             kind, cuda = "p2p", tensor.is_cuda
         else:
             bound = self._bind(name, original, args, kwargs)
@@ -527,20 +527,18 @@ class CommStats:
             events.append(self._issue(name, "p2p", nbytes, nbytes, op.tensor.is_cuda, training))
         works = original(*args, **kwargs)
         returned = self.clock.stamp(bool(events) and events[0].cuda)
-        self._track_batch(list(works or []), events, returned, training)
-        if events and training:
-            self._add_blocked(events[0].issued, returned, training)
-        return works
-
-    def _track_batch(self, works: list[Any], events: list[CommEvent], returned: Any, training: bool) -> None:
-        if len(works) == len(events):
-            for work, event in zip(works, events):
+        works_list = list(works or [])
+        if len(works_list) == len(events):
+            for work, event in zip(works_list, events):
                 self._track(work, [event], training)
-        elif works:  # coalesced: one handle for all of them
-            self._track(works[-1], events, training)
+        elif works_list:  # coalesced: one handle for all of them
+            self._track(works_list[-1], events, training)
         else:
             for event in events:
                 event.done = returned
+        if events and training:
+            self._add_blocked(events[0].issued, returned, training)
+        return works
 
     def _issue(
         self, name: str, kind: str, nbytes: int, wire: int, cuda: bool, training: bool | None = None
