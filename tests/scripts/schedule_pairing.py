@@ -38,10 +38,13 @@ def reference_grads(stages: int, x: torch.Tensor) -> list[torch.Tensor]:
     return [layer.weight.grad.clone() for layer in layers]
 
 
-def run(schedule: str, num_micro: int, stage: int, stages: int, group: dist.ProcessGroup) -> dict:
+def run(
+    schedule: str, num_micro: int, stage: int, stages: int, group: dist.ProcessGroup, static: bool = False
+) -> dict:
     layer = model(stages)[stage]
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
     micro = list(torch.tensor_split(x, num_micro))
+    keys = [len(m) for m in micro] if static else None  # static_shapes: a header per new row count
     link = StageLink(stage, stages, lambda s: rank_of_stage(stages, s), torch.device("cpu"), group)
 
     def forward(m: int, received: torch.Tensor | None) -> torch.Tensor:
@@ -50,11 +53,14 @@ def run(schedule: str, num_micro: int, stage: int, stages: int, group: dist.Proc
             return h.pow(2).mean() * (len(micro[m]) / BATCH)
         return h
 
-    PipelineSchedule(link, schedule).train_step(num_micro, forward)
+    PipelineSchedule(link, schedule).train_step(num_micro, forward, keys)
     expected = reference_grads(stages, x)[stage]
     return {
         "max_diff": (layer.weight.grad - expected).abs().max().item(),
         "held_sends_after_step": len(link._lone_sends),
+        "headers_pending_after_step": int(link._pending_header is not None),
+        "headers_received": link.headers_received,
+        "headers_sent": link.headers_sent,
     }
 
 
@@ -69,6 +75,8 @@ def main() -> None:
         for schedule in ("1f1b", "gpipe"):
             for num_micro in (1, stages - 1 or 1, stages + 2):
                 results[f"{schedule}/{num_micro}"] = run(schedule, num_micro, stage, stages, group)
+            # 12 rows in 5 micro-batches: 3, 3, 2, 2, 2 rows, so two headers cross each cut
+            results[f"{schedule}/5/static"] = run(schedule, 5, stage, stages, group, static=True)
     audit.dump(out.parent / "audit")
     gathered = [None] * stages
     dist.all_gather_object(gathered, results, group=group)
