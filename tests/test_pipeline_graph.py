@@ -532,3 +532,23 @@ def test_the_first_input_read_again_still_holds_its_block_together() -> None:
             return self.c(self.b(torch.relu(self.a(x))) + x)
 
     assert _cluster_names(LayerGraph(InputSkip())) == [["a", "relu", "b", "add"], ["c"]]
+
+
+def test_a_dropout_switched_on_after_the_stage_was_built_still_draws_from_the_per_layer_stream() -> None:
+    """The executor resolves each node once per partition; whether a torch dropout draws is still asked
+    at every call, so one built with ``p=0`` in eval mode and switched on later gets per-layer masks,
+    the same whatever the process drew before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0), nn.Linear(8, 8)).double().eval()
+    graph = LayerGraph(model)
+    executor = StageExecutor(graph, partition_uniform(graph.layer_counts(), 1), 0)
+    executor.rng_base, executor.rng_position = 1234, (3, 1)
+    model[1].p = 0.5
+    model.train()
+    x = torch.randn(16, 8, dtype=torch.float64)
+    outputs = []
+    for draws in (0, 7):
+        torch.rand(draws)  # what else this process drew before
+        outputs.append(executor.forward(x))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    assert not torch.equal(outputs[0], model[2](model[0](x)))  # the dropout did draw a mask

@@ -48,7 +48,7 @@ def _draws_itself(module: nn.Module) -> bool:
     return isinstance(module, _RANDOM_MODULES)
 
 
-def _module_draws_random(module: nn.Module) -> bool:
+def module_draws_random(module: nn.Module) -> bool:
     """Whether calling ``module`` (a leaf of the trace) may consume random numbers in its current mode.
 
     torch's own leaves are containers too: ``nn.TransformerEncoderLayer`` holds ``nn.Dropout`` modules,
@@ -59,11 +59,19 @@ def _module_draws_random(module: nn.Module) -> bool:
     return any(_draws_itself(sub) for sub in module.modules())
 
 
+def may_draw_random_ever(module: nn.Module) -> bool:
+    """Whether ``module`` may consume random numbers in some mode and setting (``module_draws_random``
+    answers for the present ones): a user's module anywhere in it, or a torch module that can."""
+    random_types = (*_RANDOM_MODULES, nn.MultiheadAttention, nn.RNNBase)
+    subs = module.modules()
+    return any(not type(sub).__module__.startswith("torch.") or isinstance(sub, random_types) for sub in subs)
+
+
 def may_draw_random(node: fx.Node, module: nn.Module | None) -> bool:
     """Whether running ``node`` may consume random numbers (known random ops, torch modules that hold
     one, or user modules)."""
     if node.op == "call_module" and module is not None:
-        return _module_draws_random(module)
+        return module_draws_random(module)
     if node.op == "call_function":
         return node.target in _RANDOM_FUNCTIONS
     return False

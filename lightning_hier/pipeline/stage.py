@@ -8,6 +8,7 @@ new ``[start, end)``. Layers call the model's own submodules, so parameters keep
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
@@ -16,10 +17,47 @@ import torch.fx as fx
 
 from lightning_hier.pipeline.activation_store import storage_bytes
 from lightning_hier.pipeline.graph import LayerGraph
-from lightning_hier.pipeline.layer_rng import layer_seed, may_draw_random, seeded
+from lightning_hier.pipeline.layer_rng import (
+    layer_seed,
+    may_draw_random,
+    may_draw_random_ever,
+    module_draws_random,
+    seeded,
+)
 from lightning_hier.pipeline.partition import StagePartition
 
 KEEP = "keep"
+_NEVER, _ALWAYS, _ASK = 0, 1, 2  # whether a node may draw random numbers (layer_rng.py)
+
+
+def _random_kind(node: fx.Node, module: torch.nn.Module | None) -> int:
+    """``_NEVER`` / ``_ALWAYS`` where the answer cannot change between calls, ``_ASK`` for a torch module
+    whose answer follows its mode and settings (a dropout draws nothing in eval mode or with p=0)."""
+    if node.op != "call_module" or module is None:
+        return _ALWAYS if may_draw_random(node, None) else _NEVER
+    if not type(module).__module__.startswith("torch."):
+        return _ALWAYS  # a user's module: assume it may, in either mode (Monte Carlo dropout)
+    return _ASK if may_draw_random_ever(module) else _NEVER
+
+
+@dataclass(slots=True)
+class _NodePlan:
+    """One node of this stage, with what running it needs resolved (see ``StageExecutor._plan_node``)."""
+
+    index: int
+    node: fx.Node
+    op: str
+    fn: Any  # the module or function; a method is looked up on its object at each call
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    arg_slots: tuple[tuple[int, str], ...] | None  # (position, node name); None: nested, use map_arg
+    kwarg_slots: tuple[tuple[str, str], ...]
+    follows_mode: list[tuple[int | str, bool, bool]] | None
+    random: int
+    free: tuple[str, ...]  # values no later layer of this stage reads
+    exit_cluster: int | None
+    cluster_end: bool
+
 
 LayerRun = Callable[[str, str, Callable[..., Any], tuple[Any, ...]], Any]
 
@@ -153,6 +191,36 @@ class StageExecutor:
         # forward's further inputs this (later) stage's layers read, bound from its own call of forward
         read = {arg.name for i in self.layer_range for arg in self.graph.nodes[i].all_input_nodes}
         self.reads_inputs = [] if self.is_first else sorted(read & self.graph.further_inputs)
+        self._plan = [self._plan_node(i) for i in self.layer_range]
+
+    def _plan_node(self, i: int) -> _NodePlan:
+        """What running node ``i`` needs, read once per partition instead of at every call (the loop over
+        a stage's nodes runs per micro-batch; on a GPU its Python time is the step's floor)."""
+        node = self.graph.nodes[i]
+        fn: Any = None
+        if node.op == "call_module":
+            fn = self._module(i, str(node.target))
+        elif node.op == "call_function":
+            fn = node.target
+        args, kwargs = node.args, dict(node.kwargs)
+        flat = all(not isinstance(a, (list, tuple, dict, slice)) for a in (*args, *kwargs.values()))
+        slots = tuple((k, a.name) for k, a in enumerate(args) if isinstance(a, fx.Node))
+        module = fn if node.op == "call_module" else None
+        return _NodePlan(
+            index=i,
+            node=node,
+            op=node.op,
+            fn=fn,
+            args=args,
+            kwargs=kwargs,
+            arg_slots=slots if flat else None,
+            kwarg_slots=tuple((k, a.name) for k, a in kwargs.items() if isinstance(a, fx.Node)),
+            follows_mode=self.graph.mode_args.get(node.name),
+            random=_random_kind(node, module),
+            free=tuple(self._free_after.get(i, ())),
+            exit_cluster=self._exit_of_layer.get(i),
+            cluster_end=i in self._cluster_ends,
+        )
 
     def state_names(self) -> list[str]:
         return self.graph.state_names(self.cluster_range.start, self.cluster_range.stop)
@@ -224,26 +292,26 @@ class StageExecutor:
         if begin is not None:
             begin()
         graph = self.graph
+        timing = self.timing
         hookable: tuple[int, torch.Tensor] | None = None  # the cluster's last differentiable output
-        for i in self.layer_range:
-            node = graph.nodes[i]
-            start = self.clock.mark() if self.timing else None
-            value = self._run_node(i, node, env)
-            if self.timing:
+        for step in self._plan:
+            i = step.index
+            start = self.clock.mark() if timing else None
+            value = self._run_node(step, env)
+            if timing:
                 self._pending_forward.append((i, start, self.clock.mark()))
-            env[node.name] = value
+            env[step.node.name] = value
             if record_backward:
                 if isinstance(value, torch.Tensor) and value.grad_fn is not None:
                     hookable = (i, value)
-                if i in self._cluster_ends and hookable is not None:
+                if step.cluster_end and hookable is not None:
                     hookable[1].register_hook(self._backward_hook(hookable[0]))
                     hookable = None
-            cluster = self._exit_of_layer.get(i)
-            if cluster is not None and self.timing:
-                exit_value = env[graph.clusters[cluster].exit_value]
+            if step.exit_cluster is not None and timing:
+                exit_value = env[graph.clusters[step.exit_cluster].exit_value]
                 if isinstance(exit_value, torch.Tensor):
-                    self.times.exit_bytes[cluster] = exit_value.numel() * exit_value.element_size()
-            for name in self._free_after.get(i, ()):
+                    self.times.exit_bytes[step.exit_cluster] = exit_value.numel() * exit_value.element_size()
+            for name in step.free:
                 env.pop(name, None)
         if not self.clock.cuda:
             self.resolve()
@@ -259,36 +327,44 @@ class StageExecutor:
             module = self._module_cache[i] = self.graph.root.get_submodule(target)
         return module
 
-    def _run_node(self, i: int, node: fx.Node, env: dict[str, Any]) -> Any:
-        if node.op == "get_attr":
-            return self.graph.fetch_attr(str(node.target))
-        lookup = env.__getitem__
-        args = fx.node.map_arg(node.args, lambda n: lookup(n.name))
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: lookup(n.name)) if node.kwargs else {}
-        follows_mode = self.graph.mode_args.get(node.name)
-        if follows_mode:
-            args, kwargs = _in_current_mode(args, kwargs, follows_mode, self.graph.root.training)
-        if node.op == "call_module":
-            fn: Callable[..., Any] = self._module(i, str(node.target))
-        elif node.op == "call_function":
-            fn = node.target  # type: ignore[assignment]
+    def _run_node(self, step: _NodePlan, env: dict[str, Any]) -> Any:
+        if step.op == "get_attr":
+            return self.graph.fetch_attr(str(step.node.target))
+        if step.arg_slots is not None:  # the usual case: nodes and constants, no containers
+            args: Any = step.args
+            if step.arg_slots:
+                filled = list(args)
+                for k, name in step.arg_slots:
+                    filled[k] = env[name]
+                args = tuple(filled)
+            kwargs = step.kwargs
+            if step.kwarg_slots:
+                kwargs = dict(kwargs)
+                for key, name in step.kwarg_slots:
+                    kwargs[key] = env[name]
         else:
+            lookup = env.__getitem__
+            args = fx.node.map_arg(step.args, lambda n: lookup(n.name))
+            kwargs = fx.node.map_arg(step.kwargs, lambda n: lookup(n.name)) if step.kwargs else {}
+        if step.follows_mode:
+            args, kwargs = _in_current_mode(args, kwargs, step.follows_mode, self.graph.root.training)
+        fn: Callable[..., Any] = step.fn
+        if step.op == "call_method":
             self_obj, *rest = args
-            fn = getattr(self_obj, str(node.target))
+            fn = getattr(self_obj, str(step.node.target))
             args = tuple(rest)
+        i = step.index
         if self.timing and self.times.forward_count[i] == 0:  # once per timing window
             # what a recompute checkpoint stashes: parameters and the received input stay anyway
             self.times.input_bytes[i] = storage_bytes(args, skip_parameters=True)
-        if self.rng_base is not None and self._draws_random(i, node):
-            step, micro = self.rng_position
-            with seeded(layer_seed(self.rng_base, step, micro, i), self.device):
-                return self._call(node, fn, args, kwargs)
-        return self._call(node, fn, args, kwargs)
-
-    def _draws_random(self, i: int, node: fx.Node) -> bool:
-        # asked at every call: a dropout draws nothing in eval mode or with p=0
-        module = self._module(i, str(node.target)) if node.op == "call_module" else None
-        return may_draw_random(node, module)
+        if self.rng_base is not None and (
+            step.random == _ALWAYS or (step.random == _ASK and module_draws_random(step.fn))
+        ):
+            # asked at every call for torch modules that may draw: nothing in eval mode or with p=0
+            step_index, micro = self.rng_position
+            with seeded(layer_seed(self.rng_base, step_index, micro, i), self.device):
+                return self._call(step.node, fn, args, kwargs)
+        return self._call(step.node, fn, args, kwargs)
 
     def _call(
         self, node: fx.Node, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
