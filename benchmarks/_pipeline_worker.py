@@ -159,6 +159,36 @@ class StepParts:
         return parts
 
 
+class EngineParts:
+    """Inside the engine's step of one stage: the time blocked on a neighbour (exchanges, header reads,
+    the step's final send completion) and the rest. The rest, less the stage's layers' own measured
+    times, is the engine's own work (schedule, interpreter, messages' Python, timing)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.step_s = self.wait_s = 0.0
+        self.counting = False
+        link = engine.link
+        engine.train_step = self._timed(engine.train_step, "step_s")
+        for name in ("exchange", "recv_header", "wait"):
+            setattr(link, name, self._timed(getattr(link, name), "wait_s"))
+
+    def _timed(self, fn: Callable[..., Any], into: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.counting:
+                    setattr(self, into, getattr(self, into) + time.perf_counter() - start)
+
+        return timed
+
+    def per_micro_batch_ms(self, steps: int, micro: int) -> dict[str, float]:
+        """Per micro-batch of the window: the engine's step and the time it was blocked on a neighbour."""
+        step, wait = (value / (steps * micro) * 1e3 for value in (self.step_s, self.wait_s))
+        return {"engine_step": step, "waiting": wait}
+
+
 class HierWindow(pl.Callback):
     """Opens the window after ``warmup`` steps or (rebalancing) once a check left the split unchanged."""
 
@@ -175,6 +205,7 @@ class HierWindow(pl.Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.c["rebalance"] == "never":  # nothing reads layer times: sample them for the report
             self.strategy.engine.layer_timing = "sampled"
+        self.engine_parts = EngineParts(self.strategy.engine)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         engine = self.strategy.engine
@@ -189,10 +220,12 @@ class HierWindow(pl.Callback):
         if edge == "open":
             engine.executor.reset_times()
             self.parts.counting, self._opened = True, time.perf_counter()
+            self.engine_parts.counting = True
         elif edge == "close":
-            self.parts.counting = False
+            self.parts.counting = self.engine_parts.counting = False
             parts = self.parts.per_step_ms(self.window.steps, time.perf_counter() - self._opened)
-            mine_parts = {"stage": engine.stage, **parts}
+            inside = self.engine_parts.per_micro_batch_ms(self.window.steps, self.c["micro_batches"])
+            mine_parts = {"stage": engine.stage, **parts, "per_micro_batch": inside}
             all_parts: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(all_parts, mine_parts)
             self.parts_by_stage = sorted(all_parts, key=lambda part: part["stage"])
@@ -243,10 +276,17 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
     # the optimizer's own step (with Lightning's hooks around it) is the model's work, not the engine's:
     # the overhead once the slowest stage's part is taken out of the step too
     optimizer_ms = max(part["optimizer_step"] for part in timer.parts_by_stage)
+    parts = timer.parts_by_stage
+    for part, layers_s in zip(parts, stage_times):  # the layers' own forward + backward per micro-batch
+        inside = part["per_micro_batch"]
+        inside["layers"] = layers_s * 1e3
+        inside["engine_own"] = inside["engine_step"] - inside["waiting"] - inside["layers"]
     return {
         **window,
         "ideal_step_s": ideal_s,
         "engine_overhead_ms_per_micro_batch": (window["window_s"] / steps - ideal_s) / micro * 1e3,
+        # the engine's own work per micro-batch on its busiest stage: its step less waits and layers
+        "engine_own_ms_per_micro_batch": max(part["per_micro_batch"]["engine_own"] for part in parts),
         "step_parts_ms_by_stage": timer.parts_by_stage,
         "engine_overhead_without_optimizer_ms_per_micro_batch": (
             (window["window_s"] / steps - ideal_s) * 1e3 - optimizer_ms
