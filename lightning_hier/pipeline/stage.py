@@ -31,12 +31,11 @@ _NEVER, _ALWAYS, _ASK = 0, 1, 2  # whether a node may draw random numbers (layer
 
 
 def _random_kind(node: fx.Node, module: torch.nn.Module | None) -> int:
-    """``_NEVER`` / ``_ALWAYS`` where the answer cannot change between calls, ``_ASK`` for a torch module
-    whose answer follows its mode and settings (a dropout draws nothing in eval mode or with p=0)."""
+    """``_NEVER`` / ``_ALWAYS`` where the answer cannot change between calls, ``_ASK`` for a module that
+    may draw in some mode and setting (a dropout draws nothing in eval mode or with p=0)."""
     if node.op != "call_module" or module is None:
         return _ALWAYS if may_draw_random(node, None) else _NEVER
-    if not type(module).__module__.startswith("torch."):
-        return _ALWAYS  # a user's module: assume it may, in either mode (Monte Carlo dropout)
+    # a user's module is asked too: layer_rng answers "may draw" for it in either mode, at once
     return _ASK if may_draw_random_ever(module) else _NEVER
 
 

@@ -358,26 +358,35 @@ class CommStats:
         ready = self.clock.ready
         while self._deferred:
             index, events, blocked, start, end = self._deferred[0]
-            if not wait and _on_device(events, blocked):  # host stamps (floats) are always readable
+            on_device = _on_device(events, blocked)
+            if not wait and on_device:  # host stamps (floats) are always readable
                 stamps = [e.issued for e in events] + [e.done for e in events]
                 stamps += [s for pair in blocked for s in pair]
                 if not all(ready(stamp) for stamp in stamps):
                     break
             self._deferred.pop(0)
-            stats = self._account(index, events, blocked, start, end)
+            stats = self._account(index, events, blocked, start, end, on_device)
             self.steps.append(stats)
             accounted.append(stats)
         return accounted
 
     def _account(
-        self, index: int, events: list[CommEvent], blocked: list[tuple[Any, Any]], start: float, end: float
+        self,
+        index: int,
+        events: list[CommEvent],
+        blocked: list[tuple[Any, Any]],
+        start: float,
+        end: float,
+        on_device: bool | None = None,
     ) -> StepStats:
         """One step's totals per kind, and the union of active (and of exposed) time, by a sweep over
         the start and end marks of the operations and of the blocked spans (run every step on every
         rank, so kept lean: a kind is a small integer in the marks, the running kinds a counter)."""
         # host stamps are perf_counter floats: the sweep only takes differences, so they are used as
-        # they are; CUDA events are read through the clock
-        seconds = self.clock.seconds if _on_device(events, blocked) else float
+        # they are; CUDA events (``on_device``: see _on_device) are read through the clock
+        if on_device is None:
+            on_device = _on_device(events, blocked)
+        seconds = self.clock.seconds if on_device else float
         t0, t1 = seconds(start), seconds(end)
         kinds: dict[str, KindStats] = {}
         names: list[str] = []
