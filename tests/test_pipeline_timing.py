@@ -20,7 +20,7 @@ from lightning_hier.pipeline.engine import FULLY_TIMED_MICRO_BATCHES, PipelineEn
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.partition import StagePartition
 from lightning_hier.pipeline.settings import PipelineSettings
-from lightning_hier.pipeline.stage import StageExecutor
+from lightning_hier.pipeline.stage import LayerTimes, StageExecutor
 
 
 @pytest.fixture()
@@ -86,6 +86,59 @@ def test_rebalancing_times_the_first_micro_batches_then_one_per_step_rotating() 
     assert _counted(engine) == FULLY_TIMED_MICRO_BATCHES + (steps - full_steps)
     engine.executor.reset_times()  # a check: the next micro-batches are all timed again
     assert all(_train(engine, steps=1, micro=micro)[0])
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_check_that_moves_nothing_keeps_the_times_at_half_weight_and_times_no_burst() -> None:
+    engine = _engine(rebalance=100, partition="uniform")
+    micro = 4
+    _train(engine, steps=3, micro=micro)  # the burst of FULLY_TIMED_MICRO_BATCHES, then one
+    before = _counted(engine)
+    assert before == FULLY_TIMED_MICRO_BATCHES + 1
+    means = engine.executor.times.summary(engine.executor.layer_range)
+    decision = engine.rebalance(threshold=0.1)
+    assert decision.new is None  # one stage: nothing to move
+    assert engine.executor.times.summary(engine.executor.layer_range) == pytest.approx(means)
+    flags = _train(engine, steps=2, micro=micro)
+    assert flags == [[m == step % micro for m in range(micro)] for step in (3, 4)]  # no new burst
+    assert _counted(engine) == pytest.approx(before * 0.5 + 2)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_check_that_moves_layers_times_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Times measured under the old split describe layers some of which left: they are dropped, and
+    the next micro-batches are all timed again."""
+    from lightning_hier.pipeline import engine as engine_module
+    from lightning_hier.pipeline.rebalance import RebalanceDecision
+
+    engine = _engine(rebalance=100, partition="uniform")
+    micro = 4
+    _train(engine, steps=3, micro=micro)
+
+    def moved(graph: Any, partition: StagePartition, *args: Any, **kwargs: Any) -> RebalanceDecision:
+        return RebalanceDecision(partition, StagePartition((0,), graph.num_clusters), (1.0,), (1.0,), "test")
+
+    monkeypatch.setattr(engine_module, "decide_rebalance", moved)
+    assert engine.rebalance(threshold=0.1).new is not None
+    assert _counted(engine) == 0
+    assert _train(engine, steps=2, micro=micro) == [[True] * micro] * 2
+    assert _counted(engine) == 2 * micro
+
+
+def test_aged_layer_times_weigh_each_new_sample_above_each_old_one() -> None:
+    times = LayerTimes(num_layers=1, num_clusters=1)
+    for _ in range(4):  # four samples of 1 s, then aged to half weight, then two of 3 s
+        times.forward[0] += 1.0
+        times.forward_count[0] += 1
+    times.age(0.5)
+    assert times.mean_forward(0) == pytest.approx(1.0)
+    for _ in range(2):
+        times.forward[0] += 3.0
+        times.forward_count[0] += 1
+    assert times.mean_forward(0) == pytest.approx((2 * 1.0 + 2 * 3.0) / 4)  # 2 old at half, 2 new
+    for keep in (0.0, 1.5):
+        with pytest.raises(ValueError, match="keep"):
+            times.age(keep)
 
 
 @pytest.mark.usefixtures("one_process_group")

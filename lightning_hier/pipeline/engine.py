@@ -55,9 +55,13 @@ def rank_of_stage(num_stages: int, stage: int) -> int:
     return num_stages - 1 - stage
 
 
-# after a check, this many training micro-batches are all timed; then one per step (see
-# PipelineEngine.times_micro_batch)
+# after a check that moved layers (and at the start), this many training micro-batches are all
+# timed; then one per step (see PipelineEngine.times_micro_batch)
 FULLY_TIMED_MICRO_BATCHES = 8
+# a check that moved nothing keeps the stage's layer times at this weight against each new sample:
+# the next check reads mostly its own window, so a drift shows within a check or two, yet needs no
+# burst of full timing to have enough samples
+TIMES_KEPT_AFTER_A_QUIET_CHECK = 0.5
 LAYER_TIMING_MODES = ("auto", "sampled", "all", "off")
 
 
@@ -240,9 +244,11 @@ class PipelineEngine:
         Timing costs a gradient hook and two clock marks per layer (a CUDA event pair and a
         synchronize per step on a GPU), so it runs only where a decision reads it (``"auto"``):
         while ``partition="time"`` profiles, before the first memory plan, and with rebalancing on.
-        Then the first ``FULLY_TIMED_MICRO_BATCHES`` micro-batches after each check are all timed
-        and afterwards one per step, its position rotating through the step, which keeps the means
-        representative at a fraction of the cost. ``layer_timing="sampled"`` samples so even when
+        Then the first ``FULLY_TIMED_MICRO_BATCHES`` micro-batches (at the start and after a check
+        that moved layers) are all timed and afterwards one per step, its position rotating through
+        the step, which keeps the means representative at a fraction of the cost; a check that moved
+        nothing keeps the times, aged (``TIMES_KEPT_AFTER_A_QUIET_CHECK``), instead of timing
+        afresh. ``layer_timing="sampled"`` samples so even when
         nothing reads the times, ``"all"`` times every micro-batch, ``"off"`` none.
         """
         mode = self.layer_timing
@@ -313,9 +319,10 @@ class PipelineEngine:
                 "stage_times": list(decision.stage_times),
             }
         )
-        self.executor.reset_times()
         if decision.new is None:
+            self.executor.age_times(TIMES_KEPT_AFTER_A_QUIET_CHECK)
             return decision
+        self.executor.reset_times()
         event = RebalanceEvent(self.steps, decision)
         report = self.apply_partition(decision.new)
         reports = self._gather_on_last(report.to_dict())

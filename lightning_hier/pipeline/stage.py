@@ -77,13 +77,17 @@ def _in_current_mode(
 
 
 class LayerTimes:
-    """Running sums of per-layer forward and backward seconds (per micro-batch) and exit bytes."""
+    """Running sums of per-layer forward and backward seconds (per micro-batch) and exit bytes.
+
+    Counts are weights: :meth:`age` scales sums and counts alike, so the means stay and every later
+    sample weighs more than each earlier one.
+    """
 
     def __init__(self, num_layers: int, num_clusters: int) -> None:
         self.forward = [0.0] * num_layers
         self.backward = [0.0] * num_layers
-        self.forward_count = [0] * num_layers
-        self.backward_count = [0] * num_layers
+        self.forward_count = [0.0] * num_layers
+        self.backward_count = [0.0] * num_layers
         self.exit_bytes = [0] * num_clusters
         self.input_bytes = [0] * num_layers
 
@@ -96,6 +100,13 @@ class LayerTimes:
     def summary(self, layers: range) -> dict[int, tuple[float, float]]:
         """``{layer: (mean forward s, mean backward s)}`` for layers measured at least once."""
         return {i: (self.mean_forward(i), self.mean_backward(i)) for i in layers if self.forward_count[i] > 0}
+
+    def age(self, keep: float) -> None:
+        """Keep what was measured so far at weight ``keep`` (0 < keep <= 1) against each new sample."""
+        if not 0.0 < keep <= 1.0:
+            raise ValueError(f"keep={keep} must lie in (0, 1].")
+        for values in (self.forward, self.backward, self.forward_count, self.backward_count):
+            values[:] = [v * keep for v in values]
 
 
 class StageClock:
@@ -130,12 +141,13 @@ class StageExecutor:
 
     ``forward(value)`` takes the single value entering the stage (for stage 0: the model's
     forward arguments) and returns the single value leaving it (the model's output on the last
-    stage). Per-layer forward time is taken around each node. Backward time is measured per
-    cluster, by one gradient hook on the last differentiable output of each cluster (the time
-    between the gradient reaching it and the next hook firing), and shared among the cluster's
-    layers in proportion to their forward times: rebalancing moves whole clusters and the memory
-    plan reads the stage's total, so a hook per layer (about 25 us each on CPU, 64 per micro-batch
-    in a 16-block MLP) would buy resolution nothing reads.
+    stage). Per-layer forward time is taken between consecutive nodes' clock marks (one mark per
+    node boundary). Backward time is measured per cluster, by one gradient hook on the last
+    differentiable output of each cluster, registered after the forward so its cost falls in no
+    layer's time (the time between the gradient reaching it and the next hook firing), and shared
+    among the cluster's layers in proportion to their forward times: rebalancing moves whole
+    clusters and the memory plan reads the stage's total, so a hook per layer (about 25 us each on
+    CPU, 64 per micro-batch in a 16-block MLP) would buy resolution nothing reads.
     """
 
     def __init__(
@@ -143,7 +155,7 @@ class StageExecutor:
     ) -> None:
         self.graph = graph
         self.clock = StageClock(device)
-        self._pending_forward: list[tuple[int, Any, Any]] = []
+        self._pending_forward: list[tuple[range, list[Any]]] = []  # (layers, marks) per forward
         self._module_cache: dict[int, torch.nn.Module] = {}
         self._pending_backward: list[tuple[list[tuple[Any, int]], Any]] = []
         self.stage = stage
@@ -292,19 +304,20 @@ class StageExecutor:
             begin()
         graph = self.graph
         timing = self.timing
+        # one clock mark per node boundary: node k ran from marks[k] to marks[k + 1]
+        marks = [self.clock.mark()] if timing else None
         hookable: tuple[int, torch.Tensor] | None = None  # the cluster's last differentiable output
+        to_hook: list[tuple[int, torch.Tensor]] = []  # hooked after the loop, outside the layers' marks
         for step in self._plan:
-            i = step.index
-            start = self.clock.mark() if timing else None
             value = self._run_node(step, env)
-            if timing:
-                self._pending_forward.append((i, start, self.clock.mark()))
+            if marks is not None:
+                marks.append(self.clock.mark())
             env[step.node.name] = value
             if record_backward:
                 if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                    hookable = (i, value)
+                    hookable = (step.index, value)
                 if step.cluster_end and hookable is not None:
-                    hookable[1].register_hook(self._backward_hook(hookable[0]))
+                    to_hook.append(hookable)
                     hookable = None
             if step.exit_cluster is not None and timing:
                 exit_value = env[graph.clusters[step.exit_cluster].exit_value]
@@ -312,8 +325,12 @@ class StageExecutor:
                     self.times.exit_bytes[step.exit_cluster] = exit_value.numel() * exit_value.element_size()
             for name in step.free:
                 env.pop(name, None)
-        if not self.clock.cuda:
-            self.resolve()
+        for layer, tensor in to_hook:
+            tensor.register_hook(self._backward_hook(layer))
+        if marks is not None:
+            self._pending_forward.append((self.layer_range, marks))
+            if not self.clock.cuda:
+                self.resolve()
         if self.is_last:
             assert graph.output_node is not None
             return fx.node.map_arg(graph.output_node.args[0], lambda n: env[n.name])
@@ -389,12 +406,14 @@ class StageExecutor:
         (on layer ``below``, or the stage's start) to layers ``below + 1 .. hooked``, in proportion to
         their mean forward times (evenly where those are all zero)."""
         times = self.times
+        forward, forward_count = times.forward, times.forward_count
+        backward, backward_count = times.backward, times.backward_count
         layers = range(below + 1, hooked + 1)
-        weights = [times.mean_forward(i) for i in layers]
+        weights = [forward[i] / forward_count[i] if forward_count[i] else 0.0 for i in layers]
         total = sum(weights)
         for i, weight in zip(layers, weights):
-            times.backward[i] += seconds * (weight / total if total > 0 else 1.0 / len(layers))
-            times.backward_count[i] += 1
+            backward[i] += seconds * (weight / total if total > 0 else 1.0 / len(layers))
+            backward_count[i] += 1
 
     def finish_backward(self) -> None:
         """Close one micro-batch's backward: its gradient-arrival marks become layer intervals."""
@@ -409,16 +428,23 @@ class StageExecutor:
         if not (self._pending_forward or self._pending_backward):
             return
         self.clock.synchronize()
-        times = self.times
-        for i, start, end in self._pending_forward:
-            times.forward[i] += self.clock.seconds(start, end)
-            times.forward_count[i] += 1
+        forward, forward_count = self.times.forward, self.times.forward_count
+        seconds = self.clock.seconds
+        for layers, marks in self._pending_forward:
+            for i, start, end in zip(layers, marks, marks[1:]):
+                forward[i] += seconds(start, end)
+                forward_count[i] += 1
         first = self.layer_range.start - 1
         for events, end in self._pending_backward:
             for (mark, layer), (next_mark, below) in zip(events, events[1:] + [(end, first)]):
                 self._share_backward(layer, below, self.clock.seconds(mark, next_mark))
         self._pending_forward.clear()
         self._pending_backward.clear()
+
+    def age_times(self, keep: float) -> None:
+        """Carry the measurements on at weight ``keep``: the layers and their device did not change."""
+        self.resolve()
+        self.times.age(keep)
 
     def reset_times(self) -> None:
         self._pending_forward.clear()
