@@ -218,7 +218,10 @@ class HierWindow(pl.Callback):
             opens = self.settled or batch_idx >= self.c["max_settle_steps"]
         edge = self.window.step(batch_idx, opens)
         if edge == "open":
-            engine.executor.reset_times()
+            if self.c["rebalance"] == "never":  # the window's own layer times for the report
+                engine.executor.reset_times()
+            # rebalancing: the window opens after a check that moved nothing, whose times carry on aged
+            # (as they would for a user); dropping them would start a burst of full timing
             self.parts.counting, self._opened = True, time.perf_counter()
             self.engine_parts.counting = True
         elif edge == "close":
