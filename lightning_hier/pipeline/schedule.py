@@ -19,7 +19,10 @@ operations, following the rules torch's own schedules follow for NCCL:
   of the activation they belong to. The receive of the next header is posted as soon as the
   current activation has arrived, so it completes while the stage computes: on gloo a message
   posted for late waits for the sender's communication thread, which on a busy CPU core costs a
-  scheduler slice on the critical path (measured: 3-4 ms per micro-batch on 2 cores).
+  scheduler slice on the critical path (measured: 3-4 ms per micro-batch on 2 cores). For the same
+  reason, on gloo, where the next activation's spec is known from memory (``static_shapes``), its
+  data receive is posted ahead too, outside the pair; NCCL keeps the pairs (a receive posted
+  early would queue the stage's next sends behind it on the communicator's stream).
 """
 
 from __future__ import annotations
@@ -76,9 +79,15 @@ class StageLink:
         self.group = group
         self._lone_sends: list[tuple[dist.Work, torch.Tensor]] = []  # work, buffer kept alive until done
         self._pending_header: tuple[dist.Work, torch.Tensor] | None = None  # see expect_header
+        # see expect_activation: (work, buffer, spec) of the next activation's data
+        self._pending_activation: tuple[dist.Work, torch.Tensor, tuple[list[int], torch.dtype, bool]] | None
+        self._pending_activation = None
+        # gloo only: on NCCL an early receive would hold the stage's next sends behind it on the stream
+        self.posts_data_ahead = torch.device(device).type == "cpu"
         self.bytes_sent = 0
         self.headers_sent = 0
         self.headers_received = 0
+        self.activations_posted_ahead = 0
         self.forget_specs()
 
     def _peer(self, stage: int) -> int:
@@ -87,6 +96,8 @@ class StageLink:
     # ------------------------------------------------------------------ headers (host, CPU backend)
     def forget_specs(self) -> None:
         """Drop the remembered activation specs (the cut moved: what crosses it is something else)."""
+        if self._pending_activation is not None:  # posted for the old cut's spec: never between steps
+            raise RuntimeError("hier_pipeline: an activation receive is still posted while the cut moves.")
         self._sent_specs: dict[Hashable, tuple[int, ...]] = {}
         self._received_specs: dict[Hashable, tuple[list[int], torch.dtype, bool]] = {}
 
@@ -156,6 +167,29 @@ class StageLink:
         return spec
 
     # ------------------------------------------------------------------ data (device)
+    def expect_activation(self, spec: tuple[list[int], torch.dtype, bool]) -> None:
+        """Post the receive of the next activation's data now (its ``spec`` known from memory), for the
+        reason of :meth:`expect_header`: posted before the previous stage sends, the data lands without
+        waiting for that stage's communication thread."""
+        if self._pending_activation is None:
+            shape, dtype, _ = spec
+            value = torch.empty(shape, dtype=dtype, device=self.device)
+            work = dist.irecv(value, self._peer(self.stage - 1), group=self.group)
+            self._pending_activation = (work, value, spec)
+            self.activations_posted_ahead += 1
+
+    def take_expected_activation(
+        self,
+    ) -> tuple[dist.Work, torch.Tensor, tuple[list[int], torch.dtype, bool]] | None:
+        """The receive :meth:`expect_activation` posted (work, buffer, spec), handed over once."""
+        pending, self._pending_activation = self._pending_activation, None
+        return pending
+
+    @property
+    def receives_pending(self) -> int:
+        """Receives posted ahead and not yet taken (header and data): zero between steps."""
+        return int(self._pending_header is not None) + int(self._pending_activation is not None)
+
     def send_activation_op(self, value: torch.Tensor) -> dist.P2POp:
         return self._send_op(value.detach(), self.stage + 1)
 
@@ -178,12 +212,14 @@ class StageLink:
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return dist.P2POp(dist.isend, tensor, self._peer(stage), self.group)
 
-    def exchange(self, ops: list[dist.P2POp]) -> None:
-        """Post ``ops`` as one batch and wait for them (on CUDA the stream waits, not the host)."""
+    def exchange(self, ops: list[dist.P2POp], posted: Sequence[dist.Work] = ()) -> None:
+        """Post ``ops`` as one batch and wait for them and for the ``posted`` receives (on CUDA the
+        stream waits, not the host)."""
         self._release_finished_sends()
-        if not ops:
-            return
-        for work in dist.batch_isend_irecv(ops):
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for work in posted:
             work.wait()
 
     def post_sends(self, ops: list[dist.P2POp]) -> None:
@@ -258,28 +294,41 @@ class PipelineSchedule:
     def _key(self, m: int) -> Hashable | None:
         return self.keys[m] if self.keys is not None else None
 
-    def _recv_activation_ops(self, m: int) -> tuple[list[dist.P2POp], torch.Tensor | None]:
-        """The receive of activation ``m`` (its header is read first, over the host backend)."""
+    def _recv_activation_ops(self, m: int) -> tuple[list[dist.P2POp], torch.Tensor | None, list[dist.Work]]:
+        """The receive of activation ``m``: the op to post (its header is read first, over the host
+        backend), or the receive posted ahead (:meth:`_expect_next`) to wait for."""
         if self.is_first:
-            return [], None
-        header = self.link.recv_header(self._key(m))
-        op, value = self.link.recv_activation_op(header)
+            return [], None, []
+        posted = self.link.take_expected_activation()
+        if posted is not None:
+            work, value, header = posted
+            ops, waits = [], [work]
+        else:
+            header = self.link.recv_header(self._key(m))
+            op, value = self.link.recv_activation_op(header)
+            ops, waits = [op], []
         if header[2]:
             value.requires_grad_(True)
-        return [op], value
+        return ops, value, waits
 
-    def _expect_next_header(self, m: int) -> None:
+    def _expect_next(self, m: int) -> None:
         """Activation ``m`` has arrived: post the receive of the next one's header now, to complete while
-        this stage computes (:meth:`StageLink.expect_header`). Posted after ``m``'s data, so the header
-        and data messages of a cut keep the order they are sent in."""
-        if not self.is_first and m + 1 < self.num_micro and not self.link.knows_spec(self._key(m + 1)):
+        this stage computes (:meth:`StageLink.expect_header`), or where its spec is known from memory,
+        on gloo, the receive of its data (:meth:`StageLink.expect_activation`). Posted after ``m``'s data,
+        so the messages of a cut are received in the order they are sent."""
+        if self.is_first or m + 1 >= self.num_micro:
+            return
+        key = self._key(m + 1)
+        if not self.link.knows_spec(key):
             self.link.expect_header()
+        elif self.link.posts_data_ahead:
+            self.link.expect_activation(self.link.recv_header(key))  # from memory: no message
 
     def _compute_forward(
         self, m: int, received: torch.Tensor | None, forward: ForwardFn, stash: dict[int, _InFlight]
     ) -> list[dist.P2POp]:
         """Forward of micro-batch ``m``; returns the send of its activation (empty on the last stage)."""
-        self._expect_next_header(m)
+        self._expect_next(m)
         output = forward(m, received)
         sends: list[dist.P2POp] = []
         wants_grad = False
@@ -334,8 +383,8 @@ class PipelineSchedule:
         """All forwards, then all backwards: each link carries one direction at a time."""
         stash: dict[int, _InFlight] = {}
         for m in range(num_micro):
-            recv_ops, received = self._recv_activation_ops(m)
-            self.link.exchange(recv_ops)
+            recv_ops, received, posted = self._recv_activation_ops(m)
+            self.link.exchange(recv_ops, posted)
             self.link.post_sends(self._compute_forward(m, received, forward, stash))
         for m in range(num_micro):
             recv_ops, grad = self._recv_grad_ops(m, stash)
@@ -354,8 +403,8 @@ class PipelineSchedule:
         fwd = bwd = 0
         forward_sends: list[dist.P2POp] = []
         for i in range(warmup):
-            recv_ops, received = self._recv_activation_ops(fwd)
-            self.link.exchange(recv_ops)
+            recv_ops, received, posted = self._recv_activation_ops(fwd)
+            self.link.exchange(recv_ops, posted)
             forward_sends = self._compute_forward(fwd, received, forward, stash)
             fwd += 1
             if i < warmup - 1:  # the last warm-up send is paired with the first gradient receive
@@ -369,8 +418,8 @@ class PipelineSchedule:
             backward_sends = self._compute_backward(bwd, grad, stash)
             bwd += 1
             if fwd < num_micro:
-                recv_ops, received = self._recv_activation_ops(fwd)
-                self.link.exchange(backward_sends + recv_ops)
+                recv_ops, received, posted = self._recv_activation_ops(fwd)
+                self.link.exchange(backward_sends + recv_ops, posted)
                 backward_sends = []
                 forward_sends = self._compute_forward(fwd, received, forward, stash)
                 fwd += 1
@@ -384,11 +433,11 @@ class PipelineSchedule:
         self.keys, self.num_micro = keys, num_micro
         outputs = []
         for m in range(num_micro):
-            recv_ops, received = self._recv_activation_ops(m)
-            self.link.exchange(recv_ops)
+            recv_ops, received, posted = self._recv_activation_ops(m)
+            self.link.exchange(recv_ops, posted)
             if received is not None:
                 received.requires_grad_(False)
-            self._expect_next_header(m)
+            self._expect_next(m)
             output = forward(m, received)
             if self.is_last:
                 outputs.append(output)

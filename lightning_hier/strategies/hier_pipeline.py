@@ -127,8 +127,10 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         static_shapes: what crosses a stage cut has the same shape and dtype whenever the micro-batch
             has the same tensor shapes (as ``torch.distributed.pipelining`` assumes): each cut's
             spec is then sent once per distinct micro-batch shape instead of ahead of every
-            activation (one small host message per micro-batch and cut saved). A stage whose
-            activation breaks the assumption raises naming ``static_shapes``.
+            activation (one small host message per micro-batch and cut saved), and on CPU each
+            stage posts the next activation's receive while it computes (6-8 % shorter steps on
+            the 2-core benchmark). A stage whose activation breaks the assumption raises naming
+            ``static_shapes``.
     """
 
     _runtime_state = {"engine": lambda: None, "_metric_sync": lambda: None}

@@ -58,7 +58,8 @@ def run(
     return {
         "max_diff": (layer.weight.grad - expected).abs().max().item(),
         "held_sends_after_step": len(link._lone_sends),
-        "headers_pending_after_step": int(link._pending_header is not None),
+        "receives_pending_after_step": link.receives_pending,
+        "activations_posted_ahead": link.activations_posted_ahead,
         "headers_received": link.headers_received,
         "headers_sent": link.headers_sent,
     }
