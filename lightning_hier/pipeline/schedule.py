@@ -172,8 +172,7 @@ class StageLink:
         reason of :meth:`expect_header`: posted before the previous stage sends, the data lands without
         waiting for that stage's communication thread."""
         if self._pending_activation is None:
-            shape, dtype, _ = spec
-            value = torch.empty(shape, dtype=dtype, device=self.device)
+            value = self._activation_buffer(spec)
             work = dist.irecv(value, self._peer(self.stage - 1), group=self.group)
             self._pending_activation = (work, value, spec)
             self.activations_posted_ahead += 1
@@ -196,9 +195,12 @@ class StageLink:
     def recv_activation_op(
         self, header: tuple[list[int], torch.dtype, bool]
     ) -> tuple[dist.P2POp, torch.Tensor]:
-        shape, dtype, _ = header
-        value = torch.empty(shape, dtype=dtype, device=self.device)
+        value = self._activation_buffer(header)
         return dist.P2POp(dist.irecv, value, self._peer(self.stage - 1), self.group), value
+
+    def _activation_buffer(self, spec: tuple[list[int], torch.dtype, bool]) -> torch.Tensor:
+        shape, dtype, _ = spec
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def send_grad_op(self, grad: torch.Tensor) -> dist.P2POp:
         return self._send_op(grad, self.stage - 1)
