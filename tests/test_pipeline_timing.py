@@ -137,6 +137,10 @@ def test_aged_layer_times_weigh_each_new_sample_above_each_old_one() -> None:
         times.forward[0] += 3.0
         times.forward_count[0] += 1
     assert times.mean_forward(0) == pytest.approx((2 * 1.0 + 2 * 3.0) / 4)  # 2 old at half, 2 new
+    single = LayerTimes(num_layers=1, num_clusters=1)  # one sample aged below one sample's weight
+    single.forward[0], single.forward_count[0] = 1.0, 1
+    single.age(0.5)
+    assert single.mean_forward(0) == pytest.approx(1.0)
     for keep in (0.0, 1.5):
         with pytest.raises(ValueError, match="keep"):
             times.age(keep)

@@ -92,10 +92,13 @@ class LayerTimes:
         self.input_bytes = [0] * num_layers
 
     def mean_forward(self, layer: int) -> float:
-        return self.forward[layer] / max(self.forward_count[layer], 1)
+        """Mean forward seconds (0 where unmeasured); aged weights may lie below one sample."""
+        count = self.forward_count[layer]
+        return self.forward[layer] / count if count else 0.0
 
     def mean_backward(self, layer: int) -> float:
-        return self.backward[layer] / max(self.backward_count[layer], 1)
+        count = self.backward_count[layer]
+        return self.backward[layer] / count if count else 0.0
 
     def summary(self, layers: range) -> dict[int, tuple[float, float]]:
         """``{layer: (mean forward s, mean backward s)}`` for layers measured at least once."""
@@ -406,10 +409,9 @@ class StageExecutor:
         (on layer ``below``, or the stage's start) to layers ``below + 1 .. hooked``, in proportion to
         their mean forward times (evenly where those are all zero)."""
         times = self.times
-        forward, forward_count = times.forward, times.forward_count
         backward, backward_count = times.backward, times.backward_count
         layers = range(below + 1, hooked + 1)
-        weights = [forward[i] / forward_count[i] if forward_count[i] else 0.0 for i in layers]
+        weights = [times.mean_forward(i) for i in layers]
         total = sum(weights)
         for i, weight in zip(layers, weights):
             backward[i] += seconds * (weight / total if total > 0 else 1.0 / len(layers))
