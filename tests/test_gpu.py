@@ -26,6 +26,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # so the two runs may diverge by a rounding step there (the CPU tests hold bf16 to the same bound).
 TOLERANCE = {"16_mixed": 1e-3, "bf16_mixed": 1e-2}
 NEGATIVE_CONTROLS = ("bsp_lagging_unordered",)  # as in gpu_checks.py
+BSP_ASYNC = ("bsp_default_async",)  # no reference run: checked for what it must keep instead
 
 
 @needs_cuda
@@ -43,12 +44,22 @@ def check_gpu_results(results: dict, audit_dir: Path) -> None:
     for case, result in results.items():
         tolerance = next((t for key, t in TOLERANCE.items() if key in case), 1e-5)
         assert result["reference_moved"] > 1e-3, (case, result)
+        if case in BSP_ASYNC:  # every micro-step computed is applied, none staler than allowed
+            assert result["finite"] and result["computed"] == result["applied"] == 24, (case, result)
+            assert result["staleness_seen"] <= result["max_staleness"], (case, result)
+            continue
         if case in NEGATIVE_CONTROLS:  # the module's stream without its waits: the lag must show
             assert result["max_rel_diff"] > 1e-3, (case, result)
         else:
             assert result["max_rel_diff"] < tolerance, (case, result)
         if "optimizer_state_rel_diff" in result and case not in NEGATIVE_CONTROLS:  # as the fit leaves it
             assert result["optimizer_state_rel_diff"] < tolerance, (case, result)
+    for case, result in results.items():  # the stage's CUDA events timed every layer of the stage
+        if case.startswith("pipeline_") and "timed" in case:
+            times = result["layer_times_ms"]
+            assert len(times) == result["layers"], (case, result)
+            assert all(forward > 0 for forward, _ in times.values()), (case, times)
+            assert sum(backward for _, backward in times.values()) > 0, (case, times)
     if "bsp_plain_time_buckets" in results:
         assert results["bsp_plain_time_buckets"]["rebuilt_on_time_plan"], results["bsp_plain_time_buckets"]
     # CommProfiler under real NCCL: ddp's numbers come from DDP's own CUDA-event timing of its C++
@@ -59,7 +70,7 @@ def check_gpu_results(results: dict, audit_dir: Path) -> None:
     assert [step["kinds"]["world"][1] for step in ddp["steps"]] == [ddp["param_bytes"]] * len(ddp["steps"])
     assert all(step["kinds"]["world"][2] > 0 for step in ddp["steps"]), ddp  # DDP timed its all-reduce
     # what the package issues itself on device tensors is timed with CUDA events
-    for case in ("profiler_hier_sliced", "profiler_hier_bsp"):
+    for case in ("profiler_hier_sliced", "profiler_hier_bsp", "profiler_hier_pipeline"):
         assert results[case]["unobserved_completions"] == 0, results[case]
     for step in ddp["steps"]:
         _count, _bytes, time_ms, exposed_ms = step["kinds"]["world"]

@@ -54,6 +54,8 @@ PIPELINE = {
     "pipeline_keep": dict(activation_policy="keep"),
     "pipeline_swap": dict(activation_policy="swap"),
     "pipeline_recompute_gpipe": dict(activation_policy="recompute", schedule="gpipe"),
+    # every micro-batch timed per layer with CUDA events, cut specs kept from memory
+    "pipeline_timed_static_shapes": dict(activation_policy="keep", static_shapes=True),
 }
 HYBRID = {"hybrid_adagrad_16_mixed": "16-mixed", "hybrid_sgd_32": "32-true"}
 # plain BSP (superstep_steps=1, max_staleness=0) applies each step's gradients together: ddp's result
@@ -70,10 +72,19 @@ BSP = {
     "bsp_lagging_worker_stream": (dict(optimizer="adam"), dict(early_push=True), {}),
     # the same with the module's waits removed: must NOT match (the check above can fail on a GPU)
     "bsp_lagging_unordered": (dict(optimizer="adam"), dict(early_push=True), {}),
+    # four micro-steps per superstep in lockstep: ddp accumulating four batches
+    "bsp_superstep4_lockstep": (
+        dict(optimizer="adam"),
+        dict(superstep_steps=4),
+        dict(accumulate_grad_batches=4),
+    ),
 }
+# hier_bsp's defaults (superstep_steps=4, max_staleness=1): the worker runs ahead of the server, so no
+# reference run matches it; every micro-step computed must be applied, none staler than one superstep
+BSP_ASYNC = ("bsp_default_async",)
 NEGATIVE_CONTROLS = ("bsp_lagging_unordered",)
 # CommProfiler on CUDA tensors (CUDA-event timing): the profiled fit against the same fit without it
-PROFILED = ("profiler_ddp", "profiler_hier_sliced", "profiler_hier_bsp")
+PROFILED = ("profiler_ddp", "profiler_hier_sliced", "profiler_hier_bsp", "profiler_hier_pipeline")
 RESUMED = ("sliced_checkpoint_resume",)  # a checkpoint of a CUDA run, resumed on the device
 
 
@@ -113,15 +124,23 @@ def against_ddp(
     model_kwargs: dict,
     trainer_kwargs: dict,
     model_class: type = EquivModel,
+    accumulating_contender: bool = False,
 ) -> dict:
-    """``model_class`` trained for 6 optimizer steps under ``ddp`` and under ``contender``."""
-    steps = 6 * trainer_kwargs.get("accumulate_grad_batches", 1)
+    """``model_class`` trained for 6 optimizer steps under ``ddp`` and under ``contender``; an
+    ``accumulating_contender`` (hier_bsp's supersteps) gathers the micro-steps itself, without
+    Lightning's ``accumulate_grad_batches``, and counts each micro-step as a step."""
+    accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
     results, optimizer_states = [], []
     for strategy in (ddp, contender):
         pl.seed_everything(1234, verbose=False)
         model = model_class(**model_kwargs)
         initial = state(model)
-        fitted = trainer(strategy, steps, **trainer_kwargs)
+        steps, own_kwargs = 6 * accumulate, trainer_kwargs
+        if accumulating_contender:  # ddp takes 6 optimizer steps of 4 batches, the contender 24 micro-steps
+            steps = 6 * accumulate if strategy is contender else 6
+            if strategy is contender:
+                own_kwargs = {k: v for k, v in trainer_kwargs.items() if k != "accumulate_grad_batches"}
+        fitted = trainer(strategy, steps, **own_kwargs)
         fitted.fit(model, loader())
         results.append(state(model))
         optimizer_states.append(optimizer_state(fitted))
@@ -181,12 +200,20 @@ def sliced(case: str) -> dict:
     return against_ddp(DDPStrategy(find_unused_parameters=True), contender, model_kwargs, trainer_kwargs)
 
 
+class TimeEveryLayer(pl.Callback):
+    """Every micro-batch timed per layer, as rebalancing or ``partition="time"`` would time some."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.engine.layer_timing = "all"
+
+
 def pipeline(case: str) -> dict:
     """One stage in 4 micro-batches against Lightning on one device accumulating the same 4 micro-batches
     (the same matrix shapes and summation order). Against whole batches the kernels differ, and Adam's
     update turns those float differences of near-zero gradients into ~1e-4 (``max_rel_diff_whole_batch``)."""
     results = []
     device = torch.device("cuda", 0)
+    timed = [TimeEveryLayer()] if "timed" in case else []
     runs = (
         (SingleDeviceStrategy(device=device), dict(accumulate_grad_batches=4), 8),
         (SingleDeviceStrategy(device=device), {}, 32),
@@ -196,12 +223,21 @@ def pipeline(case: str) -> dict:
         pl.seed_everything(0, verbose=False)
         model = SkewedNet(optimizer="adam")
         initial = state(model)
-        trainer(strategy, 6, **trainer_kwargs).fit(model, pipeline_loader(batch_size=batch_size))
+        callbacks = timed if isinstance(strategy, HierPipelineStrategy) else []
+        trainer(strategy, 6, callbacks=callbacks, **trainer_kwargs).fit(
+            model, pipeline_loader(batch_size=batch_size)
+        )
         results.append(state(model))
+    executor = runs[-1][0].engine.executor
     return {
         "max_rel_diff": max_rel_diff(results[0], results[2]),
         "reference_moved": max_rel_diff(results[0], initial),
         "max_rel_diff_whole_batch": max_rel_diff(results[1], results[2]),
+        # {layer: [forward ms, backward ms]} as the stage's CUDA events measured them
+        "layer_times_ms": {
+            str(i): [1e3 * f, 1e3 * b] for i, (f, b) in executor.times.summary(executor.layer_range).items()
+        },
+        "layers": len(executor.layer_range),
     }
 
 
@@ -226,7 +262,9 @@ def hybrid(case: str) -> dict:
 
 def bsp(case: str) -> dict:
     model_kwargs, bsp_kwargs, trainer_kwargs = BSP[case]
-    contender = HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, **bsp_kwargs)
+    contender = HierBSPStrategy(
+        **{"superstep_steps": 1, "max_staleness": 0, "bucket_cap_mb": 0.002, **bsp_kwargs}
+    )
     lagging = "lagging" in case
     unordered = (
         mock.patch.object(StreamHandoff, "module_takes_over", lambda self: None)
@@ -234,7 +272,12 @@ def bsp(case: str) -> dict:
     )  # fmt: skip
     with unordered:
         result = against_ddp(
-            DDPStrategy(), contender, model_kwargs, trainer_kwargs, LaggingModel if lagging else EquivModel
+            DDPStrategy(),
+            contender,
+            model_kwargs,
+            trainer_kwargs,
+            LaggingModel if lagging else EquivModel,
+            accumulating_contender=contender.settings.superstep_steps > 1,
         )
     records = contender.superstep_records
     return {
@@ -242,6 +285,26 @@ def bsp(case: str) -> dict:
         "supersteps": len(records),
         "early_buckets": sum(r.early_buckets for r in records),
         "rebuilt_on_time_plan": contender.time_plan is not None,
+    }
+
+
+def bsp_async(case: str) -> dict:
+    """hier_bsp with its defaults on the device: 24 micro-steps, every one applied, staleness bounded."""
+    pl.seed_everything(1234, verbose=False)
+    model = EquivModel(optimizer="adam")
+    initial = state(model)
+    strategy = HierBSPStrategy(bucket_cap_mb=0.002)
+    fitted = trainer(strategy, 24)
+    fitted.fit(model, loader())
+    records = strategy.superstep_records
+    return {
+        "computed": fitted.global_step,
+        "applied": sum(sum(r.micro_steps) for r in records),
+        "staleness_seen": max(max(r.staleness_counts) for r in records),
+        "max_staleness": strategy.settings.max_staleness,
+        "supersteps": len(records),
+        "reference_moved": max_rel_diff(state(model), initial),
+        "finite": all(torch.isfinite(v).all().item() for v in state(model).values()),
     }
 
 
@@ -264,6 +327,8 @@ def _profiled_strategy(case: str):  # noqa: ANN202
         return DDPStrategy()
     if case == "profiler_hier_sliced":
         return HierSlicedStrategy()
+    if case == "profiler_hier_pipeline":
+        return HierPipelineStrategy(stages=1, micro_batches=2)
     return HierBSPStrategy(superstep_steps=1, max_staleness=0)
 
 
@@ -307,12 +372,13 @@ def profiled(case: str) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    every = [*SLICED, *RESUMED, *PIPELINE, *HYBRID, *BSP, *PROFILED]
+    every = [*SLICED, *RESUMED, *PIPELINE, *HYBRID, *BSP, *BSP_ASYNC, *PROFILED]
     cases = sys.argv[2].split(",") if len(sys.argv) > 2 else every
     results: dict = {}
     for case in cases:
         run = (
             sliced if case in SLICED else pipeline if case in PIPELINE else bsp if case in BSP
+            else bsp_async if case in BSP_ASYNC
             else profiled if case in PROFILED else resumed if case in RESUMED else hybrid
         )  # fmt: skip
         try:
