@@ -32,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -206,6 +208,13 @@ class StepStats:
 
 
 # ---------------------------------------------------------------------- the profiler
+class _Depth(threading.local):
+    """Per thread: whether a wrapped call is in progress (a class default, so reading it needs no
+    ``getattr(..., 0)``; read on every wrapped call and every ``Work.wait``)."""
+
+    depth = 0
+
+
 class CommStats:
     """Measures this process's ``torch.distributed`` traffic while active (``with CommStats() as s``)."""
 
@@ -219,7 +228,7 @@ class CommStats:
         self._blocked: list[tuple[Any, Any]] = []
         self._pending: dict[int, tuple[dist.Work, list[CommEvent]]] = {}
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._local = _Depth()
         self._active = False
         self._originals: dict[tuple[Any, str], Any] = {}
         self._watched: list[tuple[Any, str, Any]] = []
@@ -234,6 +243,7 @@ class CommStats:
         self._rank = 0
         self._world = 1
         self._params: dict[str, list[str]] = {}
+        self._p2p_names: dict[Any, str] = {}  # a P2POp's function -> "isend" / "irecv"
         # operations found finished at a step's end whose moment of completion nobody saw (counted as
         # ending there, or on CUDA at their issue); a diagnostic of the timing, not of the bytes
         self.unobserved_completions = 0
@@ -386,6 +396,10 @@ class CommStats:
         # they are; CUDA events (``on_device``: see _on_device) are read through the clock
         if on_device is None:
             on_device = _on_device(events, blocked)
+        if not on_device:
+            stats = _account_apart(index, events, blocked, start, end)
+            if stats is not None:
+                return stats
         seconds = self.clock.seconds if on_device else float
         t0, t1 = seconds(start), seconds(end)
         kinds: dict[str, KindStats] = {}
@@ -480,15 +494,15 @@ class CommStats:
         return bound
 
     def _wrap(self, name: str, original: Any) -> Any:
+        local = self._local
+        record = self._batch if name == "batch_isend_irecv" else partial(self._call, name)
+
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            local = self._local
-            if not self._active or getattr(local, "depth", 0):
+            if not self._active or local.depth:
                 return original(*args, **kwargs)
             local.depth = 1
             try:
-                if name == "batch_isend_irecv":
-                    return self._batch(original, args, kwargs)
-                return self._call(name, original, args, kwargs)
+                return record(original, args, kwargs)
             finally:
                 local.depth = 0
 
@@ -529,18 +543,55 @@ class CommStats:
     def _batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ops = args[0] if args else kwargs["p2p_op_list"]
         training = threading.get_ident() == self._thread
+        if ops and ops[0].tensor.is_cuda:
+            return self._batch_on_device(original, args, kwargs, ops, training)
+        # host tensors, a pipeline's every message: kept lean (one stamp for the ops issued together,
+        # the events and their works filed directly), since this runs on the pipeline's critical path
+        names = self._p2p_names
+        issued = perf_counter()
+        events = []
+        for op in ops:
+            name = names.get(op.op)
+            if name is None:
+                name = names[op.op] = p2p_op_name(op)
+            nbytes = op.tensor.nbytes if name == "isend" else 0
+            events.append(CommEvent(name, "p2p", nbytes, nbytes, training, False, issued))
+        self._file(events, training)
+        works = original(*args, **kwargs)
+        returned = perf_counter()
+        works_list = works if type(works) is list else list(works or [])
+        if len(works_list) == len(events):
+            if training:  # the training thread swaps the dict itself (see _issue)
+                pending = self._pending
+                for work, event in zip(works_list, events):
+                    pending[id(work)] = (work, [event])
+            else:
+                for work, event in zip(works_list, events):
+                    self._track(work, [event], training)
+        elif works_list:  # coalesced: one handle for all of them
+            self._track(works_list[-1], events, training)
+        else:
+            for event in events:
+                event.done = returned
+        if events and training and self._window is not None:
+            self._blocked.append((issued, returned))
+        return works
+
+    def _batch_on_device(
+        self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ops: list[Any], training: bool
+    ) -> Any:
         events = []
         for op in ops:
             name = p2p_op_name(op)
             nbytes = _nbytes(op.tensor) if name == "isend" else 0
-            events.append(self._issue(name, "p2p", nbytes, nbytes, op.tensor.is_cuda, training))
+            events.append(self._issue(name, "p2p", nbytes, nbytes, True, training))
         works = original(*args, **kwargs)
-        returned = self.clock.stamp(bool(events) and events[0].cuda)
+        returned = self.clock.stamp(True)
         works_list = list(works or [])
         if len(works_list) == len(events):
             for work, event in zip(works_list, events):
                 self._track(work, [event], training)
-        elif works_list:  # coalesced: one handle for all of them
+        elif works_list:
             self._track(works_list[-1], events, training)
         else:
             for event in events:
@@ -549,24 +600,28 @@ class CommStats:
             self._add_blocked(events[0].issued, returned, training)
         return works
 
+    def _file(self, events: list[CommEvent], training: bool) -> None:
+        """Add operations just issued to the open step (or, from the training thread between steps,
+        to :attr:`outside`)."""
+        if not training:
+            with self._lock:
+                self._events.extend(events)
+        elif self._window is None:
+            for event in events:
+                self._tally_outside(event)
+                event.done = event.issued  # not tracked further
+        else:
+            self._events.extend(events)
+
     def _issue(
         self, name: str, kind: str, nbytes: int, wire: int, cuda: bool, training: bool | None = None
     ) -> CommEvent:
         if training is None:
             training = threading.get_ident() == self._thread
-        issued = self.clock.stamp(cuda)
-        event = CommEvent(name, kind, nbytes, wire, training, cuda, issued)
-        if training:
-            # no lock: the lists are swapped only by this thread (begin_step / end_step / stop), and
-            # another thread's append under the lock cannot interleave with an atomic list append
-            if self._window is None:
-                self._tally_outside(event)
-                event.done = issued  # not tracked further
-            else:
-                self._events.append(event)
-            return event
-        with self._lock:
-            self._events.append(event)
+        event = CommEvent(name, kind, nbytes, wire, training, cuda, self.clock.stamp(cuda))
+        # no lock on the training thread: the lists are swapped only by that thread (begin_step /
+        # end_step / stop), and another thread's append under the lock cannot interleave with it
+        self._file([event], training)
         return event
 
     def _track(self, work: dist.Work, events: list[CommEvent], training: bool = False) -> None:
@@ -602,22 +657,27 @@ class CommStats:
         future.add_done_callback(completed)
 
     def _wrap_wait(self, original: Any) -> Any:
+        local = self._local
+
         def wait(work: dist.Work, *args: Any, **kwargs: Any) -> Any:
-            if not self._active or getattr(self._local, "depth", 0):  # inside a wrapped blocking call
+            if not self._active or local.depth:  # inside a wrapped blocking call
                 return original(work, *args, **kwargs)
             entry = self._pending.get(id(work))
-            events = entry[1] if entry is not None and entry[0] is work else []
+            events = entry[1] if entry is not None and entry[0] is work else ()
             cuda = bool(events) and events[0].cuda
-            before = self.clock.stamp(cuda)
+            before = self.clock.stamp(cuda) if cuda else perf_counter()
             try:
                 return original(work, *args, **kwargs)
             finally:
-                after = self.clock.stamp(cuda)
+                after = self.clock.stamp(cuda) if cuda else perf_counter()
                 for event in events:
                     if event.done is None:
                         event.done = after
                 if threading.get_ident() == self._thread:
-                    self._add_blocked(before, after, training=True)
+                    if events:  # its events are complete: end_step need not look at it again
+                        self._pending.pop(id(work), None)
+                    if self._window is not None:
+                        self._blocked.append((before, after))
 
         wait.__wrapped__ = original  # type: ignore[attr-defined]
         return wait
@@ -630,6 +690,77 @@ class CommStats:
         with self._lock:
             if self._window is not None:
                 self._blocked.append((start, end))
+
+
+def _account_apart(
+    index: int, events: list[CommEvent], blocked: list[tuple[Any, Any]], start: float, end: float
+) -> StepStats | None:
+    """:meth:`CommStats._account` for a step of host stamps whose kinds never run at the same moment (a
+    pipeline's p2p and its one broadcast of the loss, every step on every stage), else ``None``: each
+    kind's time is the union of its operations and its exposed time the part of that union the
+    training thread was blocked in, with no sharing to work out, so no sweep is needed."""
+    by_kind: dict[str, KindStats] = {}
+    intervals: dict[str, list[tuple[float, float]]] = {}
+    for event in events:
+        kind = event.kind
+        stats = by_kind.get(kind)
+        if stats is None:
+            stats = by_kind[kind] = KindStats()
+            intervals[kind] = []
+        stats.count += 1
+        stats.nbytes += event.nbytes
+        stats.wire_bytes += event.wire_bytes
+        if event.done > event.issued:
+            intervals[kind].append((event.issued, event.done))
+    busy = {kind: _union_spans(spans) for kind, spans in intervals.items()}
+    unions = list(busy.values())
+    for i, left in enumerate(unions):
+        if any(_overlap(left, right) > 0.0 for right in unions[i + 1 :]):
+            return None  # kinds overlap: the sweep shares their exposed time
+    spans = []
+    for a, b in blocked:
+        a = start if a < start else a
+        b = end if b > end else b
+        if b > a:
+            spans.append((a, b))
+    blocked_union = _union_spans(spans)
+    exposed_total = 0.0
+    for kind, stats in by_kind.items():
+        stats.time_s = sum(b - a for a, b in busy[kind])
+        stats.exposed_s = _overlap(busy[kind], blocked_union)
+        exposed_total += stats.exposed_s
+    return StepStats(index, end - start, exposed_total, by_kind)
+
+
+def _union_spans(spans: list[tuple[float, float]]) -> list[list[float]]:
+    """The union of ``(a, b)`` spans (``a < b``) as sorted disjoint ``[a, b]`` pairs."""
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            if b > merged[-1][1]:
+                merged[-1][1] = b
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def _overlap(left: list[list[float]], right: list[list[float]]) -> float:
+    """Total length of the intersection of two sorted lists of disjoint intervals (each interval of the
+    shorter list finds its first candidate in the longer one by bisection: a step's one broadcast
+    against its dozens of blocked spans costs a few comparisons)."""
+    if len(left) > len(right):
+        left, right = right, left
+    ends = [b for _, b in right]
+    total = 0.0
+    for a, b in left:
+        k = bisect_right(ends, a)
+        while k < len(right) and right[k][0] < b:
+            lo = a if a > right[k][0] else right[k][0]
+            hi = b if b < right[k][1] else right[k][1]
+            if hi > lo:
+                total += hi - lo
+            k += 1
+    return total
 
 
 def _kind_of(name: str, registered: str) -> str:
