@@ -463,6 +463,12 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             forward = self._step_forward("training_step", micro, total, tuple(rest), scale, rng_step)
             self.engine.schedule.loss_backward = self._loss_backward()
             self.engine.train_step(len(micro), forward, self._spec_keys("train", micro))
+        loss_dtype = torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32
+        if self.num_stages == 1:  # this process is the last stage: no broadcast, no wait for the device
+            if self._skipped_micro_batches == len(micro):
+                return None
+            loss = torch.stack(self._losses).sum().to(loss_dtype)
+            return {"loss": loss, **self._extra} if self._extra else loss
         # the step's loss and whether every micro-batch skipped, from the last stage. float64 on every
         # stage: only the last one knows the loss's dtype (float64 under "64-true"), and a broadcast
         # whose ranks disagree on the dtype is a size mismatch
@@ -475,7 +481,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         )
         if result[1].item():
             return None  # every stage skips the optimizer step, as Lightning does for one process
-        loss = result[0].to(torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32)
+        loss = result[0].to(loss_dtype)
         return {"loss": loss, **self._extra} if self._extra else loss
 
     def _loss_backward(self) -> Callable[[torch.Tensor], Any]:
