@@ -511,8 +511,10 @@ class CommStats:
     def _call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if name in _TENSOR_P2P:  # a pipeline's headers, once per micro-batch: no binding needed
             tensor = args[0] if args else kwargs["tensor"]
+            if not tensor.is_cuda:
+                return self._host_p2p(name, original, args, kwargs, tensor)
             nbytes = wire = _nbytes(tensor) if name in _SENDS else 0
-            kind, cuda = "p2p", tensor.is_cuda
+            kind, cuda = "p2p", True
         else:
             bound = self._bind(name, original, args, kwargs)
             group = group_in(args, kwargs) or self._default_group or dist.group.WORLD
@@ -538,6 +540,33 @@ class CommStats:
             event.done = returned
         if training:
             self._add_blocked(event.issued, returned, training)
+        return result
+
+    def _host_p2p(
+        self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensor: torch.Tensor
+    ) -> Any:
+        """``send``/``recv``/``isend``/``irecv`` of a host tensor (a pipeline's headers), kept lean as
+        :meth:`_batch` is."""
+        training = threading.get_ident() == self._thread
+        nbytes = tensor.nbytes if name in _SENDS else 0
+        issued = perf_counter()
+        event = CommEvent(name, "p2p", nbytes, nbytes, training, False, issued)
+        self._file([event], training)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            event.done = perf_counter()
+            raise
+        returned = perf_counter()
+        if result is not None and hasattr(result, "is_completed"):  # a Work (isinstance costs ~1 us here)
+            if training:
+                self._pending[id(result)] = (result, [event])
+            else:
+                self._track(result, [event], training)
+        else:
+            event.done = returned
+        if training and self._window is not None:
+            self._blocked.append((issued, returned))
         return result
 
     def _batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
