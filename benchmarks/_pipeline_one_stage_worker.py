@@ -51,7 +51,11 @@ def fit_once(config: dict[str, Any], mode: str, device: torch.device) -> float:
     else:
         batch, per_step, extra = config["batch_size"], 1, {}
         strategy = HierPipelineStrategy(
-            stages=1, micro_batches=micro, rebalance="never", static_shapes=mode == "pipeline_static"
+            stages=1,
+            micro_batches=micro,
+            # pipeline_timed: the default rebalance="epoch", so one micro-batch per step is timed per layer
+            rebalance="epoch" if mode == "pipeline_timed" else "never",
+            static_shapes=mode == "pipeline_static",
         )
     window = Window(config["warmup"] * per_step, config["steps"] * per_step)
     trainer = quiet_trainer(

@@ -8,7 +8,9 @@ samples in ``--micro-batches`` micro-batches:
 - ``single``: Lightning's single-device strategy, ``accumulate_grad_batches=M`` on batches of B / M (the
   same matrix shapes and summation order as the pipeline's micro-batches);
 - ``pipeline``: ``HierPipelineStrategy(stages=1, micro_batches=M, rebalance="never")`` on batches of B;
-- ``pipeline_static``: the same with ``static_shapes=True``.
+- ``pipeline_static``: the same with ``static_shapes=True``;
+- ``pipeline_timed``: the same with the default ``rebalance="epoch"``, which times one micro-batch per
+  step per layer (CUDA events on a GPU).
 
 ``--rounds`` fits each, interleaved; prints the median time per optimizer step, the ratio to ``single``
 and the engine's extra time per micro-batch, ``(pipeline - single) / M`` (issue 14 item 4's target for
@@ -33,7 +35,7 @@ from harness import cli, jobs, report
 WORKER = jobs.BENCH_DIR / "_pipeline_one_stage_worker.py"
 TARGET_MS = 0.5
 OPTIONS = """
---modes          str   single,pipeline,pipeline_static  comma-separated: single, pipeline, pipeline_static
+--modes          str   single,pipeline,pipeline_static  single, pipeline, pipeline_static, pipeline_timed
 --rounds         int   3                                fits per mode
 --warmup         int   5                                optimizer steps before the measured window
 --steps          int   30                               measured optimizer steps per fit

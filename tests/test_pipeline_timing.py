@@ -296,3 +296,64 @@ def test_backward_time_is_booked_to_the_cluster_that_spent_it_with_one_hook_per_
     booked = [sum(times.backward[i] for i in range(c.start, c.end)) / 2 for c in graph.clusters]
     assert booked[0] >= 0.05 and booked[1] < 0.025, booked  # b: microseconds of work (slack for a busy host)
     assert all(times.backward_count[i] == 2 for i in range(len(graph.layers)))
+
+
+class _DeviceMark:
+    """A stand-in for a recorded CUDA event: a time, and whether the device has reached it yet."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+        self.reached = False
+
+    def query(self) -> bool:
+        return self.reached
+
+
+class _DeviceClock:
+    """StageClock as on a GPU, with marks the test releases (``device_reaches_all``) and a count of
+    the synchronizes asked for."""
+
+    cuda = True
+
+    def __init__(self) -> None:
+        self.marks: list[_DeviceMark] = []
+        self.synchronizes = 0
+
+    def mark(self) -> _DeviceMark:
+        self.marks.append(_DeviceMark())
+        return self.marks[-1]
+
+    def seconds(self, start: _DeviceMark, end: _DeviceMark) -> float:
+        return end.at - start.at
+
+    def synchronize(self) -> None:
+        self.synchronizes += 1
+        self.device_reaches_all()
+
+    def ready(self, mark: _DeviceMark) -> bool:
+        return mark.query()
+
+    def device_reaches_all(self) -> None:
+        for mark in self.marks:
+            mark.reached = True
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_on_a_gpu_a_step_reads_only_finished_marks_and_a_check_waits_for_the_rest() -> None:
+    """On a GPU the end of a step never waits for the device: the timed micro-batches the device has
+    finished are read, the rest stay pending; the rebalance check's reading of the times resolves the
+    rest with one synchronize. Before, every step ended with a synchronize (a drained queue per step)."""
+    engine = _engine(rebalance=100, partition="uniform")
+    clock = _DeviceClock()
+    engine.executor.clock = clock
+    micro = 2
+    _train(engine, steps=2, micro=micro)  # the device has reached none of the marks yet
+    assert clock.synchronizes == 0
+    assert _counted(engine) == 0
+    clock.device_reaches_all()
+    _train(engine, steps=1, micro=micro)  # the first two steps are read at this step's end, not the third
+    assert clock.synchronizes == 0
+    assert _counted(engine) == 2 * micro
+    engine.local_times()  # what a rebalance check reads: everything, after one synchronize
+    assert clock.synchronizes == 1
+    assert _counted(engine) == 3 * micro

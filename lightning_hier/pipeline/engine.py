@@ -271,7 +271,7 @@ class PipelineEngine:
     def train_step(self, num_micro: int, forward: Any, keys: Sequence[Hashable] | None = None) -> None:
         """One step's micro-batches through this stage; ``keys`` see :meth:`PipelineSchedule.train_step`."""
         self.schedule.train_step(num_micro, forward, keys)
-        self.executor.resolve()
+        self.executor.resolve(wait=False)  # on a GPU: what the device has finished, without waiting
         self.steps += 1
 
     def eval_step(self, num_micro: int, forward: Any, keys: Sequence[Hashable] | None = None) -> list[Any]:
@@ -280,6 +280,7 @@ class PipelineEngine:
     # ------------------------------------------------------------------ rebalancing
     def local_times(self) -> dict[str, Any]:
         """This stage's measurements since the last check: layer times, exit and activation bytes."""
+        self.executor.resolve()
         times = self.executor.times
         self._refresh_kept_bytes()
         names = {i: self.graph.layers[i].name for i in self.executor.layer_range}
@@ -557,6 +558,7 @@ class PipelineEngine:
         migrated in use the figures their previous stage sent with the rebalance decision.
         """
         self._refresh_kept_bytes()
+        self.executor.resolve()
         times = self.executor.times
         table = self.layer_table
         stats = []

@@ -116,7 +116,7 @@ class StageClock:
     """Time stamps for per-layer timing: ``perf_counter`` on CPU, CUDA events on a GPU.
 
     GPU kernels run asynchronously, so a host clock would time their launch only; CUDA events
-    are recorded on the stream and resolved once per step (``resolve``), after a synchronize.
+    are recorded on the stream and read once the device has passed them (``StageExecutor.resolve``).
     """
 
     def __init__(self, device: torch.device | None = None) -> None:
@@ -137,6 +137,10 @@ class StageClock:
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+
+    def ready(self, mark: Any) -> bool:
+        """Whether ``mark`` can be read without waiting for the device."""
+        return not self.cuda or mark.query()
 
 
 class StageExecutor:
@@ -425,23 +429,40 @@ class StageExecutor:
         if not self.clock.cuda:
             self.resolve()
 
-    def resolve(self) -> None:
-        """Turn the recorded marks into per-layer seconds (one synchronize per call on a GPU)."""
+    def resolve(self, wait: bool = True) -> None:
+        """Turn the recorded marks into per-layer seconds.
+
+        On a GPU, ``wait`` synchronizes once and reads every mark; without it only the micro-batches
+        the device has already finished are read and the rest stay pending, so the step's end never
+        makes the host wait for the device (a synchronize there would drain the queue every step and
+        leave the GPU idle while the host runs Lightning's loop). Whatever reads the times (a rebalance
+        check, the memory plan) resolves with ``wait`` first.
+        """
         if not (self._pending_forward or self._pending_backward):
             return
-        self.clock.synchronize()
+        if wait or not self.clock.cuda:
+            self.clock.synchronize()
+            forwards, backwards = self._pending_forward, self._pending_backward
+            self._pending_forward, self._pending_backward = [], []
+        else:
+            ready = self.clock.ready
+            forwards, backwards = [], []
+            pending_forward, pending_backward = [], []
+            for entry in self._pending_forward:
+                (forwards if ready(entry[1][-1]) else pending_forward).append(entry)
+            for entry in self._pending_backward:
+                (backwards if ready(entry[1]) else pending_backward).append(entry)
+            self._pending_forward, self._pending_backward = pending_forward, pending_backward
         forward, forward_count = self.times.forward, self.times.forward_count
         seconds = self.clock.seconds
-        for layers, marks in self._pending_forward:
+        for layers, marks in forwards:
             for i, start, end in zip(layers, marks, marks[1:]):
                 forward[i] += seconds(start, end)
                 forward_count[i] += 1
         first = self.layer_range.start - 1
-        for events, end in self._pending_backward:
+        for events, end in backwards:
             for (mark, layer), (next_mark, below) in zip(events, events[1:] + [(end, first)]):
-                self._share_backward(layer, below, self.clock.seconds(mark, next_mark))
-        self._pending_forward.clear()
-        self._pending_backward.clear()
+                self._share_backward(layer, below, seconds(mark, next_mark))
 
     def age_times(self, keep: float) -> None:
         """Carry the measurements on at weight ``keep``: the layers and their device did not change."""
