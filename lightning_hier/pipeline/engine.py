@@ -241,8 +241,8 @@ class PipelineEngine:
     def times_micro_batch(self, micro: int, num_micro: int) -> bool:
         """Whether training micro-batch ``micro`` of the coming step records per-layer times.
 
-        Timing costs a gradient hook and two clock marks per layer (a CUDA event pair and a
-        synchronize per step on a GPU), so it runs only where a decision reads it (``"auto"``):
+        Timing costs a gradient hook per cluster and a clock mark per node (CUDA events on a GPU, read
+        once the device has passed them), so it runs only where a decision reads it (``"auto"``):
         while ``partition="time"`` profiles, before the first memory plan, and with rebalancing on.
         Then the first ``FULLY_TIMED_MICRO_BATCHES`` micro-batches (at the start and after a check
         that moved layers) are all timed and afterwards one per step, its position rotating through
