@@ -458,6 +458,16 @@ def test_a_further_input_of_forward_reaches_every_stage_that_reads_it(tmp_path: 
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=GainNet)
 
 
+def test_the_skip_flag_broadcast_apart_from_the_loss_trains_as_one_process(tmp_path: Path) -> None:
+    """On a GPU the step's skip flag goes over the host backend and the loss over the device's, so no
+    stage reads a device value at the step's end; forced here on CPU: the same losses and model as one
+    process, skipped micro-batches included."""
+    result = run_scenario("skipped_micro_batches_host_flag", 2, tmp_path)
+    expected_losses, expected_state = reference("sgd", model_class=SkippingNet, max_steps=5)
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=SkippingNet)
+
+
 class _PlainBackward(SkippingNet):
     backward = pl.LightningModule.backward
 

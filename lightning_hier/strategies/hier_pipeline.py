@@ -189,6 +189,8 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             start_method=start_method,
         )
         self.engine: PipelineEngine | None = None
+        # how the step's skip flag reaches the stages (see _skip_flag_on_host); None: by the device
+        self.skip_flag_on_host: bool | None = None
         self._failed = False
         self._user_zero_grad: Callable[..., Any] = _skip_zero_grad
         self._metric_sync: StageMetricsSync | None = None
@@ -472,17 +474,38 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         # the step's loss and whether every micro-batch skipped, from the last stage. float64 on every
         # stage: only the last one knows the loss's dtype (float64 under "64-true"), and a broadcast
         # whose ranks disagree on the dtype is a size mismatch
+        last = rank_of_stage(self.num_stages, self.num_stages - 1)
+        all_skipped = float(self._skipped_micro_batches == len(micro))
+        if self._skip_flag_on_host():
+            # the flag on the group's host backend and the loss on the device: every stage reads the
+            # flag without waiting for its own queued kernels (reading a device tensor's value would
+            # drain the GPU's queue every step)
+            flag = torch.tensor([all_skipped], dtype=torch.float64)
+            dist.broadcast(flag, src=last, group=self.engine.group)
+            if flag.item():
+                return None
+            loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
+            if self._losses:
+                loss = torch.stack(self._losses).sum().to(torch.float64)
+            dist.broadcast(loss, src=last, group=self.engine.group)
+            loss = loss.to(loss_dtype)
+            return {"loss": loss, **self._extra} if self._extra else loss
         result = torch.zeros(2, dtype=torch.float64, device=self.root_device)
         if self._losses:
             result[0] = torch.stack(self._losses).sum()
-        result[1] = float(self._skipped_micro_batches == len(micro))
-        dist.broadcast(
-            result, src=rank_of_stage(self.num_stages, self.num_stages - 1), group=self.engine.group
-        )
+        result[1] = all_skipped
+        dist.broadcast(result, src=last, group=self.engine.group)
         if result[1].item():
             return None  # every stage skips the optimizer step, as Lightning does for one process
         loss = result[0].to(loss_dtype)
         return {"loss": loss, **self._extra} if self._extra else loss
+
+    def _skip_flag_on_host(self) -> bool:
+        """Whether the step's skip flag travels apart from its loss, on the host backend: on a GPU (on
+        the CPU one broadcast of both costs less); ``skip_flag_on_host`` set on the strategy decides
+        otherwise (the tests take the GPU's path on CPU)."""
+        forced = self.skip_flag_on_host
+        return self.root_device.type == "cuda" if forced is None else bool(forced)
 
     def _loss_backward(self) -> Callable[[torch.Tensor], Any]:
         """How the last stage backpropagates a micro-batch's loss: through the LightningModule's

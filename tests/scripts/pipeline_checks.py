@@ -149,6 +149,15 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_steps=5),
         flagged=True,
     ),
+    # the same with the skip flag broadcast on the host apart from the loss (the GPU's way)
+    "skipped_micro_batches_host_flag": dict(
+        model=dict(optimizer="sgd"),
+        model_class="skipping",
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_steps=5),
+        flagged=True,
+        skip_flag_on_host=True,
+    ),
     # forward(x, gain): a further input read by layers on every stage (bound from each stage's own
     # call of forward), on three stages with a rebalance moving layers
     "further_input_three_stages": dict(
@@ -353,6 +362,7 @@ def main() -> None:
     if spec.get("every_step_checkpoint"):
         callbacks.append(ModelCheckpoint(dirpath=workdir / "every", every_n_train_steps=1, save_last=True))
     strategy = HierPipelineStrategy(**spec["strategy"])
+    strategy.skip_flag_on_host = spec.get("skip_flag_on_host")
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("WORLD_SIZE", "1")),
