@@ -149,15 +149,6 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_steps=5),
         flagged=True,
     ),
-    # the same with the skip flag broadcast on the host apart from the loss (the GPU's way)
-    "skipped_micro_batches_host_flag": dict(
-        model=dict(optimizer="sgd"),
-        model_class="skipping",
-        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
-        trainer=dict(max_steps=5),
-        flagged=True,
-        skip_flag_on_host=True,
-    ),
     # forward(x, gain): a further input read by layers on every stage (bound from each stage's own
     # call of forward), on three stages with a rebalance moving layers
     "further_input_three_stages": dict(
@@ -189,6 +180,11 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_steps=6, limit_train_batches=2),
         resume="last",
     ),
+}
+# the skipped micro-batches with the skip flag broadcast on the host apart from the loss (the GPU's way)
+SCENARIOS["skipped_micro_batches_host_flag"] = {
+    **SCENARIOS["skipped_micro_batches_custom_backward"],
+    "skip_flag_on_host": True,
 }
 
 
