@@ -389,49 +389,60 @@ class CommStats:
         end: float,
         on_device: bool | None = None,
     ) -> StepStats:
-        """One step's totals per kind, and the union of active (and of exposed) time, by a sweep over
-        the start and end marks of the operations and of the blocked spans (run every step on every
-        rank, so kept lean: a kind is a small integer in the marks, the running kinds a counter)."""
-        # host stamps are perf_counter floats: the sweep only takes differences, so they are used as
-        # they are; CUDA events (``on_device``: see _on_device) are read through the clock
+        """One step's totals per kind, and the union of active (and of exposed) time (run every step on
+        every rank, so kept lean). Where the kinds never run at the same moment (a pipeline's p2p, then
+        its loss broadcast) each kind's time is the union of its operations and its exposed time the
+        part of that union the training thread was blocked in; otherwise a sweep over the start and end
+        marks shares a blocked moment equally among the kinds running then (a kind is a small integer in
+        the marks, the running kinds a counter)."""
+        # host stamps are perf_counter floats: only differences are taken, so they are used as they are;
+        # CUDA events (``on_device``: see _on_device) are read through the clock
         if on_device is None:
             on_device = _on_device(events, blocked)
-        if not on_device:
-            stats = _account_apart(index, events, blocked, start, end)
-            if stats is not None:
-                return stats
         seconds = self.clock.seconds if on_device else float
         t0, t1 = seconds(start), seconds(end)
         kinds: dict[str, KindStats] = {}
-        names: list[str] = []
-        slot: dict[str, int] = {}
-        marks: list[tuple[float, int, int]] = []  # (time, +1 / -1, kind's slot; -1: blocked)
+        intervals: dict[str, list[tuple[float, float]]] = {}
         for event in events:
             kind = event.kind
             stats = kinds.get(kind)
             if stats is None:
                 stats = kinds[kind] = KindStats()
-                slot[kind] = len(names)
-                names.append(kind)
+                intervals[kind] = []
             stats.count += 1
             stats.nbytes += event.nbytes
             stats.wire_bytes += event.wire_bytes
             a, b = seconds(event.issued), seconds(event.done)
             if b > a:
-                i = slot[kind]
-                marks.append((a, 1, i))
-                marks.append((b, -1, i))
+                intervals[kind].append((a, b))
+        spans = []
         for a_stamp, b_stamp in blocked:
             a, b = seconds(a_stamp), seconds(b_stamp)
             a = t0 if a < t0 else a
             b = t1 if b > t1 else b
             if b > a:
-                marks.append((a, 1, -1))
-                marks.append((b, -1, -1))
+                spans.append((a, b))
+        busy = [_union_spans(intervals[kind]) for kind in kinds]
+        if not any(_overlap(left, right) > 0.0 for i, left in enumerate(busy) for right in busy[i + 1 :]):
+            blocked_union = _union_spans(spans)
+            exposed_total = 0.0
+            for stats, union in zip(kinds.values(), busy):
+                stats.time_s += sum(b - a for a, b in union)
+                stats.exposed_s += _overlap(union, blocked_union)
+                exposed_total += stats.exposed_s
+            return StepStats(index, t1 - t0, exposed_total, kinds)
+        marks: list[tuple[float, int, int]] = []  # (time, +1 / -1, kind's slot; -1: blocked)
+        for i, kind in enumerate(kinds):
+            for a, b in intervals[kind]:
+                marks.append((a, 1, i))
+                marks.append((b, -1, i))
+        for a, b in spans:
+            marks.append((a, 1, -1))
+            marks.append((b, -1, -1))
         marks.sort()  # by time, ends before starts at one moment
-        active = [0] * len(names)
-        time_s = [0.0] * len(names)
-        exposed_s = [0.0] * len(names)
+        active = [0] * len(kinds)
+        time_s = [0.0] * len(kinds)
+        exposed_s = [0.0] * len(kinds)
         running = 0  # kinds with an operation in flight
         blocked_depth = 0
         exposed_total = 0.0
@@ -456,9 +467,9 @@ class CommStats:
                     running += 1
                 elif before + delta == 0:
                     running -= 1
-        for k, name in enumerate(names):
-            kinds[name].time_s += time_s[k]
-            kinds[name].exposed_s += exposed_s[k]
+        for k, stats in enumerate(kinds.values()):
+            stats.time_s += time_s[k]
+            stats.exposed_s += exposed_s[k]
         return StepStats(index, t1 - t0, exposed_total, kinds)
 
     def _tally_outside(self, event: CommEvent) -> None:
@@ -511,10 +522,8 @@ class CommStats:
     def _call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if name in _TENSOR_P2P:  # a pipeline's headers, once per micro-batch: no binding needed
             tensor = args[0] if args else kwargs["tensor"]
-            if not tensor.is_cuda:
-                return self._host_p2p(name, original, args, kwargs, tensor)
             nbytes = wire = _nbytes(tensor) if name in _SENDS else 0
-            kind, cuda = "p2p", True
+            kind, cuda = "p2p", tensor.is_cuda
         else:
             bound = self._bind(name, original, args, kwargs)
             group = group_in(args, kwargs) or self._default_group or dist.group.WORLD
@@ -542,40 +551,13 @@ class CommStats:
             self._add_blocked(event.issued, returned, training)
         return result
 
-    def _host_p2p(
-        self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensor: torch.Tensor
-    ) -> Any:
-        """``send``/``recv``/``isend``/``irecv`` of a host tensor (a pipeline's headers), kept lean as
-        :meth:`_batch` is."""
-        training = threading.get_ident() == self._thread
-        nbytes = tensor.nbytes if name in _SENDS else 0
-        issued = perf_counter()
-        event = CommEvent(name, "p2p", nbytes, nbytes, training, False, issued)
-        self._file([event], training)
-        try:
-            result = original(*args, **kwargs)
-        except BaseException:
-            event.done = perf_counter()
-            raise
-        returned = perf_counter()
-        if result is not None and hasattr(result, "is_completed"):  # a Work (isinstance costs ~1 us here)
-            if training:
-                self._pending[id(result)] = (result, [event])
-            else:
-                self._track(result, [event], training)
-        else:
-            event.done = returned
-        if training and self._window is not None:
-            self._blocked.append((issued, returned))
-        return result
-
     def _batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ops = args[0] if args else kwargs["p2p_op_list"]
         training = threading.get_ident() == self._thread
         if ops and ops[0].tensor.is_cuda:
             return self._batch_on_device(original, args, kwargs, ops, training)
         # host tensors, a pipeline's every message: kept lean (one stamp for the ops issued together,
-        # the events and their works filed directly), since this runs on the pipeline's critical path
+        # each op's name looked up once per function), since this runs on the pipeline's critical path
         names = self._p2p_names
         issued = perf_counter()
         events = []
@@ -587,23 +569,7 @@ class CommStats:
             events.append(CommEvent(name, "p2p", nbytes, nbytes, training, False, issued))
         self._file(events, training)
         works = original(*args, **kwargs)
-        returned = perf_counter()
-        works_list = works if type(works) is list else list(works or [])
-        if len(works_list) == len(events):
-            if training:  # the training thread swaps the dict itself (see _issue)
-                pending = self._pending
-                for work, event in zip(works_list, events):
-                    pending[id(work)] = (work, [event])
-            else:
-                for work, event in zip(works_list, events):
-                    self._track(work, [event], training)
-        elif works_list:  # coalesced: one handle for all of them
-            self._track(works_list[-1], events, training)
-        else:
-            for event in events:
-                event.done = returned
-        if events and training and self._window is not None:
-            self._blocked.append((issued, returned))
+        self._track_batch(works, events, training, perf_counter())
         return works
 
     def _batch_on_device(
@@ -615,19 +581,23 @@ class CommStats:
             nbytes = _nbytes(op.tensor) if name == "isend" else 0
             events.append(self._issue(name, "p2p", nbytes, nbytes, True, training))
         works = original(*args, **kwargs)
-        returned = self.clock.stamp(True)
+        self._track_batch(works, events, training, self.clock.stamp(True))
+        return works
+
+    def _track_batch(self, works: Any, events: list[CommEvent], training: bool, returned: Any) -> None:
+        """After ``batch_isend_irecv`` returned at ``returned``: each op's Work tracked (one Work for all
+        when coalesced, none: complete now), and the call counted as the training thread blocked."""
         works_list = list(works or [])
         if len(works_list) == len(events):
             for work, event in zip(works_list, events):
                 self._track(work, [event], training)
-        elif works_list:
+        elif works_list:  # coalesced: one handle for all of them
             self._track(works_list[-1], events, training)
         else:
             for event in events:
                 event.done = returned
         if events and training:
             self._add_blocked(events[0].issued, returned, training)
-        return works
 
     def _file(self, events: list[CommEvent], training: bool) -> None:
         """Add operations just issued to the open step (or, from the training thread between steps,
@@ -694,19 +664,18 @@ class CommStats:
             entry = self._pending.get(id(work))
             events = entry[1] if entry is not None and entry[0] is work else ()
             cuda = bool(events) and events[0].cuda
-            before = self.clock.stamp(cuda) if cuda else perf_counter()
+            before = self.clock.stamp(cuda)
             try:
                 return original(work, *args, **kwargs)
             finally:
-                after = self.clock.stamp(cuda) if cuda else perf_counter()
+                after = self.clock.stamp(cuda)
                 for event in events:
                     if event.done is None:
                         event.done = after
                 if threading.get_ident() == self._thread:
                     if events:  # its events are complete: end_step need not look at it again
                         self._pending.pop(id(work), None)
-                    if self._window is not None:
-                        self._blocked.append((before, after))
+                    self._add_blocked(before, after, training=True)
 
         wait.__wrapped__ = original  # type: ignore[attr-defined]
         return wait
@@ -719,46 +688,6 @@ class CommStats:
         with self._lock:
             if self._window is not None:
                 self._blocked.append((start, end))
-
-
-def _account_apart(
-    index: int, events: list[CommEvent], blocked: list[tuple[Any, Any]], start: float, end: float
-) -> StepStats | None:
-    """:meth:`CommStats._account` for a step of host stamps whose kinds never run at the same moment (a
-    pipeline's p2p and its one broadcast of the loss, every step on every stage), else ``None``: each
-    kind's time is the union of its operations and its exposed time the part of that union the
-    training thread was blocked in, with no sharing to work out, so no sweep is needed."""
-    by_kind: dict[str, KindStats] = {}
-    intervals: dict[str, list[tuple[float, float]]] = {}
-    for event in events:
-        kind = event.kind
-        stats = by_kind.get(kind)
-        if stats is None:
-            stats = by_kind[kind] = KindStats()
-            intervals[kind] = []
-        stats.count += 1
-        stats.nbytes += event.nbytes
-        stats.wire_bytes += event.wire_bytes
-        if event.done > event.issued:
-            intervals[kind].append((event.issued, event.done))
-    busy = {kind: _union_spans(spans) for kind, spans in intervals.items()}
-    unions = list(busy.values())
-    for i, left in enumerate(unions):
-        if any(_overlap(left, right) > 0.0 for right in unions[i + 1 :]):
-            return None  # kinds overlap: the sweep shares their exposed time
-    spans = []
-    for a, b in blocked:
-        a = start if a < start else a
-        b = end if b > end else b
-        if b > a:
-            spans.append((a, b))
-    blocked_union = _union_spans(spans)
-    exposed_total = 0.0
-    for kind, stats in by_kind.items():
-        stats.time_s = sum(b - a for a, b in busy[kind])
-        stats.exposed_s = _overlap(busy[kind], blocked_union)
-        exposed_total += stats.exposed_s
-    return StepStats(index, end - start, exposed_total, by_kind)
 
 
 def _union_spans(spans: list[tuple[float, float]]) -> list[list[float]]:
