@@ -465,22 +465,27 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             forward = self._step_forward("training_step", micro, total, tuple(rest), scale, rng_step)
             self.engine.schedule.loss_backward = self._loss_backward()
             self.engine.train_step(len(micro), forward, self._spec_keys("train", micro))
-        loss_dtype = torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32
+        loss = self._step_loss(len(micro))
+        if loss is None:
+            return None  # every stage skips the optimizer step, as Lightning does for one process
+        loss = loss.to(torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32)
+        return {"loss": loss, **self._extra} if self._extra else loss
+
+    def _step_loss(self, num_micro: int) -> torch.Tensor | None:
+        """The step's loss on every stage (``None`` where every micro-batch skipped), from the last stage.
+
+        float64 on every stage: only the last one knows the loss's dtype (float64 under "64-true"), and a
+        broadcast whose ranks disagree on the dtype is a size mismatch."""
+        assert self.engine is not None
+        all_skipped = self._skipped_micro_batches == num_micro
         if self.num_stages == 1:  # this process is the last stage: no broadcast, no wait for the device
-            if self._skipped_micro_batches == len(micro):
-                return None
-            loss = torch.stack(self._losses).sum().to(loss_dtype)
-            return {"loss": loss, **self._extra} if self._extra else loss
-        # the step's loss and whether every micro-batch skipped, from the last stage. float64 on every
-        # stage: only the last one knows the loss's dtype (float64 under "64-true"), and a broadcast
-        # whose ranks disagree on the dtype is a size mismatch
+            return None if all_skipped else torch.stack(self._losses).sum().to(torch.float64)
         last = rank_of_stage(self.num_stages, self.num_stages - 1)
-        all_skipped = float(self._skipped_micro_batches == len(micro))
         if self._skip_flag_on_host():
             # the flag on the group's host backend and the loss on the device: every stage reads the
             # flag without waiting for its own queued kernels (reading a device tensor's value would
             # drain the GPU's queue every step)
-            flag = torch.tensor([all_skipped], dtype=torch.float64)
+            flag = torch.tensor([float(all_skipped)], dtype=torch.float64)
             dist.broadcast(flag, src=last, group=self.engine.group)
             if flag.item():
                 return None
@@ -488,17 +493,13 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             if self._losses:
                 loss = torch.stack(self._losses).sum().to(torch.float64)
             dist.broadcast(loss, src=last, group=self.engine.group)
-            loss = loss.to(loss_dtype)
-            return {"loss": loss, **self._extra} if self._extra else loss
+            return loss
         result = torch.zeros(2, dtype=torch.float64, device=self.root_device)
         if self._losses:
             result[0] = torch.stack(self._losses).sum()
-        result[1] = all_skipped
+        result[1] = float(all_skipped)
         dist.broadcast(result, src=last, group=self.engine.group)
-        if result[1].item():
-            return None  # every stage skips the optimizer step, as Lightning does for one process
-        loss = result[0].to(loss_dtype)
-        return {"loss": loss, **self._extra} if self._extra else loss
+        return None if result[1].item() else result[0]
 
     def _skip_flag_on_host(self) -> bool:
         """Whether the step's skip flag travels apart from its loss, on the host backend: on a GPU (on
