@@ -49,6 +49,7 @@ def make_strategy(c: dict[str, Any]) -> Any:
             max_staleness=c["max_staleness"],
             fill_idle=c["fill_idle"],
             gradient_average=c["gradient_average"],
+            devices_per_node=c.get("devices_per_node") or None,
         )
     if c["contender"] == "ddp":
         return DDPStrategy()

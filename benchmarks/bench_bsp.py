@@ -47,6 +47,7 @@ OPTIONS = """
 --max-staleness    int    1     hier_bsp: max_staleness
 --fill-idle        int    0     hier_bsp: fill_idle (extra micro-steps; needs --max-staleness 0)
 --gradient-average str    folded  hier_bsp: gradient_average (folded or nominal)
+--devices-per-node int    0     hier_bsp: devices_per_node (0: the processes per host, one node of 4)
 --start-local-sgd  int    8     post_local_sgd: start_localSGD_iter (steps of global gradient all-reduce)
 --averaging-period int    4     post_local_sgd: model_averaging_period
 --local-sgd-group  int    1     post_local_sgd: ranks per gradient all-reduce subgroup after that
@@ -86,6 +87,7 @@ def run_once(args: argparse.Namespace, contender: str, scenario: str, attempt: i
     names = ("target_acc", "max_epochs", "batch_size", "seed", "hidden", "lr", "momentum", "superstep_steps")
     config = jobs.pick(args, *names, "superstep_seconds", "max_staleness", "start_local_sgd")
     config.update(jobs.pick(args, "averaging_period", "local_sgd_group", "fill_idle", "gradient_average"))
+    config.update(jobs.pick(args, "devices_per_node"))
     straggler = STRAGGLER_RANK if scenario == "straggler" else None
     config.update(contender=contender, straggler=straggler, hang_s=max(args.timeout - 30, 10))
     if scenario == "even":  # a fixed length: final accuracies after the same samples

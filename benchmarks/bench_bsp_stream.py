@@ -13,9 +13,7 @@ step and copies running beside the worker's next forward and backward instead of
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 
 from harness import cli, jobs, report
 
@@ -39,14 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     config = jobs.pick(args, "rounds", "warmup", "steps", "hidden", "layers", "batch_size", "max_staleness")
     config["modes"] = cli.comma_list(args.modes)
     with jobs.job_dir("lhbench-bspstream-", args.keep_logs, show=True) as workdir:
-        with jobs.torchrun(1, WORKER, [json.dumps(config), str(workdir)], workdir) as proc:
-            try:
-                code = proc.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                code = -1
-        if code != 0 or not (workdir / "result.json").exists():
-            raise SystemExit(f"job failed (exit {code}):\n{jobs.tail(workdir / 'job.log', 60)}")
-        times = json.loads((workdir / "result.json").read_text())
+        times = jobs.run_to_result(1, WORKER, config, workdir, args.timeout)
     medians = {mode: statistics.median(t) for mode, t in times.items()}
     reference = medians.get("ddp")
     rows = [

@@ -15,9 +15,7 @@ CUDA-event clock; step times taken after ``torch.cuda.synchronize``).
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 from typing import Any
 
 from harness import cli, jobs, report
@@ -58,15 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         jobs.wait_idle(args.wait_idle)
     with jobs.job_dir("lhbench-commprof-", args.keep_logs, show=True) as workdir:
         before = jobs.cpu_snapshot()
-        with jobs.torchrun(1 if args.gpu else 4, WORKER, [json.dumps(config), str(workdir)], workdir) as proc:
-            try:
-                code = proc.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                code = -1
+        results = jobs.run_to_result(1 if args.gpu else 4, WORKER, config, workdir, args.timeout)
         other = jobs.other_cores(before, jobs.cpu_snapshot())
-        if code != 0 or not (workdir / "result.json").exists():
-            raise SystemExit(f"job failed (exit {code}):\n{jobs.tail(workdir / 'job.log', 60)}")
-        results = json.loads((workdir / "result.json").read_text())
     summaries = {name: summarize(times) for name, times in results.items()}
     rows = [
         [name, f"{s['median_without_s'] * 1e3:.2f}", f"{s['median_with_s'] * 1e3:.2f}", f"{s['ratio']:.3f}",

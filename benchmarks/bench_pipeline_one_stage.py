@@ -26,9 +26,7 @@ than the host, and shows where the host is the bound (small layers or batches).
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 
 from harness import cli, jobs, report
 
@@ -58,14 +56,7 @@ def main(argv: list[str] | None = None) -> None:
             f"--batch-size {args.batch_size} must divide into {args.micro_batches} micro-batches"
         )
     with jobs.job_dir("lhbench-onestage-", args.keep_logs, show=True) as workdir:
-        with jobs.torchrun(1, WORKER, [json.dumps(config), str(workdir)], workdir) as proc:
-            try:
-                code = proc.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                code = -1
-        if code != 0 or not (workdir / "result.json").exists():
-            raise SystemExit(f"job failed (exit {code}):\n{jobs.tail(workdir / 'job.log', 60)}")
-        result = json.loads((workdir / "result.json").read_text())
+        result = jobs.run_to_result(1, WORKER, config, workdir, args.timeout)
     times = result["step_times_s"]
     medians = {mode: statistics.median(t) for mode, t in times.items()}
     single = medians.get("single")

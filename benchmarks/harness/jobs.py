@@ -8,6 +8,7 @@ files. Everything a job starts is stopped by process id when it ends, fails or i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import shutil
@@ -89,6 +90,20 @@ def torchrun(
         yield proc
     finally:
         stop_job(proc, workdir, nproc)
+
+
+def run_to_result(nproc: int, script: Path, config: dict[str, Any], workdir: Path, timeout: float) -> Any:
+    """Run one job of ``nproc`` workers given ``config`` (as JSON) and ``workdir``, and return what its
+    workers wrote to ``workdir/result.json``; exit with the log's tail when it fails or times out."""
+    with torchrun(nproc, script, [json.dumps(config), str(workdir)], workdir) as proc:
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = -1
+    result = workdir / "result.json"
+    if code != 0 or not result.exists():
+        raise SystemExit(f"job failed (exit {code}):\n{tail(workdir / 'job.log', 60)}")
+    return json.loads(result.read_text())
 
 
 def exit_on_sigterm() -> None:

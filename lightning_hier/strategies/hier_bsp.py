@@ -67,7 +67,11 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         max_staleness: no gradient is applied more than this many supersteps after the model it was
             computed from; ``0`` with ``superstep_steps=1`` is Lightning's ``ddp``, step for step.
         devices_per_node: devices joined by the fast link (``None``: the processes per host); the
-            server's slices are reduce-scattered inside a node and all-reduced across nodes.
+            server's slices are reduce-scattered inside a node and all-reduced across nodes. ``1``: every
+            rank holds the whole server (the optimizer state for the whole model, as under ``ddp``) and a
+            superstep is one all-reduce with no all-gather after the step; on one host with gloo, where
+            the push is an all-reduce anyway, that is the faster layout when memory allows (see
+            ``docs/hier_bsp.md``).
         bucket_cap_mb: size of one flat gradient bucket.
         log_supersteps: log each superstep's micro-steps per worker, staleness, push/pull seconds and
             bytes to the trainer's loggers (global rank 0).

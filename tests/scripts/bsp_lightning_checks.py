@@ -17,7 +17,8 @@
 - ``resume`` (and ``resume_time_buckets``, with ``bucketing="time"``): plain BSP (``superstep_steps=1,
   max_staleness=0``), Adam: two epochs in one run against
   one epoch, a checkpoint, and the second epoch resumed from it; also the checkpoint loaded into
-  a bare module.
+  a bare module. ``resume_replicated_server``: the same with ``devices_per_node=1`` (every rank holds the
+  whole server and its optimizer state).
 """
 
 from __future__ import annotations
@@ -116,7 +117,13 @@ def straggler(
     }
 
 
-def resume(out: Path, bucketing: str = "size", optimizer: str = "adam", scheduler: bool = False) -> dict:
+def resume(
+    out: Path,
+    bucketing: str = "size",
+    optimizer: str = "adam",
+    scheduler: bool = False,
+    devices_per_node: int = 2,
+) -> dict:
     # time buckets: each run profiles one micro-step and rebuilds its engine (the resumed one again,
     # after the checkpoint was loaded into size buckets)
     timed = dict(bucketing="time", profile_steps=1, profile_warmup_steps=0, min_bucket_mb=0.0)
@@ -125,7 +132,7 @@ def resume(out: Path, bucketing: str = "size", optimizer: str = "adam", schedule
         pl.seed_everything(11, verbose=False)
         model = EquivModel(optimizer=optimizer, scheduler=scheduler)
         strategy = HierBSPStrategy(
-            superstep_steps=1, max_staleness=0, devices_per_node=2, bucket_cap_mb=0.002,
+            superstep_steps=1, max_staleness=0, devices_per_node=devices_per_node, bucket_cap_mb=0.002,
             **(timed if bucketing == "time" else {}),
         )  # fmt: skip
         run = trainer(strategy, out, max_epochs=epochs, logger=False, enable_checkpointing=False)
@@ -226,6 +233,8 @@ def main() -> None:
         "resume_time_buckets": resume(out / "resume_time", bucketing="time"),
         # an LR scheduler stepping every step: the checkpoint must hold the decayed rates
         "resume_scheduler": resume(out / "resume_scheduler", optimizer="adamw_groups", scheduler=True),
+        # one device per node: every rank holds the whole server (its optimizer state for the whole model)
+        "resume_replicated_server": resume(out / "resume_replicated", devices_per_node=1),
     }
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=2))
