@@ -78,7 +78,10 @@ def fit_once(config: dict[str, Any], strategy: str, profiled: bool) -> tuple[flo
         callbacks.append(PythonAllReduceHook())
     if profiled:
         out = tempfile.mkdtemp(prefix="lhbench-commprof-")
-        callbacks.append(CommProfiler(output_dir=out, save_figure=False, print_summary=False))
+        every = config.get("time_every") or None  # 0: the callback's default
+        callbacks.append(
+            CommProfiler(output_dir=out, save_figure=False, print_summary=False, time_every_n_steps=every)
+        )
     gpu = config.get("gpu", False)
     chosen = make_strategy(strategy, devices_per_node=1 if gpu else 2)
     trainer = quiet_trainer(

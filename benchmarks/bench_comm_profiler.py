@@ -31,6 +31,7 @@ OPTIONS = """
 --layers     int   4                Linear(hidden, hidden) layers
 --batch-size int   16               per process
 --gpu        flag  -                one process on CUDA device 0 (NCCL) instead of four CPU processes
+--time-every int   0                CommProfiler(time_every_n_steps=N), N-th steps timed (0: its default)
 """
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     run_options = cli.RUN_OPTIONS.format(timeout=900, per="job", logs="the job's temp dir")
     args = cli.parser(__doc__, OPTIONS, run_options, cli.IDLE_OPTIONS.format(job="job")).parse_args(argv)
     jobs.exit_on_sigterm()
-    config = jobs.pick(args, "rounds", "warmup", "steps", "hidden", "layers", "batch_size")
+    config = jobs.pick(args, "rounds", "warmup", "steps", "hidden", "layers", "batch_size", "time_every")
     config["strategies"] = cli.comma_list(args.strategies)
     config["gpu"] = args.gpu
     if args.wait_idle > 0:

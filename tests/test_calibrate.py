@@ -187,6 +187,27 @@ def test_bad_input_is_refused_naming_the_problem(
         calibrate_from_csv(path, **kwargs)
 
 
+def test_steps_the_profiler_did_not_time_are_left_out_of_the_fit(tmp_path: Path) -> None:
+    """CommProfiler(time_every_n_steps=n) writes timed=0 rows with zero times: fitted as if they were absent
+    (the same fit as a CSV of the timed rows alone), and a CSV with no timed row is refused."""
+    from lightning_hier.profiling import read_csv
+
+    rows = read_csv(synthesize(tmp_path / "all.csv"))
+    sampled = [r if r["step"] % 3 == 0 else {**r, "timed": 0, "time_ms": 0.0, "exposed_ms": 0.0,
+               "hidden_ms": 0.0} for r in rows]  # fmt: skip
+    mixed = calibrate_from_csv(write_csv(sampled, tmp_path / "sampled.csv"), latency=1e-6)
+    alone = calibrate_from_csv(
+        write_csv([r for r in rows if r["step"] % 3 == 0], tmp_path / "timed.csv"), latency=1e-6
+    )
+    for kind in ("intra", "inter"):
+        assert mixed.fits[kind].bandwidth_per_rank == alone.fits[kind].bandwidth_per_rank
+        assert mixed.fits[kind].alpha_per_step == alone.fits[kind].alpha_per_step
+    assert mixed.inter_bandwidth == pytest.approx(INTER_BW, rel=0.05)
+    none_timed = write_csv([{**r, "timed": 0} for r in rows], tmp_path / "none.csv")
+    with pytest.raises(ValueError, match="no timed step"):
+        calibrate_from_csv(none_timed, latency=1e-6)
+
+
 def test_cli_refuses_a_missing_csv(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code = main(["--nodes", "2", "--devices-per-node", "2", "--intra-bandwidth", "1GB/s", "--inter-bandwidth",
                  "1Gbit", "--params", "1e8", "--calibrate-from", str(tmp_path / "nope.csv")])  # fmt: skip

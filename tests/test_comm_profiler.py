@@ -211,6 +211,94 @@ def test_a_host_operation_ends_where_its_issuer_sees_it_complete(tmp_path: Path)
     assert step.kinds["world"].time_s < 0.1, step  # ended at the wait, not 0.2 s later at the step's end
 
 
+def _sampled_steps(rank: int, world: int, store: str) -> list[tuple[int, bool, dict[str, tuple]]]:
+    """Six identical steps (a blocking and an asynchronous all-reduce, a send and a receive in one batch)
+    with every third step timed; per step: index, timed, and per kind (count, bytes, wire, time)."""
+    from helpers import init_gloo
+
+    init_gloo(rank, world, store)
+    try:
+        stats = CommStats(time_every=3)
+        stats.start()
+        peer = 1 - rank
+        for step in range(6):
+            stats.begin_step(step)
+            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(8), async_op=True).wait()
+            received = torch.empty(5)
+            ops = [dist.P2POp(dist.isend, torch.ones(5), peer), dist.P2POp(dist.irecv, received, peer)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            stats.end_step()
+        stats.stop()
+    finally:
+        dist.destroy_process_group()
+    return [
+        (s.index, s.timed, {k: (v.count, v.nbytes, v.wire_bytes, v.time_s) for k, v in s.kinds.items()})
+        for s in stats.steps
+    ]
+
+
+def test_steps_not_timed_count_the_same_operations_and_bytes(tmp_path: Path) -> None:
+    """``time_every=3``: steps 0 and 3 are timed; every step counts what was sent, by hand: two all-reduces
+    of 16 and 32 bytes (a ring of 2 puts 2(N-1)/N of that on the wire: the same), one isend of 20 bytes and
+    one irecv (0)."""
+    from helpers import run_spawned
+
+    results = run_spawned(_sampled_steps, 2, tmp_path)
+    for steps in results:
+        assert isinstance(steps, list), steps
+        assert [(index, timed) for index, timed, _ in steps] == [(i, i % 3 == 0) for i in range(6)]
+        for index, timed, kinds in steps:
+            assert {k: v[:3] for k, v in kinds.items()} == {"world": (2, 48, 48), "p2p": (2, 20, 20)}
+            times = [v[3] for v in kinds.values()]
+            assert all(t > 0 for t in times) if timed else times == [0.0, 0.0], (index, kinds)
+    with pytest.raises(ValueError, match="time_every must be an integer >= 1"):
+        CommStats(time_every=0)
+
+
+def test_the_table_takes_times_from_timed_steps_and_bytes_from_every_step() -> None:
+    """Hand-made rows of 4 steps, two timed: bytes and counts are means over the 4, times over the 2."""
+    from lightning_hier.profiling.report import per_kind, per_step
+
+    def row(step: int, timed: bool, nbytes: int, time_ms: float) -> dict[str, Any]:
+        return {"rank": 0, "step": step, "kind": "inter", "count": 2, "bytes": nbytes, "wire_bytes": nbytes,
+                "time_ms": time_ms, "exposed_ms": time_ms / 4, "hidden_ms": 3 * time_ms / 4,
+                "step_ms": 10.0, "compute_ms": 10.0 - time_ms / 4, "timed": int(timed)}  # fmt: skip
+
+    rows = [row(0, True, 100, 4.0), row(1, False, 300, 0.0), row(2, True, 100, 8.0), row(3, False, 300, 0.0)]
+    inter = per_kind(rows)["inter"]
+    assert (inter["count"], inter["bytes"]) == (2.0, 200.0)
+    assert (inter["time_ms"], inter["exposed_ms"]) == (6.0, 1.5)
+    assert [s[0] for s in per_step(rows)] == [0, 2]
+    assert "4 step(s) x 1 rank(s) (times: 2 timed step(s))" in summary_table(rows)
+
+
+def test_logged_metrics_of_a_step_not_timed_hold_no_times() -> None:
+    from lightning_hier.callbacks.comm_profiler import CommProfiler, _metrics
+    from lightning_hier.profiling.comm_stats import StepStats
+
+    untimed = _metrics(StepStats(1, 0.5, 0.0, {"p2p": KindStats(3, 60, 60)}, timed=False))
+    assert untimed == {"comm/step_ms": 500.0, "comm/p2p/bytes": 60.0, "comm/p2p/count": 3.0}
+    timed = _metrics(StepStats(0, 0.5, 0.1, {"p2p": KindStats(3, 60, 60, 0.2, 0.1)}))
+    assert timed["comm/p2p/time_ms"] == pytest.approx(200.0)
+    assert timed["comm/exposed_ms"] == pytest.approx(100.0)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="time_every_n_steps"):
+            CommProfiler(time_every_n_steps=bad)
+
+
+def test_by_default_only_the_pipeline_is_timed_every_tenth_step() -> None:
+    from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy
+    from lightning_hier.callbacks.comm_profiler import CommProfiler
+
+    default, asked = CommProfiler(), CommProfiler(time_every_n_steps=3)
+    assert default._time_every(HierPipelineStrategy()) == 10
+    for strategy in (HierSlicedStrategy(), HierBSPStrategy(), object()):
+        assert default._time_every(strategy) == 1
+    assert asked._time_every(HierPipelineStrategy()) == 3 and asked._time_every(object()) == 3
+
+
 # ---------------------------------------------------------------------- the 4-process run
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -292,11 +380,16 @@ def test_hier_sliced_bytes_follow_the_slice_layout(measured: dict) -> None:
 
 
 def test_hier_pipeline_bytes_are_the_links_sends(measured: dict) -> None:
+    """Timed every second step (``time_every_n_steps=2``): bytes equal the link's own count on every step,
+    times are in the CSV for steps 0, 2, 4 only."""
     sends = 0
     for result in measured["hier_pipeline"]:
         assert _per_step(result, "p2p") == result["expected"]["p2p_per_step"]
         sends += sum(result["expected"]["p2p_per_step"])
     assert sends > 0
+    rows = [r for r in read_csv(measured["hier_pipeline"][0]["csv_path"]) if r["kind"] == "p2p"]
+    assert {(r["step"], r["timed"]) for r in rows} == {(s, int(s % 2 == 0)) for s in range(STEPS)}
+    assert all((r["time_ms"] > 0) == bool(r["timed"]) for r in rows)
 
 
 def test_hier_bsp_push_and_pull_bytes_per_superstep(measured: dict) -> None:
@@ -473,7 +566,9 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
             data = pipeline_loader()
         else:
             model, data = EquivModel(hidden=64), loader(n=256)
-        independent, profiler = Independent(), CommProfiler(log_every_n_steps=1)
+        # the pipeline's messages timed every second step only: its bytes must still be exact every step
+        every = 2 if name == "hier_pipeline" else 1
+        independent, profiler = Independent(), CommProfiler(log_every_n_steps=1, time_every_n_steps=every)
         logger = CSVLogger(str(out), name=name)
         accumulate = 2 if name == "ddp_accumulate" else 1
         trainer = pl.Trainer(

@@ -7,7 +7,8 @@ the callback is absent, and everything is unwrapped at the end, at teardown and 
 
 - logs per step and kind ``comm/<kind>/bytes``, ``count``, ``time_ms``, ``exposed_ms``,
   ``hidden_ms`` and ``comm/step_ms``, ``comm/compute_ms``, ``comm/exposed_ms`` to the Trainer's
-  loggers every ``log_every_n_steps`` steps (rank 0's values);
+  loggers every ``log_every_n_steps`` steps (rank 0's values; with ``time_every_n_steps=n`` the times
+  only for the timed steps ``0, n, 2n, ...``, bytes and counts for every step);
 - writes ``comm_profile.csv`` (every rank's rows, gathered at the end of training) into the log
   directory, prints a summary table and saves ``comm_profile.png`` there (rank 0).
 
@@ -36,6 +37,8 @@ from lightning_hier.profiling.report import save_figure, step_rows, summary_tabl
 
 log = logging.getLogger(__name__)
 
+PIPELINE_TIME_EVERY = 10  # time_every_n_steps=None under hier_pipeline (benchmarks/README.md)
+
 
 class CommProfiler(Callback):
     """Measures every rank's communication per training step and link kind; logs, tabulates, draws it.
@@ -51,6 +54,13 @@ class CommProfiler(Callback):
         ddp_timing_every: under Lightning's ``ddp``, time DDP's all-reduces every N synchronising steps
             (``None``: every step on CPU, every 20th on CUDA, where each timed step makes the host wait
             for the device; steps in between carry the latest timing, counts and bytes stay exact).
+        time_every_n_steps: time the operations of every N-th training step only (steps 0, N, 2N, ...);
+            the others count operations and bytes, which costs a few dictionary updates per operation
+            instead of clock stamps and completion tracking. ``None`` (default): every 10th step under
+            ``hier_pipeline``, whose every message passes the profiler (dozens of small sends per step, a
+            latency-bound link: timing each cost ~6-9 % of the step on a 2-core host, every 10th ~2 %),
+            every step otherwise. The CSV marks the timed steps (``timed``); the table and the figure take
+            times from them, bytes and counts from every step.
     """
 
     # its on_after_backward reads the clock only: hier_bsp keeps pushing buckets during backward with it
@@ -64,11 +74,16 @@ class CommProfiler(Callback):
         save_figure: bool = True,
         print_summary: bool = True,
         ddp_timing_every: int | None = None,
+        time_every_n_steps: int | None = None,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1 or None, got {log_every_n_steps!r}.")
         if ddp_timing_every is not None and ddp_timing_every < 1:
             raise ValueError(f"ddp_timing_every must be >= 1 or None, got {ddp_timing_every!r}.")
+        every = time_every_n_steps
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"time_every_n_steps must be an integer >= 1 or None, got {every!r}.")
+        self.time_every_n_steps = time_every_n_steps
         self.ddp_timing_every = ddp_timing_every
         self.log_every_n_steps = log_every_n_steps
         self.output_dir = output_dir
@@ -89,11 +104,18 @@ class CommProfiler(Callback):
     # ------------------------------------------------------------------ start
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()
-        stats = CommStats()
+        stats = CommStats(self._time_every(trainer.strategy))
         self._register_groups(stats, trainer.strategy)
         self._ddp, self._ddp_steps = DDPReducerStats.attach(trainer.strategy, self.ddp_timing_every), {}
         self.stats, self.rows, self._batches, self._global_steps = stats, [], 0, {}
         stats.start()
+
+    def _time_every(self, strategy: Any) -> int:
+        from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
+
+        if self.time_every_n_steps is not None:
+            return self.time_every_n_steps
+        return PIPELINE_TIME_EVERY if isinstance(strategy, HierPipelineStrategy) else 1
 
     @staticmethod
     def _register_groups(stats: CommStats, strategy: Any) -> None:
@@ -155,9 +177,12 @@ class CommProfiler(Callback):
     def _add_ddp_buckets(self, step: StepStats) -> None:
         """DDP's gradient all-reduces of this step, into its ``world`` kind (exposed: blocked on them)."""
         buckets = self._ddp_steps.pop(step.index, None)
-        if buckets is not None:
-            step.kinds.setdefault("world", KindStats()).add(buckets)
-            step.exposed_s += buckets.exposed_s
+        if buckets is None:
+            return
+        if not step.timed:  # counts and bytes only, as for the step's other operations
+            buckets = KindStats(buckets.count, buckets.nbytes, buckets.wire_bytes)
+        step.kinds.setdefault("world", KindStats()).add(buckets)
+        step.exposed_s += buckets.exposed_s
 
     # ------------------------------------------------------------------ end
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -209,14 +234,15 @@ class CommProfiler(Callback):
 
 
 def _metrics(step: StepStats) -> dict[str, float]:
-    metrics = {
-        "comm/step_ms": step.step_s * 1e3,
-        "comm/compute_ms": step.compute_s * 1e3,
-        "comm/exposed_ms": step.exposed_s * 1e3,
-    }
+    metrics = {"comm/step_ms": step.step_s * 1e3}
+    if step.timed:
+        metrics["comm/compute_ms"] = step.compute_s * 1e3
+        metrics["comm/exposed_ms"] = step.exposed_s * 1e3
     for kind, stats in step.kinds.items():
         metrics[f"comm/{kind}/bytes"] = float(stats.nbytes)
         metrics[f"comm/{kind}/count"] = float(stats.count)
+        if not step.timed:
+            continue
         metrics[f"comm/{kind}/time_ms"] = stats.time_s * 1e3
         metrics[f"comm/{kind}/exposed_ms"] = stats.exposed_s * 1e3
         metrics[f"comm/{kind}/hidden_ms"] = stats.hidden_s * 1e3

@@ -298,6 +298,9 @@ def _read(path: Path) -> list[dict[str, Any]]:
         raise ValueError(f"calibrate: cannot read {path} as a CSV ({error}).") from error
     if not rows:
         raise ValueError(f"calibrate: {path} has a header but no rows.")
+    rows = [row for row in rows if row["timed"]]  # CommProfiler(time_every_n_steps=n): times of timed steps
+    if not rows:
+        raise ValueError(f"calibrate: {path} has no timed step (every row has timed=0).")
     return rows
 
 

@@ -25,6 +25,12 @@ the training thread's blocked time during which that kind's communication was ac
 among kinds active at once); **hidden** = time - exposed. Operations still running at a step's end
 count in the step in which they finish; operations the training thread issues between steps
 (validation, checkpoints) go to :attr:`CommStats.outside`.
+
+**Timing every n-th step** (``CommStats(time_every=n)``): on the other steps the wrappers only count each
+operation and its bytes (no clock stamps, no completion tracking, ``Work.wait`` passed straight through),
+so what the profiler costs there is a few dictionary updates per operation; those steps'
+:class:`StepStats` have ``timed=False`` and zero times. A latency-bound pipeline, whose every message
+passes the wrappers, is where that matters.
 """
 
 from __future__ import annotations
@@ -195,12 +201,13 @@ class KindStats:
 
 @dataclass
 class StepStats:
-    """One training step of one rank."""
+    """One training step of one rank (``timed=False``: counts and bytes only, see ``time_every``)."""
 
     index: int
     step_s: float  # wall time from begin_step to end_step
     exposed_s: float  # blocked time with any communication active
     kinds: dict[str, KindStats] = field(default_factory=dict)
+    timed: bool = True
 
     @property
     def compute_s(self) -> float:
@@ -218,7 +225,14 @@ class _Depth(threading.local):
 class CommStats:
     """Measures this process's ``torch.distributed`` traffic while active (``with CommStats() as s``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, time_every: int = 1) -> None:
+        """``time_every``: time the operations of every n-th step (steps ``0, n, 2n, ...``); the others
+        count operations and bytes only."""
+        if isinstance(time_every, bool) or not isinstance(time_every, int) or time_every < 1:
+            raise ValueError(f"time_every must be an integer >= 1, got {time_every!r}.")
+        self.time_every = time_every
+        self._timing = True  # the open step is timed (between steps: whether the last one was)
+        self._counts: dict[str, KindStats] = {}  # an untimed step's operations so far
         self.clock = _Clock()
         self.steps: list[StepStats] = []
         self.outside: dict[str, KindStats] = {}  # issued by the training thread between steps
@@ -239,7 +253,10 @@ class CommStats:
         self._window_start: float = 0.0
         # closed steps whose CUDA stamps the device has not reached yet: accounted once it has, so the
         # profiler never makes the host wait for the device (which would cost the overlap it measures)
-        self._deferred: list[tuple[int, list[CommEvent], list[tuple[Any, Any]], float, float]] = []
+        # (index, events, blocked, start, end, operations counted without timing, timed)
+        self._deferred: list[
+            tuple[int, list[CommEvent], list[tuple[Any, Any]], float, float, dict[str, KindStats], bool]
+        ] = []
         self._rank = 0
         self._world = 1
         self._params: dict[str, list[str]] = {}
@@ -263,7 +280,7 @@ class CommStats:
         had_own = name in getattr(obj, "__dict__", {})
 
         def waiting(*args: Any, **kwargs: Any) -> Any:
-            if not self._active or threading.get_ident() != self._thread:
+            if not self._active or not self._timing or threading.get_ident() != self._thread:
                 return original(*args, **kwargs)
             start = self.clock.host()
             try:
@@ -325,10 +342,13 @@ class CommStats:
         self._watched.clear()
         with self._lock:
             leftover, self._events, self._blocked = self._events, [], []
+            counted, self._counts = self._counts, {}
             self._pending.clear()
             self._window = None
         for event in leftover:
             self._tally_outside(event)
+        for kind, stats in counted.items():
+            self.outside.setdefault(kind, KindStats()).add(stats)
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, index: int) -> None:
@@ -337,6 +357,7 @@ class CommStats:
             self._window = index
             self._window_start = self.clock.host()
             self._blocked = []
+            self._timing = index % self.time_every == 0
 
     def end_step(self) -> list[StepStats]:
         """Close the step that :meth:`begin_step` opened; returns the steps accounted now, in order.
@@ -359,7 +380,12 @@ class CommStats:
             self._events = [e for e in self._events if e.done is None]
             self._pending = {k: v for k, v in self._pending.items() if any(e.done is None for e in v[1])}
             blocked, self._blocked = self._blocked, []
-        self._deferred.append((index, finished, blocked, start, end))
+            counts, self._counts = self._counts, {}
+        if not self._timing:  # operations of earlier timed steps that finished here count here
+            for event in finished:
+                _tally(counts, event)
+            finished, blocked = [], []
+        self._deferred.append((index, finished, blocked, start, end, counts, self._timing))
         return self._account_ready(wait=False)
 
     def _account_ready(self, wait: bool) -> list[StepStats]:
@@ -367,7 +393,13 @@ class CommStats:
         accounted = []
         ready = self.clock.ready
         while self._deferred:
-            index, events, blocked, start, end = self._deferred[0]
+            index, events, blocked, start, end, counts, timed = self._deferred[0]
+            if not timed:  # nothing to read from the device
+                self._deferred.pop(0)
+                stats = StepStats(index, end - start, 0.0, counts, timed=False)
+                self.steps.append(stats)
+                accounted.append(stats)
+                continue
             on_device = _on_device(events, blocked)
             if not wait and on_device:  # host stamps (floats) are always readable
                 stamps = [e.issued for e in events] + [e.done for e in events]
@@ -376,6 +408,8 @@ class CommStats:
                     break
             self._deferred.pop(0)
             stats = self._account(index, events, blocked, start, end, on_device)
+            for kind, counted in counts.items():  # another thread's, counted in an untimed step
+                stats.kinds.setdefault(kind, KindStats()).add(counted)
             self.steps.append(stats)
             accounted.append(stats)
         return accounted
@@ -473,10 +507,16 @@ class CommStats:
         return StepStats(index, t1 - t0, exposed_total, kinds)
 
     def _tally_outside(self, event: CommEvent) -> None:
-        stats = self.outside.setdefault(event.kind, KindStats())
-        stats.count += 1
-        stats.nbytes += event.nbytes
-        stats.wire_bytes += event.wire_bytes
+        _tally(self.outside, event)
+
+    def _count(self, kind: str, nbytes: int, wire: int, training: bool) -> None:
+        """An untimed step's operation: its count and bytes only. The training thread's between steps go to
+        :attr:`outside`; another thread's to the step that ends next, as its timed operations do."""
+        with self._lock:  # another thread may count at the same moment (the += is not atomic)
+            if training and self._window is None:
+                _add(self.outside, kind, nbytes, wire)
+            else:
+                _add(self._counts, kind, nbytes, wire)
 
     # ------------------------------------------------------------------ wrapping
     def _group_info(self, group: Any) -> tuple[Any, str, int, int]:
@@ -506,35 +546,58 @@ class CommStats:
 
     def _wrap(self, name: str, original: Any) -> Any:
         local = self._local
-        record = self._batch if name == "batch_isend_irecv" else partial(self._call, name)
+        batch = name == "batch_isend_irecv"
+        record = self._batch if batch else partial(self._call, name)
+        count = self._count_batch if batch else partial(self._count_call, name)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if not self._active or local.depth:
                 return original(*args, **kwargs)
             local.depth = 1
             try:
-                return record(original, args, kwargs)
+                return (record if self._timing else count)(original, args, kwargs)
             finally:
                 local.depth = 0
 
         return wrapped
 
-    def _call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _describe(
+        self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[str, int, int, bool]:
+        """``(kind, bytes, wire bytes, on CUDA)`` of a call of ``name``."""
         if name in _TENSOR_P2P:  # a pipeline's headers, once per micro-batch: no binding needed
             tensor = args[0] if args else kwargs["tensor"]
-            nbytes = wire = _nbytes(tensor) if name in _SENDS else 0
-            kind, cuda = "p2p", tensor.is_cuda
-        else:
-            bound = self._bind(name, original, args, kwargs)
-            group = group_in(args, kwargs) or self._default_group or dist.group.WORLD
-            _, registered, size, rank = self._group_info(group)
-            kind = _kind_of(name, registered)
-            root = False
-            if name in ("broadcast", "scatter"):
-                src, group_src = bound.get("src"), bound.get("group_src")
-                root = (src == self._rank) if src is not None else (group_src == rank)
-            nbytes, wire = sent_bytes(name, bound, size, root)
-            cuda = _on_cuda(bound)
+            nbytes = _nbytes(tensor) if name in _SENDS else 0
+            return "p2p", nbytes, nbytes, tensor.is_cuda
+        bound = self._bind(name, original, args, kwargs)
+        group = group_in(args, kwargs) or self._default_group or dist.group.WORLD
+        _, registered, size, rank = self._group_info(group)
+        root = False
+        if name in ("broadcast", "scatter"):
+            src, group_src = bound.get("src"), bound.get("group_src")
+            root = (src == self._rank) if src is not None else (group_src == rank)
+        nbytes, wire = sent_bytes(name, bound, size, root)
+        return _kind_of(name, registered), nbytes, wire, _on_cuda(bound)
+
+    def _count_call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kind, nbytes, wire, _ = self._describe(name, original, args, kwargs)
+        self._count(kind, nbytes, wire, threading.get_ident() == self._thread)
+        return original(*args, **kwargs)
+
+    def _count_batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ops = args[0] if args else kwargs["p2p_op_list"]
+        training = threading.get_ident() == self._thread
+        names = self._p2p_names
+        for op in ops:
+            name = names.get(op.op)
+            if name is None:
+                name = names[op.op] = p2p_op_name(op)
+            nbytes = _nbytes(op.tensor) if name == "isend" else 0
+            self._count("p2p", nbytes, nbytes, training)
+        return original(*args, **kwargs)
+
+    def _call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kind, nbytes, wire, cuda = self._describe(name, original, args, kwargs)
         event = self._issue(name, kind, nbytes, wire, cuda)
         try:
             result = original(*args, **kwargs)
@@ -663,6 +726,8 @@ class CommStats:
                 return original(work, *args, **kwargs)
             entry = self._pending.get(id(work))
             events = entry[1] if entry is not None and entry[0] is work else ()
+            if not events and not self._timing:  # an untimed step's operation: nothing to stamp
+                return original(work, *args, **kwargs)
             cuda = bool(events) and events[0].cuda
             before = self.clock.stamp(cuda)
             try:
@@ -688,6 +753,19 @@ class CommStats:
         with self._lock:
             if self._window is not None:
                 self._blocked.append((start, end))
+
+
+def _add(totals: dict[str, KindStats], kind: str, nbytes: int, wire: int) -> None:
+    stats = totals.get(kind)
+    if stats is None:
+        stats = totals[kind] = KindStats()
+    stats.count += 1
+    stats.nbytes += nbytes
+    stats.wire_bytes += wire
+
+
+def _tally(totals: dict[str, KindStats], event: CommEvent) -> None:
+    _add(totals, event.kind, event.nbytes, event.wire_bytes)
 
 
 def _union_spans(spans: list[tuple[float, float]]) -> list[list[float]]:

@@ -2,7 +2,9 @@
 
 The CSV has one row per rank x step x kind (:data:`CSV_COLUMNS`); a step without any communication
 has one row of kind ``none``. ``step_ms`` and ``compute_ms`` describe the whole step and repeat on
-each of its rows. ``plan --calibrate-from`` reads this file (:func:`read_csv`).
+each of its rows. ``timed`` is 0 on the steps ``CommProfiler(time_every_n_steps=n)`` did not time (their
+time columns are 0; counts and bytes are exact): the table and the figure take times from the timed
+steps only. ``plan --calibrate-from`` reads this file (:func:`read_csv`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from lightning_hier.profiling.comm_stats import KINDS, StepStats
 
 CSV_COLUMNS = (
     "rank", "step", "kind", "count", "bytes", "wire_bytes", "time_ms", "exposed_ms", "hidden_ms",
-    "step_ms", "compute_ms",
+    "step_ms", "compute_ms", "timed",
 )  # fmt: skip
-_INTS = ("rank", "step", "count", "bytes", "wire_bytes")
+_INTS = ("rank", "step", "count", "bytes", "wire_bytes", "timed")
+_OPTIONAL = {"timed": 1}  # columns a CSV of an earlier version lacks, and their value there
 
 
 def _order(kind: str) -> int:
@@ -35,6 +38,7 @@ def step_rows(steps: Iterable[StepStats], rank: int) -> list[dict[str, Any]]:
             "step": step.index,
             "step_ms": step.step_s * 1e3,
             "compute_ms": step.compute_s * 1e3,
+            "timed": int(step.timed),
         }
         if not step.kinds:
             rows.append({**common, "kind": "none", "count": 0, "bytes": 0, "wire_bytes": 0,
@@ -56,6 +60,7 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
         writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for row in rows:
+            row = {**_OPTIONAL, **row}
             writer.writerow({k: (f"{v:.6f}" if isinstance(v, float) else v) for k, v in row.items()})
     return path
 
@@ -64,32 +69,48 @@ def read_csv(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a CommProfiler CSV, numbers as ``int`` / ``float``; raises naming a missing column."""
     with open(path, newline="") as handle:
         reader = csv.DictReader(handle)
-        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or []) and c not in _OPTIONAL]
         if missing:
             raise ValueError(f"{path} is not a CommProfiler CSV: it lacks the column(s) {missing}.")
-        return [
-            {k: (int(v) if k in _INTS else v if k == "kind" else float(v)) for k, v in row.items()}
-            for row in reader
-        ]
+        return [{k: _parse(k, v) for k, v in {**_OPTIONAL, **row}.items()} for row in reader]
+
+
+def _parse(column: str, value: Any) -> Any:
+    if column in _OPTIONAL and value in (None, ""):
+        return _OPTIONAL[column]
+    return int(value) if column in _INTS else value if column == "kind" else float(value)
+
+
+def timed_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the steps whose operations were timed."""
+    return [row for row in rows if row.get("timed", 1)]
+
+
+_VOLUME = ("count", "bytes", "wire_bytes")
+_TIMES = ("time_ms", "exposed_ms", "hidden_ms")
 
 
 def per_kind(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per kind, the mean per rank and step of count, bytes, time, exposed and hidden time."""
-    steps = {(r["rank"], r["step"]) for r in rows}
-    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    """Per kind, the mean per rank and step of count and bytes (over every step) and of time, exposed and
+    hidden time (over the timed steps)."""
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(_VOLUME + _TIMES, 0.0))
     for row in rows:
         if row["kind"] == "none":
             continue
-        for key in ("count", "bytes", "wire_bytes", "time_ms", "exposed_ms", "hidden_ms"):
+        for key in _VOLUME + (_TIMES if row.get("timed", 1) else ()):
             totals[row["kind"]][key] += float(row[key])
-    n = max(1, len(steps))
-    return {k: {key: v / n for key, v in totals[k].items()} for k in sorted(totals, key=_order)}
+    n = max(1, len({(r["rank"], r["step"]) for r in rows}))
+    n_timed = max(1, len({(r["rank"], r["step"]) for r in timed_rows(rows)}))
+    return {
+        k: {key: v / (n if key in _VOLUME else n_timed) for key, v in totals[k].items()}
+        for k in sorted(totals, key=_order)
+    }
 
 
 def per_step(rows: Sequence[dict[str, Any]]) -> list[tuple[int, float, float]]:
-    """``(step, compute_ms, exposed_ms)`` per step, the mean over ranks."""
+    """``(step, compute_ms, exposed_ms)`` per timed step, the mean over ranks."""
     seen: dict[tuple[int, int], tuple[float, float]] = {}
-    for row in rows:
+    for row in timed_rows(rows):
         step_ms, compute_ms = float(row["step_ms"]), float(row["compute_ms"])
         seen[(row["step"], row["rank"])] = (compute_ms, step_ms - compute_ms)
     by_step: dict[int, list[tuple[float, float]]] = defaultdict(list)
@@ -105,8 +126,10 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     """A text table: per kind, per step and rank on average, what was sent and how much was hidden."""
     steps = per_step(rows)
     ranks = sorted({r["rank"] for r in rows})
+    every = len({r["step"] for r in rows})
+    timed = f" (times: {len(steps)} timed step(s))" if len(steps) != every else ""
     lines = [
-        f"CommProfiler: {len(steps)} step(s) x {len(ranks)} rank(s); per step and rank on average",
+        f"CommProfiler: {every} step(s) x {len(ranks)} rank(s){timed}; per step and rank on average",
         f"{'kind':<8} {'ops':>7} {'MB sent':>10} {'MB wire':>10} {'comm ms':>9} "
         f"{'exposed ms':>11} {'hidden %':>9}",
     ]
