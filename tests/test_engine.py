@@ -216,6 +216,22 @@ def _collectives(rank: int, world: int, store: str) -> dict:
     return {"scattered": out, "gathered": gathered}
 
 
+def test_a_one_rank_node_copies_the_slice_or_leaves_it_where_it_already_is(tmp_path: Path) -> None:
+    """A node of one device: its slice is the bucket. A separate output gets a copy; an output that is the
+    bucket itself (hier_sliced with devices_per_node=1 reduces in place) is left as it is."""
+    init_gloo(0, 1, str(tmp_path / "store"))
+    try:
+        flat = torch.arange(6, dtype=torch.float32)
+        out = torch.zeros(6)
+        reduce_scatter_into(out, flat, ((0, 6),), dist.group.WORLD)
+        in_place = flat[0:6]
+        reduce_scatter_into(in_place, flat, ((0, 6),), dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(out, torch.arange(6, dtype=torch.float32)) and out.data_ptr() != flat.data_ptr()
+    assert torch.equal(in_place, torch.arange(6, dtype=torch.float32))
+
+
 def test_uneven_reduce_scatter_and_all_gather(tmp_path: Path) -> None:
     results = run_spawned(_collectives, 2, tmp_path)
     summed = torch.arange(7, dtype=torch.float32) * 3  # ranks contribute x1 and x2

@@ -59,7 +59,9 @@ def reduce_scatter_into(
 ) -> dist.Work | None:
     """Sum ``flat`` over ``group`` and leave slice ``group_rank`` of the sum in ``out``."""
     if dist.get_world_size(group) == 1:
-        out.copy_(flat[bounds[0][0] : bounds[0][1]])
+        source = flat[bounds[0][0] : bounds[0][1]]
+        if out.data_ptr() != source.data_ptr() or out.numel() != source.numel():
+            out.copy_(source)  # (with one device per node the slice is the bucket itself: nothing to copy)
         return None
     if _is_equal(bounds) and flat.numel() == bounds[-1][1]:
         reduce_scatter_flat = _flat_collective("reduce_scatter_single", "reduce_scatter_tensor")
