@@ -105,3 +105,46 @@ def test_inter_node_dtype_feeds_rounding_back_into_the_next_step(one_process_gro
     torch.testing.assert_close(
         16 * gradient.double() - without, torch.full((4,), 16 * 2**-10, dtype=torch.float64)
     )
+
+
+def _inter_in_flight(rank: int, world: int, store: str) -> dict:
+    """Three 2 MB buckets submitted back to back to a gloo reducer of one device per node: how many inter-node
+    all-reduces were still running whenever the thread issued the next, and the reduced values."""
+    from helpers import init_gloo
+
+    init_gloo(rank, world, store)
+    try:
+        intra, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)])
+        reducer = ThreadedReducer(intra, dist.group.WORLD, chunk_bytes=1 << 30)
+        issued: list[dist.Work] = []
+        in_flight: list[int] = []
+        original = reducer._all_reduce_piece
+
+        def recording(job: ReduceJob, piece: object) -> dist.Work | None:
+            in_flight.append(sum(not work.is_completed() for work in issued))
+            work = original(job, piece)  # type: ignore[arg-type]
+            if work is not None:
+                issued.append(work)
+            return work
+
+        reducer._all_reduce_piece = recording  # type: ignore[method-assign]
+        flats = [torch.full((1 << 19,), float(rank + 1 + b)) for b in range(3)]
+        jobs = [reducer.submit(ReduceJob(flat, ((0, flat.numel()),), flat)) for flat in flats]
+        sums = [reducer.wait(job)[0].item() for job in jobs]
+        reducer.close()
+    finally:
+        dist.destroy_process_group()
+    return {"in_flight": in_flight, "sums": sums}
+
+
+def test_a_node_issues_its_inter_node_all_reduces_one_at_a_time(tmp_path) -> None:  # noqa: ANN001
+    """gloo runs asynchronous collectives of one group side by side on its worker threads; on the slow link
+    two of them only share it, and the earlier-ready bucket finishes later. Each is issued once the one before
+    has finished (the next bucket's intra-node stage may still overlap it)."""
+    from helpers import run_spawned
+
+    results = run_spawned(_inter_in_flight, 2, tmp_path)
+    for result in results:
+        assert isinstance(result, dict), result
+        assert result["in_flight"] == [0, 0, 0]
+        assert result["sums"] == [3.0, 5.0, 7.0]  # (1 + b) + (2 + b) over the two ranks

@@ -296,6 +296,7 @@ class ThreadedReducer(HierarchicalReducer):
         self._thread = None
 
     def _run(self, jobs: queue.Queue[ReduceJob | None]) -> None:
+        inter_running: dist.Work | None = None
         while True:
             job = jobs.get()
             if job is None:
@@ -304,7 +305,13 @@ class ThreadedReducer(HierarchicalReducer):
                 for piece in self._pieces(job):
                     self._scatter_piece(job, piece, async_op=False)
                     job.scatter_done_at = job.done_at = perf_counter()
-                    work = self._all_reduce_piece(job, piece)
+                    # one inter-node all-reduce at a time: gloo runs a group's asynchronous collectives side
+                    # by side on its worker threads, where on the slow link they only share it and the
+                    # bucket ready first finishes later (the time-bucket benchmark's last two buckets, or all
+                    # of them when the host is busy); the next piece's reduce-scatter above still overlaps it
+                    if inter_running is not None:
+                        inter_running.wait()
+                    work = inter_running = self._all_reduce_piece(job, piece)
                     if work is not None:
                         work.get_future().add_done_callback(lambda _, job=job: job.mark_done())
                         job.works.append(work)
