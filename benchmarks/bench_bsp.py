@@ -87,7 +87,7 @@ def run_once(args: argparse.Namespace, contender: str, scenario: str, attempt: i
     names = ("target_acc", "max_epochs", "batch_size", "seed", "hidden", "lr", "momentum", "superstep_steps")
     config = jobs.pick(args, *names, "superstep_seconds", "max_staleness", "start_local_sgd")
     config.update(jobs.pick(args, "averaging_period", "local_sgd_group", "fill_idle", "gradient_average"))
-    config.update(jobs.pick(args, "devices_per_node"))
+    config["devices_per_node"] = args.devices_per_node
     straggler = STRAGGLER_RANK if scenario == "straggler" else None
     config.update(contender=contender, straggler=straggler, hang_s=max(args.timeout - 30, 10))
     if scenario == "even":  # a fixed length: final accuracies after the same samples

@@ -283,7 +283,7 @@ def _layout(inter_rows: list[dict[str, Any]], world: int, devices_per_node: int 
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
-    from lightning_hier.profiling.report import read_csv  # imports torch: only when calibrating
+    from lightning_hier.profiling.report import read_csv, timed_rows  # imports torch: only when calibrating
 
     if not path.is_file():
         raise ValueError(f"calibrate: no such CSV file: {path}.")
@@ -298,7 +298,7 @@ def _read(path: Path) -> list[dict[str, Any]]:
         raise ValueError(f"calibrate: cannot read {path} as a CSV ({error}).") from error
     if not rows:
         raise ValueError(f"calibrate: {path} has a header but no rows.")
-    rows = [row for row in rows if row["timed"]]  # CommProfiler(time_every_n_steps=n): times of timed steps
+    rows = timed_rows(rows)  # CommProfiler(time_every_n_steps=n): times of timed steps only
     if not rows:
         raise ValueError(f"calibrate: {path} has no timed step (every row has timed=0).")
     return rows

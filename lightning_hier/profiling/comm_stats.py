@@ -587,12 +587,8 @@ class CommStats:
     def _count_batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ops = args[0] if args else kwargs["p2p_op_list"]
         training = threading.get_ident() == self._thread
-        names = self._p2p_names
         for op in ops:
-            name = names.get(op.op)
-            if name is None:
-                name = names[op.op] = p2p_op_name(op)
-            nbytes = _nbytes(op.tensor) if name == "isend" else 0
+            nbytes = _nbytes(op.tensor) if self._p2p_name(op) == "isend" else 0
             self._count("p2p", nbytes, nbytes, training)
         return original(*args, **kwargs)
 
@@ -614,6 +610,13 @@ class CommStats:
             self._add_blocked(event.issued, returned, training)
         return result
 
+    def _p2p_name(self, op: Any) -> str:
+        """``"isend"`` / ``"irecv"`` of a ``P2POp``, looked up once per function."""
+        name = self._p2p_names.get(op.op)
+        if name is None:
+            name = self._p2p_names[op.op] = p2p_op_name(op)
+        return name
+
     def _batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ops = args[0] if args else kwargs["p2p_op_list"]
         training = threading.get_ident() == self._thread
@@ -621,13 +624,10 @@ class CommStats:
             return self._batch_on_device(original, args, kwargs, ops, training)
         # host tensors, a pipeline's every message: kept lean (one stamp for the ops issued together,
         # each op's name looked up once per function), since this runs on the pipeline's critical path
-        names = self._p2p_names
         issued = perf_counter()
         events = []
         for op in ops:
-            name = names.get(op.op)
-            if name is None:
-                name = names[op.op] = p2p_op_name(op)
+            name = self._p2p_name(op)
             nbytes = op.tensor.nbytes if name == "isend" else 0
             events.append(CommEvent(name, "p2p", nbytes, nbytes, training, False, issued))
         self._file(events, training)
@@ -640,7 +640,7 @@ class CommStats:
     ) -> Any:
         events = []
         for op in ops:
-            name = p2p_op_name(op)
+            name = self._p2p_name(op)
             nbytes = _nbytes(op.tensor) if name == "isend" else 0
             events.append(self._issue(name, "p2p", nbytes, nbytes, True, training))
         works = original(*args, **kwargs)
