@@ -1,13 +1,15 @@
 """``CommProfiler``'s overhead: step time with and without it, per strategy, in one job.
 
 Four CPU processes train the harness MLP under Lightning ``ddp`` and ``hier_sliced`` (2 x 2), and on
-request ``hier_bsp`` (plain BSP, 2 x 2) and ``hier_pipeline`` (4 stages, 4 micro-batches), each fit
-done ``--rounds`` times without and with ``CommProfiler`` (interleaved, alternating who goes first);
-the ratio of the medians of the per-fit median step times is the overhead (target <= 1.03). Beside it,
-the CPU seconds per step summed over every thread of every rank, with and without (on the 2-core host the
-step time follows the total CPU work, and CPU time is far less noisy)::
+request ``hier_bsp`` (plain BSP, 2 x 2) and ``hier_pipeline`` (4 stages, 4 micro-batches). By default
+each of ``--rounds`` fits switches ``CommProfiler`` on and off every ``--block`` steps (off: its wrapping
+undone, truly absent), so that steps with and without it share the host's drift; the round's figure is
+the median step time of its on steps against that of its off steps. ``--block 0`` runs separate fits
+instead, as many with as without (interleaved, alternating who goes first). The overhead is the ratio
+of the medians over the rounds (target <= 1.03); beside it, the CPU seconds per step summed over every
+thread of every rank, with and without (on the 2-core host the step time follows the total CPU work)::
 
-    python benchmarks/bench_comm_profiler.py [--rounds 5] [--steps 20]
+    python benchmarks/bench_comm_profiler.py [--rounds 3] [--steps 200] [--block 10]
 
 ``--gpu``: one process on the first CUDA device instead (NCCL with world size 1, CommProfiler's
 CUDA-event clock; step times taken after ``torch.cuda.synchronize``).
@@ -24,9 +26,10 @@ WORKER = jobs.BENCH_DIR / "_comm_profiler_worker.py"
 TARGET = 1.03
 OPTIONS = """
 --strategies str   ddp,hier_sliced  ddp, hier_sliced, hier_bsp, hier_pipeline, ddp_python_hook (a Python hook)
---rounds     int   5                fits per strategy with and (as many) without the profiler
+--rounds     int   3                fits per strategy (--block 0: as many with as without the profiler)
+--block      int   10               profiler on and off every N steps within a fit (0: separate fits)
 --warmup     int   3                steps before the measured window of each fit
---steps      int   20               measured steps per fit
+--steps      int   200              measured steps per fit
 --hidden     int   512              MLP width
 --layers     int   4                Linear(hidden, hidden) layers
 --batch-size int   16               per process
@@ -50,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     run_options = cli.RUN_OPTIONS.format(timeout=900, per="job", logs="the job's temp dir")
     args = cli.parser(__doc__, OPTIONS, run_options, cli.IDLE_OPTIONS.format(job="job")).parse_args(argv)
     jobs.exit_on_sigterm()
-    config = jobs.pick(args, "rounds", "warmup", "steps", "hidden", "layers", "batch_size", "time_every")
+    names = ("rounds", "block", "warmup", "steps", "hidden", "layers", "batch_size", "time_every")
+    config = jobs.pick(args, *names)
     config["strategies"] = cli.comma_list(args.strategies)
     config["gpu"] = args.gpu
     if args.wait_idle > 0:

@@ -257,6 +257,48 @@ def test_steps_not_timed_count_the_same_operations_and_bytes(tmp_path: Path) -> 
         CommStats(time_every=0)
 
 
+def _wait_wrapped_per_step(rank: int, world: int, store: str) -> tuple[list[bool], int, bool]:
+    """Four steps, every second timed; rank 1 posts a receive in timed step 0 that rank 0 sends only in
+    step 1. Per step whether ``Work.wait`` is wrapped, the completions no wait saw, and whether torch's
+    own ``Work.wait`` is back after ``stop``."""
+    from helpers import init_gloo
+
+    init_gloo(rank, world, store)
+    torch_wait = dist.Work.wait
+    try:
+        stats = CommStats(time_every=2)
+        stats.start()
+        wrapped, pending = [], None
+        for step in range(4):
+            stats.begin_step(step)
+            wrapped.append(dist.Work.wait is not torch_wait)
+            if step == 0 and rank == 1:
+                pending = dist.irecv(torch.empty(3), 0)
+            if step == 1:
+                if rank == 0:
+                    dist.send(torch.ones(3), 1)
+                else:
+                    pending.wait()
+            stats.end_step()
+        stats.stop()
+        restored = dist.Work.wait is torch_wait
+    finally:
+        dist.destroy_process_group()
+    return wrapped, stats.unobserved_completions, restored
+
+
+def test_work_wait_is_torchs_own_in_steps_not_timed(tmp_path: Path) -> None:
+    """A step not timed has nothing to stamp at a wait (the pipeline waits dozens of times per step, on its
+    critical path): ``Work.wait`` is torch's own there. It stays wrapped while a timed step's operation is
+    still pending, so that its wait stamps its end (otherwise the end of step would find it finished at
+    an unknown moment: an unobserved completion)."""
+    from helpers import run_spawned
+
+    rank0, rank1 = run_spawned(_wait_wrapped_per_step, 2, tmp_path)
+    assert rank0 == ([True, False, True, False], 0, True)
+    assert rank1 == ([True, True, True, False], 0, True)
+
+
 def test_the_table_takes_times_from_timed_steps_and_bytes_from_every_step() -> None:
     """Hand-made rows of 4 steps, two timed: bytes and counts are means over the 4, times over the 2."""
     from lightning_hier.profiling.report import per_kind, per_step

@@ -246,7 +246,8 @@ class CommStats:
         self._active = False
         self._originals: dict[tuple[Any, str], Any] = {}
         self._watched: list[tuple[Any, str, Any]] = []
-        self._work_wait: Any = None
+        self._work_wait: Any = None  # torch's Work.wait, while wrapped
+        self._timed_wait: Any = None  # our wrapper of it
         self._default_group: Any = None
         self._thread = threading.get_ident()
         self._window: int | None = None
@@ -320,7 +321,8 @@ class CommStats:
         self._active = True
         self._originals = patch_distributed(self._wrap)
         self._work_wait = dist.Work.wait
-        dist.Work.wait = self._wrap_wait(self._work_wait)  # type: ignore[method-assign]
+        self._timed_wait = self._wrap_wait(self._work_wait)
+        dist.Work.wait = self._timed_wait  # type: ignore[method-assign]
 
     def stop(self) -> None:
         """Undo every wrapping (idempotent); closed steps are accounted (waiting for the device where
@@ -331,8 +333,9 @@ class CommStats:
         self._active = False
         restore_distributed(self._originals)
         if self._work_wait is not None:
-            dist.Work.wait = self._work_wait  # type: ignore[method-assign]
-            self._work_wait = None
+            if dist.Work.wait is self._timed_wait:  # a wrapper installed on top of ours stays
+                dist.Work.wait = self._work_wait  # type: ignore[method-assign]
+            self._work_wait = self._timed_wait = None
         for obj, name, original in reversed(self._watched):
             if original is None:
                 with contextlib.suppress(AttributeError):
@@ -358,6 +361,17 @@ class CommStats:
             self._window_start = self.clock.host()
             self._blocked = []
             self._timing = index % self.time_every == 0
+            self._wait_only_when_needed()
+
+    def _wait_only_when_needed(self) -> None:
+        """``Work.wait`` wrapped for a timed step, or while a timed step's operation is still pending (its
+        wait stamps its end); torch's own otherwise: an untimed step has nothing to stamp, and the
+        pipeline waits dozens of times per step on its critical path."""
+        if self._work_wait is None:
+            return
+        wanted = self._timed_wait if self._timing or self._pending else self._work_wait
+        if dist.Work.wait in (self._timed_wait, self._work_wait):  # not when another wrapper sits on top
+            dist.Work.wait = wanted  # type: ignore[method-assign]
 
     def end_step(self) -> list[StepStats]:
         """Close the step that :meth:`begin_step` opened; returns the steps accounted now, in order.
@@ -509,14 +523,12 @@ class CommStats:
     def _tally_outside(self, event: CommEvent) -> None:
         _tally(self.outside, event)
 
-    def _count(self, kind: str, nbytes: int, wire: int, training: bool) -> None:
+    def _count(self, kind: str, nbytes: int, wire: int, training: bool, count: int = 1) -> None:
         """An untimed step's operation: its count and bytes only. The training thread's between steps go to
         :attr:`outside`; another thread's to the step that ends next, as its timed operations do."""
         with self._lock:  # another thread may count at the same moment (the += is not atomic)
-            if training and self._window is None:
-                _add(self.outside, kind, nbytes, wire)
-            else:
-                _add(self._counts, kind, nbytes, wire)
+            totals = self.outside if training and self._window is None else self._counts
+            _add(totals, kind, nbytes, wire, count)
 
     # ------------------------------------------------------------------ wrapping
     def _group_info(self, group: Any) -> tuple[Any, str, int, int]:
@@ -548,7 +560,12 @@ class CommStats:
         local = self._local
         batch = name == "batch_isend_irecv"
         record = self._batch if batch else partial(self._call, name)
-        count = self._count_batch if batch else partial(self._count_call, name)
+        if batch:
+            count = self._count_batch
+        elif name in _TENSOR_P2P:  # a pipeline's headers, once per micro-batch: no binding needed
+            count = partial(self._count_tensor_p2p, name in _SENDS)
+        else:
+            count = partial(self._count_call, name)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if not self._active or local.depth:
@@ -584,12 +601,20 @@ class CommStats:
         self._count(kind, nbytes, wire, threading.get_ident() == self._thread)
         return original(*args, **kwargs)
 
+    def _count_tensor_p2p(
+        self, sends: bool, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        nbytes = (args[0] if args else kwargs["tensor"]).nbytes if sends else 0
+        self._count("p2p", nbytes, nbytes, threading.get_ident() == self._thread)
+        return original(*args, **kwargs)
+
     def _count_batch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ops = args[0] if args else kwargs["p2p_op_list"]
-        training = threading.get_ident() == self._thread
-        for op in ops:
-            nbytes = _nbytes(op.tensor) if self._p2p_name(op) == "isend" else 0
-            self._count("p2p", nbytes, nbytes, training)
+        sent = 0
+        for op in ops:  # one count for the batch: the pipeline's critical path runs through here
+            if self._p2p_name(op) == "isend":
+                sent += op.tensor.nbytes
+        self._count("p2p", sent, sent, threading.get_ident() == self._thread, len(ops))
         return original(*args, **kwargs)
 
     def _call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -755,11 +780,11 @@ class CommStats:
                 self._blocked.append((start, end))
 
 
-def _add(totals: dict[str, KindStats], kind: str, nbytes: int, wire: int) -> None:
+def _add(totals: dict[str, KindStats], kind: str, nbytes: int, wire: int, count: int = 1) -> None:
     stats = totals.get(kind)
     if stats is None:
         stats = totals[kind] = KindStats()
-    stats.count += 1
+    stats.count += count
     stats.nbytes += nbytes
     stats.wire_bytes += wire
 
