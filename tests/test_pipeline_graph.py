@@ -217,8 +217,19 @@ def test_initial_partitions_and_their_errors() -> None:
     assert initial_partition(graph, PipelineSettings(partition=["proj"]), 2).starts == (0, 2)
     with pytest.raises(ValueError, match="only 5 cluster"):
         initial_partition(graph, PipelineSettings(), 6)
-    with pytest.raises(ValueError, match="Valid split points"):
+    # a module holding layers names the cluster its first layer begins
+    by_module = initial_partition(graph, PipelineSettings(partition=["inception"]), 2)
+    assert (
+        by_module.starts
+        == initial_partition(graph, PipelineSettings(partition=["inception.branch_a"]), 2).starts
+    )
+    assert by_module.starts == (0, 1)
+    valid = r"Valid split points \(a module holding them works too\): "
+    valid += r"\['inception.branch_a', 'proj', 'res', 'head'\]"
+    with pytest.raises(ValueError, match=valid):
         initial_partition(graph, PipelineSettings(partition=["relu"]), 2)
+    with pytest.raises(ValueError, match="'inception.branch_b1' does not"):  # inside the inception cluster
+        initial_partition(graph, PipelineSettings(partition=["inception.branch_b1"]), 2)
     with pytest.raises(ValueError, match="covers 4 clusters"):
         initial_partition(graph, PipelineSettings(partition=[2, 2]), 2)
 

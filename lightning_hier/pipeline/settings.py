@@ -106,8 +106,27 @@ class PipelineSettings:
                 )
 
 
+def _module_start(graph: LayerGraph, module: str) -> int | None:
+    """The cluster that the first layer (in execution order) calling into ``module`` begins, if any."""
+    prefix = module + "."
+    begins = {cluster.start: cluster.index for cluster in graph.clusters}
+    for position, layer in enumerate(graph.layers):
+        if layer.owner is not None and (layer.owner == module or layer.owner.startswith(prefix)):
+            return begins.get(position)
+    return None
+
+
+def _cluster_label(graph: LayerGraph, layer_index: int) -> str:
+    """How a user names the layer beginning a cluster: the module it calls, else its fx node name."""
+    layer = graph.layers[layer_index]
+    return layer.owner if layer.owner is not None else layer.name
+
+
 def _starts_from_names(graph: LayerGraph, names: Sequence[str]) -> tuple[int, ...]:
-    cluster_start = {}
+    """Cluster indices where the stages named by ``names`` begin. A name is a layer's fx node name, the
+    module it calls (``"blocks.12.fc1"``), or a module holding layers (``"blocks.12"``): the stage then
+    begins at that module's first layer in execution order, which must begin a cluster."""
+    cluster_start: dict[str, int] = {}
     for cluster in graph.clusters:
         first = graph.layers[cluster.start]
         cluster_start[first.name] = cluster.index
@@ -115,13 +134,16 @@ def _starts_from_names(graph: LayerGraph, names: Sequence[str]) -> tuple[int, ..
             cluster_start.setdefault(first.owner, cluster.index)
     starts = [0]
     for name in names:
-        if name not in cluster_start:
-            valid = sorted(cluster_start, key=lambda n: cluster_start[n])
+        index = cluster_start.get(name)
+        if index is None:
+            index = _module_start(graph, name)
+        if index is None:
+            valid = [_cluster_label(graph, cluster.start) for cluster in graph.clusters]
             raise ValueError(
                 f"partition: stages can only begin where a cluster begins; {name!r} does not. Valid split "
-                f"points: {valid[1:]}"
+                f"points (a module holding them works too): {valid[1:]}"
             )
-        starts.append(cluster_start[name])
+        starts.append(index)
     if any(b <= a for a, b in zip(starts, starts[1:])):
         raise ValueError(f"partition: split points {list(names)} must be in execution order and distinct.")
     return tuple(starts)

@@ -106,7 +106,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         partition: initial split: ``"parameters"`` (balance parameter counts), ``"uniform"``
             (equal layer counts), ``"time"`` (start by parameters, then repartition from measured
             times after ``profile_steps`` steps), a list of clusters per stage, or a list of layer
-            names at which stages 1..K-1 begin.
+            or module names at which stages 1..K-1 begin (a module: its first layer).
         rebalance: ``"epoch"`` (check at each epoch's last step), ``"never"``, or an integer N
             (check every N optimizer steps).
         imbalance_threshold: repartition when ``(max - min) / mean`` of stage times exceeds this.
