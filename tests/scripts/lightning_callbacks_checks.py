@@ -41,6 +41,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy
 
+sys.path.insert(0, str(Path(__file__).parent))
+from models import reported  # noqa: E402
+
 STRATEGIES: dict[str, Callable[[], Any]] = {
     "ddp": lambda: "ddp",
     "ddp_user_shards": lambda: "ddp",
@@ -178,14 +181,6 @@ SCENARIOS = {
     "overfit_batches": overfit_batches,
     "lr_find": lr_find,
 }
-
-
-def reported(scenario: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    """The scenario's result, or the error it raised."""
-    try:
-        return scenario(*args)
-    except Exception as error:  # noqa: BLE001 - the test shows which scenario failed and how
-        return {"error": f"{type(error).__name__}: {error}"[:400]}
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
-"""Small LightningModules shared by the distributed test scripts."""
+"""Small LightningModules shared by the distributed test scripts, and how a script reports a scenario."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -121,3 +124,11 @@ class EquivModel(pl.LightningModule):
 
 def loader(batch_size: int = 8, **dataset_kwargs) -> DataLoader:  # noqa: ANN003
     return DataLoader(make_dataset(**dataset_kwargs), batch_size=batch_size, shuffle=False)
+
+
+def reported(scenario: Callable[..., Any], *args: Any) -> Any:
+    """The scenario's result, or the error it raised (the test shows which scenario failed and how)."""
+    try:
+        return scenario(*args)
+    except Exception as error:  # noqa: BLE001 - reported, not hidden: the test fails with it
+        return {"error": f"{type(error).__name__}: {error}"[:400]}

@@ -34,6 +34,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy
 
+sys.path.insert(0, str(Path(__file__).parent))
+from models import reported  # noqa: E402
+
 STRATEGIES = {
     "reference": lambda: "ddp",
     "hier_sliced": lambda: HierSlicedStrategy(devices_per_node=2),
@@ -184,14 +187,6 @@ def hook_order(make_strategy: Any, root: Path) -> dict[str, Any]:
         "rate": model.configured_rate,
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     }
-
-
-def reported(scenario: Any, *args: Any) -> Any:
-    """The scenario's result, or the error it raised (on every rank alike: restoring fails everywhere)."""
-    try:
-        return scenario(*args)
-    except Exception as error:  # noqa: BLE001 - the test shows which scenario failed and how
-        return {"error": f"{type(error).__name__}: {error}"[:400]}
 
 
 def main() -> None:
