@@ -1,6 +1,7 @@
 """Lightning's trainer features that steer a fit from outside the strategy (``EarlyStopping``,
 ``LearningRateMonitor``, ``GradientAccumulationScheduler``, ``reload_dataloaders_every_n_epochs``,
-``overfit_batches``, ``Tuner.lr_find``) give ``ddp``'s results under every strategy
+``overfit_batches``, ``Tuner.lr_find``, the best ``ModelCheckpoint`` under ``check_val_every_n_epoch``
+then ``validate`` / ``test`` from it, ``barebones``) give ``ddp``'s results under every strategy
 (tests/scripts/lightning_callbacks_checks.py, 2 processes: how each strategy's reference reads the data).
 """
 
@@ -13,7 +14,14 @@ from helpers import run_torchrun
 
 # each strategy against the ddp run that reads the same batches
 REFERENCE = {"hier_sliced": "ddp", "hier_bsp": "ddp", "hier_pipeline": "ddp_user_shards"}
-SCENARIOS = ["early_stopping", "accumulation_schedule", "reload_dataloaders", "overfit_batches"]
+SCENARIOS = [
+    "early_stopping",
+    "accumulation_schedule",
+    "reload_dataloaders",
+    "overfit_batches",
+    "best_checkpoint",
+    "barebones",
+]
 
 
 @pytest.fixture(scope="module")

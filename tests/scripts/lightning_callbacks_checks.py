@@ -19,6 +19,9 @@ Scenarios:
 - ``reload_dataloaders``: ``reload_dataloaders_every_n_epochs=1`` with data that depends on the epoch.
 - ``overfit_batches``: ``overfit_batches=2``.
 - ``lr_find``: ``Tuner.lr_find`` (its fit restores the model afterwards): the losses it recorded.
+- ``best_checkpoint``: validation every second epoch, ``ModelCheckpoint`` keeps the best by validation
+  loss, then ``validate`` and ``test`` with ``ckpt_path="best"``.
+- ``barebones``: ``Trainer(barebones=True)``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import EarlyStopping, GradientAccumulationScheduler, LearningRateMonitor
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 from torch import nn
@@ -74,6 +82,10 @@ class Net(pl.LightningModule):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
 
+    def test_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.l1_loss(self(x), y), sync_dist=True)
+
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
@@ -91,6 +103,9 @@ class Net(pl.LightningModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._data(100)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._data(200)
 
 
 @dataclass(frozen=True)
@@ -174,12 +189,42 @@ def lr_find(strategy: Any, loading: Loading, root: Path) -> dict[str, Any]:
     }
 
 
+def best_checkpoint(strategy: Any, loading: Loading, root: Path) -> dict[str, Any]:
+    """Validation every second epoch, the best checkpoint by validation loss, then ``validate`` and
+    ``test`` from that checkpoint (``ckpt_path="best"``)."""
+    saved = ModelCheckpoint(dirpath=root / "best", monitor="val_loss", save_top_k=1)
+    run = trainer(
+        strategy, loading, root, max_epochs=5, check_val_every_n_epoch=2, callbacks=[saved],
+        enable_checkpointing=True,
+    )  # fmt: skip
+    model = Net(loading, lr=0.3)
+    run.fit(model)
+    validated = run.validate(model, ckpt_path="best", verbose=False)
+    tested = run.test(model, ckpt_path="best", verbose=False)
+    return {
+        "best_score": float(saved.best_model_score),
+        "best_epoch": int(Path(saved.best_model_path).stem.split("-")[0].split("=")[1]),
+        "validated": validated[0]["val_loss"],
+        "tested": tested[0]["test_loss"],
+        "params": parameters(model),
+    }
+
+
+def barebones(strategy: Any, loading: Loading, root: Path) -> dict[str, Any]:
+    run = trainer(strategy, loading, root, max_epochs=2, barebones=True)
+    model = Net(loading)
+    run.fit(model)
+    return {"global_step": run.global_step, "params": parameters(model)}
+
+
 SCENARIOS = {
     "early_stopping": early_stopping,
     "accumulation_schedule": accumulation_schedule,
     "reload_dataloaders": reload_dataloaders,
     "overfit_batches": overfit_batches,
     "lr_find": lr_find,
+    "best_checkpoint": best_checkpoint,
+    "barebones": barebones,
 }
 
 
