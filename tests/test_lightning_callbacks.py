@@ -1,8 +1,9 @@
 """Lightning's trainer features that steer a fit from outside the strategy (``EarlyStopping``,
 ``LearningRateMonitor``, ``GradientAccumulationScheduler``, ``reload_dataloaders_every_n_epochs``,
 ``overfit_batches``, ``Tuner.lr_find``, the best ``ModelCheckpoint`` under ``check_val_every_n_epoch``
-then ``validate`` / ``test`` from it, ``barebones``) give ``ddp``'s results under every strategy
-(tests/scripts/lightning_callbacks_checks.py, 2 processes: how each strategy's reference reads the data).
+then ``validate`` / ``test`` from it, ``barebones``, torchmetrics objects logged in the steps) give
+``ddp``'s results under every strategy (tests/scripts/lightning_callbacks_checks.py, 2 processes: how
+each strategy's reference reads the data).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SCENARIOS = [
     "overfit_batches",
     "best_checkpoint",
     "barebones",
+    "metrics",
 ]
 
 

@@ -22,6 +22,7 @@ Scenarios:
 - ``best_checkpoint``: validation every second epoch, ``ModelCheckpoint`` keeps the best by validation
   loss, then ``validate`` and ``test`` with ``ckpt_path="best"``.
 - ``barebones``: ``Trainer(barebones=True)``.
+- ``metrics``: torchmetrics objects logged in training and validation steps, and ``validate`` after.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torchmetrics
 from lightning.pytorch.callbacks import (
     EarlyStopping,
     GradientAccumulationScheduler,
@@ -106,6 +108,31 @@ class Net(pl.LightningModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._data(200)
+
+
+class WithMetrics(Net):
+    """Logs torchmetrics objects (synchronised by torchmetrics itself at the epoch's end, on every rank)."""
+
+    def __init__(self, loading: Loading) -> None:
+        super().__init__(loading)
+        self.train_accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=2, average="micro")
+        self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=2, average="micro")
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        self.train_accuracy(out.argmax(1), (y[:, 0] > 0).long())
+        self.log("train_accuracy", self.train_accuracy, on_step=False, on_epoch=True)
+        return nn.functional.mse_loss(out, y)
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        out = self(x)
+        self.val_accuracy(out.argmax(1), (y[:, 0] > 0).long())
+        self.val_mse(out, y)
+        self.log("val_accuracy", self.val_accuracy)
+        self.log("val_mse", self.val_mse)
 
 
 @dataclass(frozen=True)
@@ -217,6 +244,14 @@ def barebones(strategy: Any, loading: Loading, root: Path) -> dict[str, Any]:
     return {"global_step": run.global_step, "params": parameters(model)}
 
 
+def metrics(strategy: Any, loading: Loading, root: Path) -> dict[str, Any]:
+    run = trainer(strategy, loading, root, max_epochs=2)
+    model = WithMetrics(loading)
+    run.fit(model)
+    logged = {name: float(value) for name, value in run.callback_metrics.items()}
+    return {**logged, "validated": run.validate(model, verbose=False)[0], "params": parameters(model)}
+
+
 SCENARIOS = {
     "early_stopping": early_stopping,
     "accumulation_schedule": accumulation_schedule,
@@ -225,6 +260,7 @@ SCENARIOS = {
     "lr_find": lr_find,
     "best_checkpoint": best_checkpoint,
     "barebones": barebones,
+    "metrics": metrics,
 }
 
 
