@@ -23,10 +23,13 @@ Scenarios:
   loss, then ``validate`` and ``test`` with ``ckpt_path="best"``.
 - ``barebones``: ``Trainer(barebones=True)``.
 - ``metrics``: torchmetrics objects logged in training and validation steps, and ``validate`` after.
+- ``csv_logger``: the training loss logged per step and per epoch (``sync_dist``), the validation loss,
+  and the rows a ``CSVLogger`` wrote on rank 0 with ``log_every_n_steps=1``.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 from collections.abc import Callable
@@ -133,6 +136,15 @@ class WithMetrics(Net):
         self.val_mse(out, y)
         self.log("val_accuracy", self.val_accuracy)
         self.log("val_mse", self.val_mse)
+
+
+class LogsItsLoss(Net):
+    """Logs the training loss per step and per epoch, synchronised over the ranks."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
 
 
 @dataclass(frozen=True)
@@ -252,6 +264,25 @@ def metrics(strategy: Any, loading: Loading, root: Path) -> dict[str, Any]:
     return {**logged, "validated": run.validate(model, verbose=False)[0], "params": parameters(model)}
 
 
+USER_METRICS = ("epoch", "train_loss_step", "train_loss_epoch", "val_loss")
+
+
+def csv_logger(strategy: Any, loading: Loading, root: Path) -> dict[str, Any]:
+    """What rank 0's ``CSVLogger`` wrote of the user's metrics, per step (``log_every_n_steps=1``)."""
+    logger = CSVLogger(root / "logs", name="run", version=0)
+    run = trainer(strategy, loading, root, max_epochs=2, logger=logger, log_every_n_steps=1)
+    run.fit(LogsItsLoss(loading))
+    if run.global_rank != 0:
+        return {}
+    by_step: dict[str, dict[str, float]] = {}  # the user's metrics (a strategy may add its own) per step
+    with open(Path(logger.log_dir) / "metrics.csv") as file:
+        for row in csv.DictReader(file):
+            mine = {k: float(v) for k, v in row.items() if v != "" and k in USER_METRICS}
+            if mine:
+                by_step.setdefault(row["step"], {}).update(mine)
+    return by_step
+
+
 SCENARIOS = {
     "early_stopping": early_stopping,
     "accumulation_schedule": accumulation_schedule,
@@ -261,6 +292,7 @@ SCENARIOS = {
     "best_checkpoint": best_checkpoint,
     "barebones": barebones,
     "metrics": metrics,
+    "csv_logger": csv_logger,
 }
 
 
