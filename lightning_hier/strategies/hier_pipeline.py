@@ -39,6 +39,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     remove_global_norm_clipping,
 )
 from lightning_hier.strategies.instance_hooks import InstanceHooks
+from lightning_hier.strategies.micro_batch_logging import step_values_over_micro_batches
 from lightning_hier.strategies.optimizer_routing import without_optimizer
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
@@ -464,7 +465,9 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             rng_step = int(trainer.fit_loop.total_batch_idx)
             forward = self._step_forward("training_step", micro, total, tuple(rest), scale, rng_step)
             self.engine.schedule.loss_backward = self._loss_backward()
-            self.engine.train_step(len(micro), forward, self._spec_keys("train", micro))
+            # the user's step runs on the last stage only: its on_step values become the batch's
+            with step_values_over_micro_batches(trainer._results if self.engine.is_last else None):
+                self.engine.train_step(len(micro), forward, self._spec_keys("train", micro))
         loss = self._step_loss(len(micro))
         if loss is None:
             return None  # every stage skips the optimizer step, as Lightning does for one process
