@@ -63,6 +63,8 @@ class BlockToggledProfiler(Callback):
     separate fits do not: the step time (start to start, rank 0) and CPU seconds (all ranks) per step are
     collected per mode, leaving out the first ``warmup`` steps."""
 
+    reads_gradients = False  # as CommProfiler: hier_sliced keeps its default gradients in hooks
+
     DDP_DEFAULT_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate
 
     def __init__(self, profiler: CommProfiler, block: int, warmup: int, first_on: bool) -> None:

@@ -63,6 +63,8 @@ class CommProfiler(Callback):
             times from them, bytes and counts from every step.
     """
 
+    reads_gradients = False  # its on_after_backward reads DDP's sync flag, not .grad (hier_sliced's "auto")
+
     # its on_after_backward reads the clock only: hier_bsp keeps pushing buckets during backward with it
     leaves_gradients_alone = True
 

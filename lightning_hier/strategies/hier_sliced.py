@@ -38,6 +38,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     install_global_norm_clipping,
     remove_global_norm_clipping,
 )
+from lightning_hier.strategies.gradient_readers import hooks_read_gradients
 from lightning_hier.strategies.optimizer_routing import (
     install_optimizer_toggle,
     remove_optimizer_toggle,
@@ -121,8 +122,10 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             unknown optimizer is refused at setup.
         full_gradients_in_hooks: make every parameter's ``.grad`` the averaged (DDP) gradient in
             ``on_after_backward`` and ``on_before_optimizer_step`` (e.g. for ``grad_norm`` logging),
-            at the cost of one intra-node all-gather of the gradients per step. Off, ``.grad`` there
-            is this rank's unreduced gradient; the optimizer always steps the averaged slices.
+            at the cost of one intra-node all-gather of the gradients per step. ``"auto"`` (default):
+            on where the module or a callback overrides one of those hooks, off otherwise. Off,
+            ``.grad`` there is this rank's unreduced gradient; the optimizer always steps the averaged
+            slices.
 
     The remaining arguments are Lightning's usual DDP plumbing. ``find_unused_parameters``,
     ``static_graph`` and ``gradient_as_bucket_view`` are accepted so that a ``DDPStrategy(...)`` call or
@@ -159,7 +162,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         min_bucket_mb: float = 1.0,
         reducer: Literal["auto", "inline", "thread"] = "auto",
         elementwise_optimizers: Sequence[str] = (),
-        full_gradients_in_hooks: bool = False,
+        full_gradients_in_hooks: bool | str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -217,7 +220,13 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self.bucketing = bucketing
         self.reducer = reducer
         self.elementwise_optimizers = tuple(elementwise_optimizers)
-        self.full_gradients_in_hooks = bool(full_gradients_in_hooks)
+        if full_gradients_in_hooks not in (True, False, "auto"):
+            raise ValueError(
+                f"full_gradients_in_hooks={full_gradients_in_hooks!r}: use True, False or 'auto' (on where "
+                "the module or a callback overrides on_after_backward or on_before_optimizer_step)."
+            )
+        self.full_gradients_in_hooks = full_gradients_in_hooks
+        self._full_gradients = full_gradients_in_hooks is True  # "auto" is decided at setup
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None  # the first optimizer's (the only one, usually)
@@ -264,6 +273,8 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self._attach_hybrid_embeddings()
         if fitting:
             self.setup_optimizers(trainer)
+            if self.full_gradients_in_hooks == "auto":
+                self._full_gradients = hooks_read_gradients(self.lightning_module, trainer.callbacks)
         sharding = fitting and not without_optimizer(self.optimizers)
         checkpoint_engine_state, self._checkpoint_engine_state = self._checkpoint_engine_state, None
         if sharding:
@@ -495,7 +506,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             self.tables.sync_gradients(update=not self._loss_scaled)
         for engine in self._backward_engines:
             engine.finish_backward()
-            if engine.syncing and self.full_gradients_in_hooks:
+            if engine.syncing and self._full_gradients:
                 engine.expose_full_gradients()
 
     def before_optimizer_step_hooks(self) -> None:
@@ -503,7 +514,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         scaler the slices were just unscaled, so the exposed full gradients are refreshed."""
         plugin = self.precision_plugin
         scaled = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
-        if self.full_gradients_in_hooks and scaled:
+        if self._full_gradients and scaled:
             for engine in self._backward_engines:
                 engine.expose_full_gradients()
 

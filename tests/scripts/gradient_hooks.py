@@ -2,7 +2,8 @@
 
 Under ``ddp`` the hooks ``on_after_backward`` and ``on_before_optimizer_step`` see the averaged
 gradient (Lightning's ``grad_norm`` idiom relies on it). ``hier_sliced`` with
-``full_gradients_in_hooks=True`` must show the same; without it, each rank's own gradient.
+``full_gradients_in_hooks=True`` must show the same, and so must the default (``"auto"``), since a callback
+here overrides those hooks; with ``False``, each rank's own gradient.
 Rank 0 writes the largest relative difference to ddp per run and hook to argv[1].
 """
 
@@ -62,10 +63,11 @@ def main() -> None:
     out = Path(sys.argv[1])
     reference = run("ddp")
     full = run(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002, full_gradients_in_hooks=True))
-    local = run(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002))
+    auto = run(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002))
+    local = run(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002, full_gradients_in_hooks=False))
     results = {
         f"{name}/{hook}": max_rel(seen[hook], reference[hook])
-        for name, seen in (("full", full), ("local", local))
+        for name, seen in (("full", full), ("auto", auto), ("local", local))
         for hook in reference
     }
     gathered = [None] * dist.get_world_size()
