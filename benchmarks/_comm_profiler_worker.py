@@ -86,7 +86,7 @@ class BlockToggledProfiler(Callback):
         else:
             stats.stop()
         if ddp is not None:
-            rate = self.profiler.ddp_timing_every or 1 if on else self.DDP_DEFAULT_SAMPLE_RATE
+            rate = ddp.timing_every if on else self.DDP_DEFAULT_SAMPLE_RATE
             ddp.model._set_ddp_runtime_logging_sample_rate(rate)
         self.on = on
 
@@ -191,9 +191,9 @@ def run_rounds(config: dict[str, Any], strategy: str) -> dict[str, list[float]]:
     for round_index in range(config["rounds"]):
         first = round_index % 2 == 0  # alternate who goes first
         if config.get("block"):
-            off, on, cpu_off, cpu_on = fit_blocks(config, strategy, first_on=first)
-            times["without"].append(off), times["with"].append(on)
-            times["cpu_without"].append(cpu_off), times["cpu_with"].append(cpu_on)
+            measured = fit_blocks(config, strategy, first_on=first)  # without, with, and their CPU
+            for key, value in zip(("without", "with", "cpu_without", "cpu_with"), measured):
+                times[key].append(value)
             continue
         for profiled in (not first, first):
             step_s, cpu_s = fit_once(config, strategy, profiled)

@@ -51,6 +51,7 @@ class DDPReducerStats:
             timing_every = self.CUDA_TIMING_EVERY if on_cuda else 1
         if timing_every < 1:
             raise ValueError(f"timing_every must be >= 1, got {timing_every!r}.")
+        self.timing_every = timing_every  # as resolved: what it sets DDP's sampling to
         # DDP's default samples one iteration in 100 (after the first 10)
         model._set_ddp_runtime_logging_sample_rate(timing_every)
         self._sampled_iteration: int | None = None

@@ -225,8 +225,9 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
                 f"full_gradients_in_hooks={full_gradients_in_hooks!r}: use True, False or 'auto' (on where "
                 "the module or a callback overrides on_after_backward or on_before_optimizer_step)."
             )
-        self.full_gradients_in_hooks = full_gradients_in_hooks
-        self._full_gradients = full_gradients_in_hooks is True  # "auto" is decided at setup
+        auto = full_gradients_in_hooks == "auto"
+        self.full_gradients_in_hooks = full_gradients_in_hooks if auto else bool(full_gradients_in_hooks)
+        self._full_gradients = self.full_gradients_in_hooks is True  # "auto" is decided at setup
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None  # the first optimizer's (the only one, usually)
