@@ -50,10 +50,19 @@ class CpuMarkedWindow(MarkedWindow):
         if batch_idx == self.first:
             self._cpu_start = time.process_time()
         elif batch_idx == self.first + self.steps:  # every rank reaches it: sum over the ranks
-            spent = torch.tensor([time.process_time() - self._cpu_start], dtype=torch.float64)
-            if dist.is_initialized():
-                dist.all_reduce(spent)
-            self.cpu_per_step_s = float(spent) / self.steps
+            (spent,) = summed_over_ranks([time.process_time() - self._cpu_start])
+            self.cpu_per_step_s = spent / self.steps
+
+
+def summed_over_ranks(values: list[float]) -> list[float]:
+    """``values`` summed over every rank (on the GPU under NCCL: ``ddp`` there builds no CPU backend)."""
+    summed = torch.tensor(values, dtype=torch.float64)
+    if not dist.is_initialized():
+        return values
+    if dist.get_backend() == "nccl":
+        summed = summed.cuda()
+    dist.all_reduce(summed)
+    return summed.tolist()
 
 
 class BlockToggledProfiler(Callback):
@@ -128,11 +137,9 @@ class BlockToggledProfiler(Callback):
         if stats is None or len(stats.steps) != self.on_steps:  # the profiler missed a step it was on for
             accounted = stats and len(stats.steps)
             raise RuntimeError(f"CommProfiler accounted {accounted} steps of {self.on_steps}")
-        cpu = torch.tensor([self.cpu_s[False], self.cpu_s[True]], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(cpu)
+        cpu = summed_over_ranks([self.cpu_s[False], self.cpu_s[True]])
         off, on = self.step_s[False], self.step_s[True]
-        cpu_off, cpu_on = float(cpu[0]) / len(off), float(cpu[1]) / len(on)
+        cpu_off, cpu_on = cpu[0] / len(off), cpu[1] / len(on)
         return statistics.median(off), statistics.median(on), cpu_off, cpu_on
 
 
