@@ -200,6 +200,32 @@ def test_shared_and_tied_modules_migrate_once_matching_one_process(tmp_path: Pat
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=TwiceNet)
 
 
+def test_parameters_tied_across_stages_are_replicated_and_match_one_process(tmp_path: Path) -> None:
+    """Layers sharing a parameter (a block applied twice, tied encoder/decoder weights) split over stages:
+    each stage using it holds a replica, the replicas' gradients are summed before the step (and counted
+    once in the clipping norm), and layers with replicas migrate; the run equals one process's."""
+    result = run_scenario("tied_split_migrate", 4, tmp_path)
+    expected_losses, expected_state = reference(
+        "adam", max_steps=8, precision="64-true", model_class=TwiceNet, gradient_clip_val=0.5
+    )
+    assert result["history"], "the lopsided start must be rebalanced (layers with replicas move)"
+    assert any(len(stages) > 1 for _, stages in result["tied_seen"]), result["tied_seen"]
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=TwiceNet)
+
+
+def test_tied_replicas_start_from_rank_0s_values(tmp_path: Path) -> None:
+    """A process that built the shared weight differently (no common seed) gets rank 0's values for its
+    replica, as ddp broadcasts rank 0's module: without that the replicas would train apart."""
+    result = run_scenario("tied_split_apart_at_start", 2, tmp_path)
+    assert ["enc.weight", [0, 1]] in result["tied_seen"], result["tied_seen"]
+    expected_losses, expected_state = reference(
+        "adam", max_steps=4, precision="64-true", model_class=TwiceNet
+    )
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=TwiceNet)
+
+
 def test_dropout_masks_do_not_depend_on_placement_or_migration(tmp_path: Path) -> None:
     four = run_scenario("dropout_migrate", 4, tmp_path)
     one = run_scenario("dropout_one_stage", 1, tmp_path)

@@ -12,6 +12,7 @@ from lightning_hier.pipeline.partition import StagePartition, partition_uniform
 from lightning_hier.pipeline.rebalance import decide_rebalance
 from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
 from lightning_hier.pipeline.stage import StageExecutor
+from lightning_hier.pipeline.tied_parameters import canonical_names, find_tied, parameter_shapes
 
 
 class InceptionBlock(nn.Module):
@@ -91,8 +92,17 @@ def test_shared_module_and_long_skip_stay_in_one_cluster() -> None:
             x = self.a(x)  # `a` again: a..a cannot be split
             return self.c(x)
 
-    graph = LayerGraph(Shared())
+    graph = LayerGraph(Shared(), split_tied_parameters=False)
     assert _cluster_names(graph) == [["a", "b", "a_1"], ["c"]]
+    # by default only shared buffers hold layers together: `a`'s parameters get a replica per stage
+    assert _cluster_names(LayerGraph(Shared())) == [["a"], ["b"], ["a_1"], ["c"]]
+
+    class SharedNorm(Shared):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.BatchNorm1d(4)  # running statistics: a buffer cannot have replicas
+
+    assert _cluster_names(LayerGraph(SharedNorm())) == [["a", "b", "a_1"], ["c"]]
 
     class LongSkip(nn.Module):
         def __init__(self) -> None:
@@ -105,6 +115,56 @@ def test_shared_module_and_long_skip_stay_in_one_cluster() -> None:
 
     graph = LayerGraph(LongSkip())
     assert _cluster_names(graph) == [["a"], ["b", "c", "add"], ["d"]]
+
+
+class TiedLM(nn.Module):
+    """A language model whose output layer reuses the input embedding's weight (GPT-2, T5, ...)."""
+
+    def __init__(self, vocab: int = 11, width: int = 6, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        )
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.blocks(self.embed(tokens)))
+
+
+def test_an_output_layer_tied_to_the_embedding_splits_with_a_replica_on_both_ends() -> None:
+    model = TiedLM()
+    # kept together, the whole model is one cluster: no pipeline at all
+    assert LayerGraph(model, split_tied_parameters=False).num_clusters == 1
+    graph = LayerGraph(model)
+    assert _cluster_names(graph)[0] == ["embed"] and _cluster_names(graph)[-1] == ["lm_head"]
+    canonical = canonical_names(model)
+    assert canonical["lm_head.weight"] == "embed.weight"
+    shapes = parameter_shapes(model)
+    partition = partition_uniform(graph.layer_counts(), 2)
+    (tied,) = find_tied(graph, partition, canonical, shapes)
+    assert (tied.name, tied.stages, tied.shape) == ("embed.weight", (0, 1), (11, 6))
+    # one stage holds the whole model: nothing is tied across stages
+    assert find_tied(graph, partition_uniform(graph.layer_counts(), 1), canonical, shapes) == []
+    # the two stages run in sequence equal the whole model, and each half's gradient of the shared weight
+    # adds up to the whole model's (what sum_tied_gradients gives every replica)
+    tokens = torch.tensor([[1, 4, 7], [2, 9, 10]])
+    whole = model(tokens)
+    whole.square().sum().backward()
+    expected = model.embed.weight.grad.clone()
+    model.zero_grad()
+    first, second = (StageExecutor(graph, partition, stage) for stage in (0, 1))
+    middle = first.forward(tokens)
+    received = middle.detach().requires_grad_()
+    out = second.forward(received)
+    torch.testing.assert_close(out, whole)
+    out.square().sum().backward()
+    from_head = model.embed.weight.grad.clone()
+    model.zero_grad()
+    middle.backward(received.grad)
+    torch.testing.assert_close(model.embed.weight.grad + from_head, expected)
+    assert from_head.abs().sum() > 0 and model.embed.weight.grad.abs().sum() > 0
 
 
 def test_untraceable_model_names_the_call_and_leaf_modules_fix_it() -> None:
@@ -248,6 +308,7 @@ def test_initial_partitions_and_their_errors() -> None:
         (dict(memory_limit=0), "memory_limit"),
         (dict(swap_bandwidth=0.0), "swap_bandwidth"),
         (dict(activation_policy="offload"), "activation_policy"),
+        (dict(split_tied_parameters="yes"), "split_tied_parameters"),
     ],
 )
 def test_bad_settings_fail_with_the_setting_named(kwargs: dict, match: str) -> None:

@@ -46,6 +46,15 @@ from lightning_hier.pipeline.rebalance import RebalanceDecision, decide_rebalanc
 from lightning_hier.pipeline.schedule import PipelineSchedule, StageLink
 from lightning_hier.pipeline.settings import PipelineSettings
 from lightning_hier.pipeline.stage import StageExecutor
+from lightning_hier.pipeline.tied_parameters import (
+    TiedParameter,
+    canonical_names,
+    find_tied,
+    other_names,
+    parameter_shapes,
+    start_replicas_equal,
+    sum_tied_gradients,
+)
 from lightning_hier.topology import control_group
 
 log = logging.getLogger(__name__)
@@ -142,6 +151,14 @@ class PipelineEngine:
         self._measured_bandwidth: float | None = None
         self.layer_timing = "auto"  # one of LAYER_TIMING_MODES, see times_micro_batch
         self._outside_layers = self._state_outside_layers()
+        # read while every tensor is whole: which names are one tensor, and each parameter's shape
+        self._canonical = canonical_names(self.root)
+        self._other_names = other_names(self._canonical)
+        self._shapes = parameter_shapes(self.root)
+        self.tied: list[TiedParameter] = []
+        self._find_tied()
+        if self.num_stages > 1:
+            start_replicas_equal(self.tied, self.root, self.group)
         self.release_foreign_state()
         self._enable_memory_policy()
 
@@ -173,10 +190,11 @@ class PipelineEngine:
     def owned_state_names(self, partition: StagePartition | None = None) -> list[str]:
         """The parameter and buffer names this stage holds under ``partition`` (default: the current one).
 
-        Its layers' state, every other name of the same tensors (a weight tied to a module that
-        ``forward`` never calls), and, on the last stage, whatever no traced layer uses: the last stage
-        runs the user's ``*_step`` on the model's output, where such modules (a loss with weights, a
-        learnable temperature) are called, and a checkpoint must hold them.
+        Its layers' state under every name of the same tensors (a weight tied to a module that ``forward``
+        never calls, or to a layer of another stage: then each of those stages holds a replica), and, on
+        the last stage, whatever no traced layer uses: the last stage runs the user's ``*_step`` on the
+        model's output, where such modules (a loss with weights, a learnable temperature) are called, and a
+        checkpoint must hold them.
         """
         partition = partition or self.partition
         first, last = partition.stage_ranges()[self.stage]
@@ -185,7 +203,21 @@ class PipelineEngine:
         names += [alias for alias, target in self._outside_layers.items() if target in mine]
         if self.stage == partition.num_stages - 1:
             names += [name for name, target in self._outside_layers.items() if target is None]
+        seen = set(names)
+        for name in list(names):
+            for other in self._other_names.get(name, ()):
+                if other not in seen:
+                    seen.add(other)
+                    names.append(other)
         return names
+
+    def _find_tied(self) -> None:
+        self.tied = find_tied(self.graph, self.partition, self._canonical, self._shapes)
+
+    def sum_tied_gradients(self) -> None:
+        """Before the optimizer step: every replica of a parameter tied across stages gets the sum of the
+        replicas' gradients (collective over the stages; nothing when no parameter is tied across them)."""
+        sum_tied_gradients(self.tied, self.root, self.stage, self.device, self.group)
 
     def _state_outside_layers(self) -> dict[str, str | None]:
         """Each parameter or buffer name no traced layer lists -> the layer-held name of the same tensor,
@@ -367,10 +399,15 @@ class PipelineEngine:
     def apply_partition(self, new: StagePartition) -> MigrationReport:
         """Move layers live so that ``new`` holds (collective over all stages)."""
         moves = plan_moves(self.graph, self.partition, new)
+        keep = self.owned_state_names(new)
         report = migrate(
-            moves, self.stage, self._rank_of_stage, self.root, self.optimizers, self.device, self.group
+            moves, self.stage, self._rank_of_stage, self.root, self.optimizers, self.device, self.group, keep
         )
+        # a replica this stage used by layers that now all sit elsewhere moved nowhere: release it here
+        held = set(keep)
+        release_state(self.root, [n for n in self.owned_state_names() if n not in held], self.optimizers)
         self.partition = new
+        self._find_tied()
         self.executor.set_partition(new)
         self.link.forget_specs()  # the cuts moved
         self._apply_fixed_policy()
@@ -386,6 +423,7 @@ class PipelineEngine:
             self.root, {n: full_state[n] for n in owned - current if n in full_state}, self.device
         )
         self.partition = new
+        self._find_tied()
         self.executor.set_partition(new)
         self.link.forget_specs()  # the cuts moved
         self._apply_fixed_policy()
@@ -470,11 +508,15 @@ class PipelineEngine:
                     state[name].copy_(value)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradient (summed over stages); returns that norm."""
+        """Clip by the norm of the whole model's gradient (summed over stages, a parameter tied across
+        stages counted once, on the first of them); returns that norm."""
+        params = dict(self.root.named_parameters(remove_duplicate=False))
+        counted_elsewhere = {id(params[t.name]) for t in self.tied if t.stages[0] != self.stage}
         grads = [p.grad for p in self.root.parameters() if p.grad is not None and p.numel() > 0]
         local = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
-            local += g.detach().double().pow(2).sum()
+        for p in self.root.parameters():
+            if p.grad is not None and p.numel() > 0 and id(p) not in counted_elsewhere:
+                local += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(local, group=self.group)
         total = local.sqrt()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -6,8 +6,11 @@ one value produced by a layer is still needed later (the cut carries one tensor,
 has a single entry and a single exit). The layers between two allowed cuts form a *cluster*:
 an Inception- or ResNet-like block, whose branches keep several values alive between the fork
 and the join, becomes one cluster; in a plain stack every layer is its own cluster. Layers that
-share a module or a parameter (a module called twice, tied weights) are kept in one cluster, so
-a parameter always lives on exactly one stage.
+share a buffer (a normalisation module called twice) are kept in one cluster, so a buffer always
+lives on exactly one stage. Layers that share only parameters (tied embedding and output weights, a
+module called twice) may be split: each stage using such a parameter holds a replica, and the engine
+sums the replicas' gradients before the optimizer step (``split_tied_parameters=False`` keeps them in one
+cluster instead).
 """
 
 from __future__ import annotations
@@ -206,10 +209,15 @@ class LayerGraph:
         module: the model (a LightningModule works: its ``forward`` is traced).
         leaf_modules: qualified names of submodules to keep as one opaque layer (e.g. a block
             with data-dependent control flow that fx cannot trace).
+        split_tied_parameters: allow a cut between layers that share a parameter (each stage then
+            holds a replica of it); ``False`` keeps such layers in one cluster.
     """
 
-    def __init__(self, module: nn.Module, leaf_modules: Sequence[str] = ()) -> None:
+    def __init__(
+        self, module: nn.Module, leaf_modules: Sequence[str] = (), split_tied_parameters: bool = True
+    ) -> None:
         self.root = module
+        self.split_tied_parameters = split_tied_parameters
         self.graph_module = trace_model(module, leaf_modules)
         # forward's arguments traced as their plain default: a call passing another value is refused
         self.specialized: dict[str, Any] = _specialized_defaults(module)
@@ -307,13 +315,16 @@ class LayerGraph:
         return clusters
 
     def _drop_cuts_inside_shared_state(self, cuts: list[tuple[int, str]]) -> list[tuple[int, str]]:
-        """A module or parameter used by several layers must not be split across stages."""
-        tensors = dict(self.root.named_parameters(remove_duplicate=False))
-        tensors.update(dict(self.root.named_buffers(remove_duplicate=False)))
+        """A buffer used by several layers must not be split across stages (a replica's running statistics
+        would drift apart); a shared parameter only when ``split_tied_parameters`` is off."""
+        params = dict(self.root.named_parameters(remove_duplicate=False))
+        tensors = {**params, **dict(self.root.named_buffers(remove_duplicate=False))}
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         for layer in self.layers:
             for name in layer.state_names:
+                if self.split_tied_parameters and name in params:
+                    continue  # replicated on each stage that uses it (the engine sums the gradients)
                 key = id(tensors[name]) if name in tensors else hash(name)
                 first.setdefault(key, layer.index)
                 last[key] = layer.index

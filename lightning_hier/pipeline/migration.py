@@ -2,10 +2,10 @@
 
 For each layer that changes stage (in layer order, the same list on every rank): the source
 announces it with the shapes and dtypes of its parameters and buffers; the target builds the
-empty layer and answers ready; the source sends parameters, buffers and optimizer state, then
-releases them. Migrations run at an optimizer-step boundary, where the synchronous schedules
-(GPipe, 1F1B) have flushed, so no stashed activation needs to move: every micro-batch's backward
-has already run on the stage that ran its forward.
+empty layer and answers ready; the source sends parameters, buffers and optimizer state, and
+releases them once every move has run. Migrations run at an optimizer-step boundary, where the
+synchronous schedules (GPipe, 1F1B) have flushed, so no stashed activation needs to move: every
+micro-batch's backward has already run on the stage that ran its forward.
 
 Processing one shared list in order cannot deadlock: the earliest unfinished move always has
 both of its ranks waiting on it.
@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.object_wire import from_wire, to_wire
 from lightning_hier.pipeline.partition import StagePartition
+from lightning_hier.pipeline.tied_parameters import canonical_names, held_keys
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,18 @@ class MigrationReport:
 
 
 def plan_moves(graph: LayerGraph, old: StagePartition, new: StagePartition) -> list[LayerMove]:
-    """Every layer that owns state and sits on a different stage under ``new``, each tensor once.
+    """Every layer that owns state and sits on a different stage under ``new``, each tensor once per
+    stage that needs it.
 
-    A module applied twice, or two layers sharing a parameter (tied weights), put the same tensor
-    in several layers (always of one cluster: such layers are never split). It moves with the
-    first of them; a second move would read the already-released tensor and overwrite what the
-    target has just received.
+    A module applied twice, or two layers sharing a parameter (tied weights), put the same tensor in
+    several layers. It moves with the first of them that reaches a stage; a second move to the same stage
+    would read a tensor the source may have released and overwrite what the target has just received.
+    Where the target already holds the tensor (a replica of a parameter tied across stages) nothing of it
+    travels.
     """
-    canonical = _canonical_names(graph.root)
-    moved: set[str] = set()
+    canonical = canonical_names(graph.root)
+    held = [held_keys(graph, old, stage, canonical) for stage in range(old.num_stages)]
+    moved: set[tuple[str, int]] = set()
     moves = []
     for cluster in graph.clusters:
         src, dst = old.stage_of_cluster(cluster.index), new.stage_of_cluster(cluster.index)
@@ -75,24 +79,12 @@ def plan_moves(graph: LayerGraph, old: StagePartition, new: StagePartition) -> l
             names = []
             for name in layer.state_names:
                 key = canonical.get(name, name)
-                if key not in moved:
-                    moved.add(key)
+                if (key, dst) not in moved and key not in held[dst]:
+                    moved.add((key, dst))
                     names.append(name)
             if names:
                 moves.append(LayerMove(layer.name, tuple(names), src, dst))
     return moves
-
-
-def _canonical_names(root: nn.Module) -> dict[str, str]:
-    """Each parameter/buffer name -> the first name of the same tensor (tied tensors share one)."""
-    first: dict[int, str] = {}
-    canonical = {}
-    for name, tensor in [
-        *root.named_parameters(remove_duplicate=False),
-        *root.named_buffers(remove_duplicate=False),
-    ]:
-        canonical[name] = first.setdefault(id(tensor), name)
-    return canonical
 
 
 # ---------------------------------------------------------------------- local state surgery
@@ -195,7 +187,9 @@ def _send_layer(
     optimizers: Sequence[Optimizer],
     group: dist.ProcessGroup | None,
 ) -> int:
-    """Source side: announce, wait for ready, send state, release it; returns bytes sent.
+    """Source side: announce, wait for ready, send state; returns bytes sent (:func:`migrate` releases
+    what this stage no longer holds once every move has run: a tensor tied across layers may leave for
+    several stages).
 
     The handshake and the pickled state are host data, so they travel over the group's CPU
     backend (the device rule of :mod:`lightning_hier.topology`).
@@ -210,7 +204,6 @@ def _send_layer(
     tensors = {n: state[n].detach().cpu() for n in move.state_names}
     optim = {n: _optimizer_state(params[n], optimizers) for n in move.state_names if n in params}
     dist.send_object_list([to_wire({"tensors": tensors, "optim": optim})], dst=peer, group=group)
-    release_state(root, move.state_names, optimizers)
     return _nbytes(tensors.values()) + _optimizer_nbytes(optim)
 
 
@@ -253,9 +246,13 @@ def migrate(
     optimizers: Sequence[Optimizer],
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    keep: Iterable[str] | None = None,
 ) -> MigrationReport:
-    """Carry out ``moves`` on this rank (every rank calls this with the same list)."""
+    """Carry out ``moves`` on this rank (every rank calls this with the same list), then release what it
+    sent away unless ``keep`` (the names this stage holds under the new split) lists it."""
     report = MigrationReport()
+    kept = set(keep) if keep is not None else set()
+    sent: list[str] = []
     start = perf_counter()
     params = dict(root.named_parameters(remove_duplicate=False))
     for move in moves:
@@ -266,6 +263,7 @@ def migrate(
             if stage == move.src:
                 peer = rank_of_stage(move.dst)
                 report.bytes_sent += _send_layer(move, peer, root, params, optimizers, group)
+                sent += [name for name in move.state_names if name not in kept]
             else:
                 report.bytes_received += _receive_layer(
                     move, rank_of_stage(move.src), root, params, optimizers, device, group
@@ -276,5 +274,6 @@ def migrate(
                 f"failed ({exc}). The other stage probably died; checkpoints are only written between "
                 "steps, so the last one describes a valid partition: resume from it."
             ) from exc
+    release_state(root, sent, optimizers)
     report.seconds = perf_counter() - start
     return report

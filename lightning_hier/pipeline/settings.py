@@ -32,6 +32,7 @@ class PipelineSettings:
     leaf_modules: tuple[str, ...] = ()
     activation_policy: str = "auto"
     static_shapes: bool = False
+    split_tied_parameters: bool = True
 
     def __post_init__(self) -> None:
         if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
@@ -86,6 +87,10 @@ class PipelineSettings:
             )
         if not isinstance(self.static_shapes, bool):
             raise ValueError(f"static_shapes must be True or False, got {self.static_shapes!r}.")
+        if not isinstance(self.split_tied_parameters, bool):
+            raise ValueError(
+                f"split_tied_parameters must be True or False, got {self.split_tied_parameters!r}."
+            )
         if not isinstance(self.profile_steps, int) or self.profile_steps < 1:
             raise ValueError(f"profile_steps must be a positive integer, got {self.profile_steps!r}.")
 

@@ -132,6 +132,11 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             stage posts the next activation's receive while it computes (6-8 % shorter steps on
             the 2-core benchmark). A stage whose activation breaks the assumption raises naming
             ``static_shapes``.
+        split_tied_parameters: layers that share a parameter (tied input and output embeddings, a module
+            called twice) may sit on different stages; each of those stages holds a replica, and their
+            gradients are summed over the stages before every optimizer step, so training equals one
+            process's. ``False`` keeps such layers on one stage (a language model whose output layer is
+            tied to its embedding then cannot be split at all).
     """
 
     _runtime_state = {"engine": lambda: None, "_metric_sync": lambda: None}
@@ -154,6 +159,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         leaf_modules: Sequence[str] = (),
         activation_policy: Literal["auto", "keep", "swap", "recompute"] = "auto",
         static_shapes: bool = False,
+        split_tied_parameters: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -178,6 +184,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             leaf_modules=tuple(leaf_modules),
             activation_policy=activation_policy,
             static_shapes=static_shapes,
+            split_tied_parameters=split_tied_parameters,
         )
         super().__init__(
             accelerator=accelerator,
@@ -323,7 +330,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
     def _build_engine(self) -> None:
         module = self.lightning_module
         assert module is not None
-        graph = LayerGraph(module, self.settings.leaf_modules)
+        graph = LayerGraph(module, self.settings.leaf_modules, self.settings.split_tied_parameters)
         # the same on every rank (deterministic), so an error here is raised by all of them
         relays = graph.pad_with_relays(self.num_stages)
         if relays:
@@ -581,6 +588,12 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         flag = torch.tensor([int(bool(decision))], dtype=torch.int64)  # host control data: CPU backend
         dist.broadcast(flag, src=rank_of_stage(self.num_stages, self.num_stages - 1), group=control_group())
         return bool(flag.item())
+
+    def before_optimizer_step_hooks(self) -> None:
+        """Called by the precision plugin after the closure, before ``on_before_optimizer_step`` and
+        clipping: replicas of a parameter tied across stages get the whole gradient."""
+        if self.engine is not None:
+            self.engine.sum_tied_gradients()
 
     def optimizer_step(
         self,

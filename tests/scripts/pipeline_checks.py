@@ -39,10 +39,26 @@ SCENARIOS: dict[str, dict] = {
     "shared_modules_migrate": dict(
         model=dict(optimizer="adam"),
         model_class="twice",
-        strategy=dict(partition=[1, 1, 1, 14], rebalance=2, micro_batches=4),
+        strategy=dict(partition=[1, 1, 1, 14], rebalance=2, micro_batches=4, split_tied_parameters=False),
         trainer=dict(max_steps=6, precision="64-true"),
     ),
+    # the same model with layers that share parameters split over stages (replicas, gradients summed),
+    # migrating every 2 steps, clipped by the global norm
+    "tied_split_migrate": dict(
+        model=dict(optimizer="adam"),
+        model_class="twice",
+        strategy=dict(partition=[1, 1, 1, 28], rebalance=2, micro_batches=4),
+        trainer=dict(max_steps=8, precision="64-true", gradient_clip_val=0.5),
+    ),
     # dropout on every stage, layers migrating every 2 steps, against the same pipeline on one stage
+    # enc on stage 0 (rank 1), dec tied to it on stage 1 (rank 0); rank 1 built other values for it
+    "tied_split_apart_at_start": dict(
+        model=dict(optimizer="adam"),
+        model_class="twice",
+        strategy=dict(partition=["dec"], rebalance="never", micro_batches=4),
+        trainer=dict(max_steps=4, precision="64-true"),
+        tied_apart_off_rank0=True,
+    ),
     "dropout_migrate": dict(
         model=dict(optimizer="adam"),
         model_class="drop",
@@ -250,6 +266,12 @@ class RunProbe(pl.Callback):
     def __init__(self) -> None:
         self.callbacks_at_fit_start: list[str] = []
         self.train_epoch_loss: float | None = None
+        self.tied_seen: list[list] = []  # each distinct [parameter, stages holding a replica] of a step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+        for tied in trainer.strategy.engine.tied:
+            if [tied.name, list(tied.stages)] not in self.tied_seen:
+                self.tied_seen.append([tied.name, list(tied.stages)])
 
     def on_fit_start(self, trainer, pl_module):  # noqa: ANN001
         self.callbacks_at_fit_start = [type(cb).__name__ for cb in trainer.callbacks]
@@ -339,6 +361,9 @@ def main() -> None:
         spec["strategy"]["memory_limit"] = _probe_memory_limit(spec["trainer"].get("precision", "32-true"))
     pl.seed_everything(0, verbose=False)
     model = MODELS[spec.get("model_class", "skewed")](**spec["model"])
+    if spec.get("tied_apart_off_rank0") and int(os.environ["RANK"]) != 0:
+        with torch.no_grad():  # as if built without a common seed: the replicas must start as rank 0's
+            model.enc.weight.add_(1.0)
     recorder = LossRecorder()
     hooks = BackwardHooks()
     saves = TorchSaveCounter()
@@ -442,6 +467,7 @@ def main() -> None:
     result["history"] = [event.to_dict() for event in engine.history]
     result["partition"] = engine.partition.to_dict()
     result["checks"] = engine.checks
+    result["tied_seen"] = probe.tied_seen
     mine = {
         "val_loss": result.get("val_loss_seen_by_rank"),
         "measured_peak": engine.measured_peak_bytes(),
