@@ -28,10 +28,12 @@ from pipeline_models import (  # noqa: E402
     OneLayerNet,
     SkewedNet,
     SkippingNet,
+    TinyGPT,
     TwiceNet,
     flagged_loader,
     gain_loader,
     loader,
+    token_loader,
 )
 
 from lightning_hier.pipeline.partition import StagePartition  # noqa: E402
@@ -91,6 +93,8 @@ def reference(
         data = flagged_loader(batch_size)
     elif issubclass(model_class, GainNet):
         data = gain_loader(batch_size)
+    elif issubclass(model_class, TinyGPT):
+        data = token_loader(batch_size)
     else:
         data = loader(batch_size)
     trainer = _plain_trainer(losses, **trainer_kwargs)
@@ -224,6 +228,19 @@ def test_tied_replicas_start_from_rank_0s_values(tmp_path: Path) -> None:
     )
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=TwiceNet)
+
+
+def test_a_tied_embedding_language_model_over_three_stages_matches_one_process(tmp_path: Path) -> None:
+    """GPT-2-style weight tying (the output layer is the token embedding) over 3 stages: replicas on the
+    first and the last stage, layers migrating every 2 steps, AdamW with weight decay, clipping."""
+    result = run_scenario("gpt_tied_3_stages", 3, tmp_path)
+    assert ["tok.weight", [0, 2]] in result["tied_seen"], result["tied_seen"]
+    assert result["history"], "layers must migrate during the run"
+    expected_losses, expected_state = reference(
+        "adamw", max_steps=6, precision="64-true", model_class=TinyGPT, gradient_clip_val=1.0
+    )
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=TinyGPT)
 
 
 def test_dropout_masks_do_not_depend_on_placement_or_migration(tmp_path: Path) -> None:

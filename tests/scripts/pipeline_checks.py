@@ -21,7 +21,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint  # noqa: E402
-from pipeline_models import MODELS, SkewedNet, flagged_loader, gain_loader, loader  # noqa: E402
+from pipeline_models import MODELS, SkewedNet, flagged_loader, gain_loader, loader, token_loader  # noqa: E402
 
 from lightning_hier import HierPipelineStrategy, StageRebalancer  # noqa: E402
 
@@ -58,6 +58,14 @@ SCENARIOS: dict[str, dict] = {
         strategy=dict(partition=["dec"], rebalance="never", micro_batches=4),
         trainer=dict(max_steps=4, precision="64-true"),
         tied_apart_off_rank0=True,
+    ),
+    # a tied-embedding language model over 3 stages (the embedding's replicas on the first and last),
+    # migrating every 2 steps, clipped
+    "gpt_tied_3_stages": dict(
+        model=dict(optimizer="adamw"),
+        model_class="gpt",
+        strategy=dict(partition="uniform", rebalance=2, imbalance_threshold=0.01, min_rebalance_gain=0.0),
+        trainer=dict(max_steps=6, precision="64-true", gradient_clip_val=1.0),
     ),
     "dropout_migrate": dict(
         model=dict(optimizer="adam"),
@@ -413,6 +421,8 @@ def main() -> None:
         train_loader = flagged_loader()
     elif spec.get("gain"):
         train_loader = gain_loader()
+    elif spec.get("model_class") == "gpt":
+        train_loader = token_loader()
     else:
         train_loader = loader(batch_size=spec.get("batch_size", 32), shuffle=spec.get("shuffle", False))
     callbacks_before = [type(cb).__name__ for cb in trainer.callbacks]

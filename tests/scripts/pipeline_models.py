@@ -221,10 +221,74 @@ class GainNet(SkewedNet):
         return loss
 
 
+class CausalBlock(nn.Module):
+    """Pre-norm causal self-attention and MLP, each added to the residual stream."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(pl.LightningModule):
+    """A causal language model as users write one: token and learned position embeddings, pre-norm
+    attention blocks, and the output layer tied to the token embedding (GPT-2's weight tying)."""
+
+    def __init__(self, optimizer: str = "adamw", lr: float = 3e-3, vocab: int = 37, width: int = 32) -> None:
+        super().__init__()
+        self.optimizer_name, self.lr, self.vocab = optimizer, lr, vocab
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(0.02 * torch.randn(TOKENS_PER_SEQUENCE, width))
+        self.blocks = nn.ModuleList(CausalBlock(width, heads=4) for _ in range(3))
+        self.norm = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        tokens, targets = batch
+        loss = nn.functional.cross_entropy(self(tokens).reshape(-1, self.vocab), targets.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+
+
+TOKENS_PER_SEQUENCE = 12
+
+
+def token_loader(batch_size: int = 32, n: int = 256, vocab: int = 37) -> DataLoader:
+    """Sequences following ``next = (3 * token + 1) mod vocab`` from random starts: inputs and the
+    next-token targets."""
+    start = torch.randint(0, vocab, (n, 1), generator=torch.Generator().manual_seed(0))
+    steps = [start]
+    for _ in range(TOKENS_PER_SEQUENCE):
+        steps.append((3 * steps[-1] + 1) % vocab)
+    sequences = torch.cat(steps, dim=1)
+    return DataLoader(TensorDataset(sequences[:, :-1], sequences[:, 1:]), batch_size=batch_size)
+
+
 MODELS = {
     "skewed": SkewedNet,
     "epoch_logging": EpochLoggingNet,
     "twice": TwiceNet,
+    "gpt": TinyGPT,
     "drop": DropNet,
     "gather": GatherNet,
     "one": OneLayerNet,
