@@ -4,6 +4,7 @@ parameter, instead of training a stale copy or nothing (one process)."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from helpers import free_port
 from torch import nn
 
-from lightning_hier import HierSlicedEngine, Topology
+from lightning_hier import GradientTimingProfiler, HierSlicedEngine, Topology
 
 
 @pytest.fixture
@@ -116,3 +117,24 @@ def test_sending_after_backward_handles_a_gradient_ready_twice_exactly(engine_pa
     got, want = _checkpointed_step("none")
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_ready_times_are_taken_only_where_something_reads_them(engine_parts) -> None:  # noqa: ANN001
+    """Each parameter's ready time costs a clock mark per backward (a CUDA event on a GPU): taken under
+    bucketing="time" (the planner reads them) or for a GradientTimingProfiler, not otherwise."""
+    model, optimizer, engine = engine_parts
+    assert engine.bucketing == "size" and not engine.record_ready_times
+    for record in (False, True):
+        engine.record_ready_times = record
+        engine.begin_backward()
+        model(torch.randn(2, 4)).sum().backward()
+        engine.finish_backward()
+        ready = engine.last_timeline.ready
+        assert len(ready) == 2 and [t is not None for t in ready] == [record, record], (record, ready)
+        assert len(engine.last_timeline.bucket_launch) == 1  # the bucket's own marks are always taken
+        optimizer.step()
+        engine.after_step()
+    engine.record_ready_times = False
+    trainer = SimpleNamespace(strategy=SimpleNamespace(engines=[engine]))
+    GradientTimingProfiler().on_train_start(trainer, None)  # type: ignore[arg-type]
+    assert engine.record_ready_times

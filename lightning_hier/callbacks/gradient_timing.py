@@ -74,6 +74,11 @@ class GradientTimingProfiler(Callback):
                 f"GradientTimingProfiler needs strategy='hier_sliced', got {type(trainer.strategy).__name__}."
             )
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the timeline's gradient-ready times, which hier_sliced takes only where they are read
+        for engine in getattr(trainer.strategy, "engines", ()):
+            engine.record_ready_times = True
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

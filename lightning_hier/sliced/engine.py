@@ -126,9 +126,15 @@ class HierSlicedEngine:
         )
         self.inter_node_dtype = inter_node_dtype
         self.clock = StepClock(self.device, event_factory)
-        # host control data (the device rule): which parameters produced a gradient on this rank
-        self._used = torch.zeros(len(self.params), dtype=torch.int32)
-        self._globally_used: frozenset[int] = frozenset(range(len(self.params)))
+        # host control data (the device rule): which parameters produced a gradient on this rank (a
+        # bytearray: the hooks set it once per parameter per backward, where a tensor store costs ~4 us)
+        self._used = bytearray(len(self.params))
+        # each parameter's gradient-ready time: what time bucketing plans from and what
+        # GradientTimingProfiler draws; otherwise not taken (on a GPU each is a CUDA event recorded per
+        # parameter per step)
+        self.record_ready_times = bucketing == "time"
+        self._every_parameter = frozenset(range(len(self.params)))
+        self._globally_used: frozenset[int] = self._every_parameter
         self._used_steps = [0] * len(self.params)  # synchronised steps in which each parameter was used
         self._isolated: set[int] = set()  # parameters given a bucket of their own (see _note_partly_used)
         self._to_isolate: set[int] = set()
@@ -174,6 +180,13 @@ class HierSlicedEngine:
         if optimizer_state is not None:
             self.sharding.load_consolidated_state_dict(optimizer_state)
         self._where = slot_locations(self.buckets)
+        # per parameter: its bucket and its .grad view there, made once per layout (the hook of every
+        # parameter in every backward reads them; slicing and viewing again cost ~4 us each time)
+        self._bucket_of = [self._where[i][0] for i in range(len(self.params))]
+        self._param_pointers = [param.data_ptr() for param in self.params]  # where the layout put them
+        self._grad_views = [
+            self.buckets[b].grad_view(slot) for b, slot in (self._where[i] for i in range(len(self.params)))
+        ]
         self._slice_grads = [self._slice_grad_buffer(bucket) for bucket in self.buckets]
         # error feedback of inter_node_dtype: each rank's rounding residual of its own slices (a new
         # layout starts from zero residuals)
@@ -295,17 +308,19 @@ class HierSlicedEngine:
     def _make_hook(self, index: int):  # noqa: ANN202 - autograd hook signature
         def hook(param: torch.Tensor) -> None:
             if not self._backward_open and not self._open_unannounced():
-                bucket_index, slot = self._where[index]
-                adopt_gradient(param, self.buckets[bucket_index].grad_view(slot))  # local accumulation only
+                adopt_gradient(param, self._grad_views[index])  # local accumulation only
                 return
-            self.clock.mark(("ready", index))
+            if self.record_ready_times:
+                self.clock.mark(("ready", index))
             if not self._end_callback_queued:
                 self._end_callback_queued = True
                 Variable._execution_engine.queue_callback(self._on_backward_end)
-            bucket_index, slot = self._where[index]
-            bucket = self.buckets[bucket_index]
+            bucket_index = self._bucket_of[index]
             # somebody replaced or reset .grad (e.g. module.zero_grad(set_to_none=True)), or it is sparse
-            adopt_gradient(param, bucket.grad_view(slot))
+            view = self._grad_views[index]
+            grad = param.grad
+            if grad is None or grad.is_sparse or grad.data_ptr() != view.data_ptr():
+                adopt_gradient(param, view)
             self._used[index] = 1
             if not self._sync:
                 return
@@ -319,7 +334,11 @@ class HierSlicedEngine:
                     "HierSlicedStrategy(bucketing='none'), which sends after backward."
                 )
             ready.add(index)
-            if self.bucketing != "none" and self._overlap and len(ready) == len(bucket.slots):
+            if (
+                self.bucketing != "none"
+                and self._overlap
+                and len(ready) == len(self.buckets[bucket_index].slots)
+            ):
                 self._launch_ready_buckets()
 
         return hook
@@ -427,7 +446,7 @@ class HierSlicedEngine:
             ready.clear()
         self._jobs = [None] * len(self.buckets)
         self._next_to_launch = 0
-        self._used.zero_()
+        self._used[:] = bytes(len(self._used))
         self._reset_timing()
 
     def _reset_timing(self) -> None:
@@ -440,13 +459,16 @@ class HierSlicedEngine:
         DDP leaves such parameters' ``.grad`` as ``None`` and optimizers skip them; a flat slice
         cannot skip part of itself, so we snapshot those elements and restore them after the step.
         """
-        used = self._used.clone()
+        used = torch.tensor(self._used, dtype=torch.int32)
         if self.world_size > 1:  # one tiny all-reduce per step; no flag to get wrong, unlike DDP
             dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.topology.world_group)
-        self._globally_used = frozenset(torch.nonzero(used).flatten().tolist())
+        flags = used.tolist()
+        unused = [index for index, flag in enumerate(flags) if not flag]
+        self._globally_used = (
+            frozenset(index for index, flag in enumerate(flags) if flag) if unused else self._every_parameter
+        )
         for index in self._globally_used:
             self._used_steps[index] += 1
-        unused = torch.nonzero(used == 0).flatten().tolist()
         self._unused_snapshot = snapshot_unused(
             unused, self._where, self.buckets, self.sharding.shards, self.optimizer
         )
@@ -456,7 +478,8 @@ class HierSlicedEngine:
 
         DDP raises on these too; silently, this strategy would train a stale copy or nothing.
         """
-        for index, param in enumerate(self.params):
+        replaced = [param.data_ptr() for param in self.params] != self._param_pointers  # the fast common case
+        for index, param in enumerate(self.params if replaced else ()):
             bucket_index, slot = self._where[index]
             view = self.buckets[bucket_index].param_view(slot)
             if param.data_ptr() != view.data_ptr():
