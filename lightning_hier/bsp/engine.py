@@ -89,6 +89,11 @@ class BSPEngine:
         )
         self.memory = SharedModelMemory([b.params for b in self.buckets], settings, len(self.params))
         self._bucket_of = {slot.index: b for b, bucket in enumerate(self.buckets) for slot in bucket.slots}
+        # each parameter's .grad view in its bucket, made once (every micro-step re-checks all of them)
+        self._grad_views = [None] * len(self.params)
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                self._grad_views[slot.index] = bucket.grad_view(slot)
         self._ready_in_bucket = [0] * len(self.buckets)
         # the coming backward completes a micro-step (set before it); whether that micro-step is the
         # superstep's last, decided at its first gradient; buckets 0.. of it folded so far
@@ -239,14 +244,17 @@ class BSPEngine:
         self._used = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.grads.zero_()
-            for slot in bucket.slots:
-                self.params[slot.index].grad = bucket.grad_view(slot)
+        for param, view in zip(self.params, self._grad_views):
+            if param.grad is not view:
+                param.grad = view
 
     @torch.no_grad()
     def _collect_grads(self, bucket: FlatBucket) -> None:
         """Take in gradients autograd put elsewhere (after a ``zero_grad(set_to_none=True)``, or sparse)."""
         for slot in bucket.slots:
-            adopt_gradient(self.params[slot.index], bucket.grad_view(slot), accumulate=True)
+            param, view = self.params[slot.index], self._grad_views[slot.index]
+            if param.grad is not view:
+                adopt_gradient(param, view, accumulate=True)
 
     def set_clipping(self, clip: tuple[str, float] | None) -> None:
         """Gradient clipping the server applies to the mean gradient of every superstep."""
