@@ -399,13 +399,13 @@ class PipelineEngine:
     def apply_partition(self, new: StagePartition) -> MigrationReport:
         """Move layers live so that ``new`` holds (collective over all stages)."""
         moves = plan_moves(self.graph, self.partition, new)
-        keep = self.owned_state_names(new)
         report = migrate(
-            moves, self.stage, self._rank_of_stage, self.root, self.optimizers, self.device, self.group, keep
+            moves, self.stage, self._rank_of_stage, self.root, self.optimizers, self.device, self.group
         )
-        # a replica this stage used by layers that now all sit elsewhere moved nowhere: release it here
-        held = set(keep)
-        release_state(self.root, [n for n in self.owned_state_names() if n not in held], self.optimizers)
+        # what this stage sent away, and a replica whose layers here all left (it moved nowhere), once
+        # every move has run: a tensor tied across layers may leave this stage for several others
+        kept = set(self.owned_state_names(new))
+        release_state(self.root, [n for n in self.owned_state_names() if n not in kept], self.optimizers)
         self.partition = new
         self._find_tied()
         self.executor.set_partition(new)
@@ -512,10 +512,11 @@ class PipelineEngine:
         stages counted once, on the first of them); returns that norm."""
         params = dict(self.root.named_parameters(remove_duplicate=False))
         counted_elsewhere = {id(params[t.name]) for t in self.tied if t.stages[0] != self.stage}
-        grads = [p.grad for p in self.root.parameters() if p.grad is not None and p.numel() > 0]
+        params_with_grad = [p for p in self.root.parameters() if p.grad is not None and p.numel() > 0]
+        grads = [p.grad for p in params_with_grad]
         local = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.root.parameters():
-            if p.grad is not None and p.numel() > 0 and id(p) not in counted_elsewhere:
+        for p in params_with_grad:
+            if id(p) not in counted_elsewhere:
                 local += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(local, group=self.group)
         total = local.sqrt()

@@ -2,9 +2,10 @@
 
 For each layer that changes stage (in layer order, the same list on every rank): the source
 announces it with the shapes and dtypes of its parameters and buffers; the target builds the
-empty layer and answers ready; the source sends parameters, buffers and optimizer state, and
-releases them once every move has run. Migrations run at an optimizer-step boundary, where the
-synchronous schedules (GPipe, 1F1B) have flushed, so no stashed activation needs to move: every
+empty layer and answers ready; the source sends parameters, buffers and optimizer state. What a
+stage no longer holds is released once every move has run (a tensor tied across layers may leave one
+stage for several): ``PipelineEngine.apply_partition``. Migrations run at an optimizer-step boundary,
+where the synchronous schedules (GPipe, 1F1B) have flushed, so no stashed activation needs to move: every
 micro-batch's backward has already run on the stage that ran its forward.
 
 Processing one shared list in order cannot deadlock: the earliest unfinished move always has
@@ -187,9 +188,7 @@ def _send_layer(
     optimizers: Sequence[Optimizer],
     group: dist.ProcessGroup | None,
 ) -> int:
-    """Source side: announce, wait for ready, send state; returns bytes sent (:func:`migrate` releases
-    what this stage no longer holds once every move has run: a tensor tied across layers may leave for
-    several stages).
+    """Source side: announce, wait for ready, send state; returns bytes sent.
 
     The handshake and the pickled state are host data, so they travel over the group's CPU
     backend (the device rule of :mod:`lightning_hier.topology`).
@@ -246,13 +245,10 @@ def migrate(
     optimizers: Sequence[Optimizer],
     device: torch.device,
     group: dist.ProcessGroup | None = None,
-    keep: Iterable[str] | None = None,
 ) -> MigrationReport:
-    """Carry out ``moves`` on this rank (every rank calls this with the same list), then release what it
-    sent away unless ``keep`` (the names this stage holds under the new split) lists it."""
+    """Carry out ``moves`` on this rank (every rank calls this with the same list); the caller releases
+    what this stage no longer holds afterwards."""
     report = MigrationReport()
-    kept = set(keep) if keep is not None else set()
-    sent: list[str] = []
     start = perf_counter()
     params = dict(root.named_parameters(remove_duplicate=False))
     for move in moves:
@@ -263,7 +259,6 @@ def migrate(
             if stage == move.src:
                 peer = rank_of_stage(move.dst)
                 report.bytes_sent += _send_layer(move, peer, root, params, optimizers, group)
-                sent += [name for name in move.state_names if name not in kept]
             else:
                 report.bytes_received += _receive_layer(
                     move, rank_of_stage(move.src), root, params, optimizers, device, group
@@ -274,6 +269,5 @@ def migrate(
                 f"failed ({exc}). The other stage probably died; checkpoints are only written between "
                 "steps, so the last one describes a valid partition: resume from it."
             ) from exc
-    release_state(root, sent, optimizers)
     report.seconds = perf_counter() - start
     return report
