@@ -234,8 +234,11 @@ def test_a_tied_embedding_language_model_over_three_stages_matches_one_process(t
     """GPT-2-style weight tying (the output layer is the token embedding) over 3 stages: replicas on the
     first and the last stage, layers migrating every 2 steps, AdamW with weight decay, clipping."""
     result = run_scenario("gpt_tied_3_stages", 3, tmp_path)
-    assert ["tok.weight", [0, 2]] in result["tied_seen"], result["tied_seen"]
+    assert result["tied_seen"] == [["tok.weight", [0, 2]]], result["tied_seen"]  # the blocks migrate
     assert result["history"], "layers must migrate during the run"
+    # the replicas' stages sum over a group of their own: a flag and the gradient per optimizer step on
+    # ranks 0 and 2 (the last and the first stage), nothing on the middle stage (rank 1)
+    assert result["tied_all_reduces_by_rank"] == [12, 0, 12], result["tied_all_reduces_by_rank"]
     expected_losses, expected_state = reference(
         "adamw", max_steps=6, precision="64-true", model_class=TinyGPT, gradient_clip_val=1.0
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from time import perf_counter
 from typing import Any
 
@@ -55,7 +56,7 @@ from lightning_hier.pipeline.tied_parameters import (
     start_replicas_equal,
     sum_tied_gradients,
 )
-from lightning_hier.topology import control_group
+from lightning_hier.topology import control_group, host_capable_backend
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,10 @@ class PipelineEngine:
         schedule: str = "1f1b",
         settings: PipelineSettings | None = None,
         group: dist.ProcessGroup | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         self.settings = settings or PipelineSettings(schedule=schedule)
+        self.timeout = timeout  # of the groups this engine makes (the stages holding a tied parameter)
         self.group = group if group is not None else control_group()
         self.graph = graph
         self.root = graph.root
@@ -156,6 +159,7 @@ class PipelineEngine:
         self._other_names = other_names(self._canonical)
         self._shapes = parameter_shapes(self.root)
         self.tied: list[TiedParameter] = []
+        self._tied_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # stages -> their group
         self._find_tied()
         if self.num_stages > 1:
             start_replicas_equal(self.tied, self.root, self.group)
@@ -212,12 +216,24 @@ class PipelineEngine:
         return names
 
     def _find_tied(self) -> None:
+        """The parameters tied across stages under the current split, and a process group of the stages
+        holding each (every rank calls this at the same points, the same list: ``new_group`` is a
+        collective of all ranks; groups are made once per set of stages and kept)."""
         self.tied = find_tied(self.graph, self.partition, self._canonical, self._shapes)
+        for tied in self.tied:
+            if tied.stages in self._tied_groups:
+                continue
+            if len(tied.stages) == self.num_stages:
+                self._tied_groups[tied.stages] = self.group
+            else:
+                ranks = sorted(self._rank_of_stage(stage) for stage in tied.stages)
+                backend = host_capable_backend()
+                self._tied_groups[tied.stages] = dist.new_group(ranks, timeout=self.timeout, backend=backend)
 
     def sum_tied_gradients(self) -> None:
         """Before the optimizer step: every replica of a parameter tied across stages gets the sum of the
         replicas' gradients (collective over the stages; nothing when no parameter is tied across them)."""
-        sum_tied_gradients(self.tied, self.root, self.stage, self.device, self.group)
+        sum_tied_gradients(self.tied, self.root, self.stage, self.device, self._tied_groups)
 
     def _state_outside_layers(self) -> dict[str, str | None]:
         """Each parameter or buffer name no traced layer lists -> the layer-held name of the same tensor,

@@ -10,7 +10,7 @@ Megatron-LM does for its tied word embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,32 +104,29 @@ def sum_tied_gradients(
     root: nn.Module,
     stage: int,
     device: torch.device,
-    group: dist.ProcessGroup | None,
+    groups: Mapping[tuple[int, ...], dist.ProcessGroup | None],
 ) -> None:
     """Give every replica of each tied parameter the sum of all replicas' gradients (collective over the
-    stage processes: each calls it with the same ``tied``).
+    stages holding it: ``groups[t.stages]``; a stage without a replica does nothing).
 
-    First one small all-reduce of host flags (the group's CPU backend: no device synchronisation) says
-    which parameters got a gradient on some stage; one that none did keeps ``grad=None`` (the optimizer
-    skips it, as one process would). Then one all-reduce on the device per parameter that has one; a stage
-    without a replica adds zeros, so every stage issues the same collectives in the same order (the device
-    rule of :mod:`lightning_hier.topology`)."""
-    if not tied:
-        return
+    Per parameter, first one small all-reduce of a host flag (the group's CPU backend: no device
+    synchronisation) says whether some replica got a gradient; one that none did keeps ``grad=None``
+    (the optimizer skips it, as one process would). Then one all-reduce of the gradient on the device.
+    Every stage takes the parameters in the same order, so the groups' collectives never cross (the
+    device rule of :mod:`lightning_hier.topology`)."""
     params = dict(root.named_parameters(remove_duplicate=False))
-    has_grad = torch.tensor([int(stage in t.stages and params[t.name].grad is not None) for t in tied])
-    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
-    for t, any_grad in zip(tied, has_grad.tolist()):
-        if not any_grad:
+    for t in tied:
+        if stage not in t.stages:
             continue
-        param = params[t.name]
-        grad = param.grad if stage in t.stages else None
+        group, param = groups[t.stages], params[t.name]
+        has_grad = torch.tensor([int(param.grad is not None)])
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
+        if not has_grad.item():
+            continue
+        grad = param.grad
         if grad is None or not grad.is_contiguous():
             summed = torch.zeros(t.shape, dtype=t.dtype, device=device)
             if grad is not None:
                 summed.copy_(grad)
-        else:
-            summed = grad
-        dist.all_reduce(summed, group=group)
-        if stage in t.stages and param.grad is not summed:
             param.grad = summed
+        dist.all_reduce(param.grad, group=group)

@@ -353,7 +353,14 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             raise ValueError(decided[0])
         partition, rng_base = decided[0]
         self.engine = PipelineEngine(
-            graph, partition, self.stage, self.root_device, self.settings.schedule, self.settings, group
+            graph,
+            partition,
+            self.stage,
+            self.root_device,
+            self.settings.schedule,
+            self.settings,
+            group,
+            timeout=self._timeout,
         )
         self.engine.executor.rng_base = int(rng_base)
         log.info("hier_pipeline: %d clusters, partition %s", graph.num_clusters, partition)

@@ -14,6 +14,7 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -289,6 +290,25 @@ class RunProbe(pl.Callback):
         self.train_epoch_loss = None if value is None else float(value)
 
 
+def _count_tied_all_reduces(strategy: HierPipelineStrategy) -> list[int]:
+    """Count the all-reduces this rank issues where the strategy sums tied gradients (before each
+    optimizer step): a stage holding no replica must issue none."""
+    count = [0]
+    summing = strategy.before_optimizer_step_hooks
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        count[0] += 1
+        return all_reduce(*args, **kwargs)
+
+    def before_optimizer_step_hooks() -> None:
+        with mock.patch.object(dist, "all_reduce", counted):
+            summing()
+
+    all_reduce = dist.all_reduce
+    strategy.before_optimizer_step_hooks = before_optimizer_step_hooks  # type: ignore[method-assign]
+    return count
+
+
 class LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -391,6 +411,7 @@ def main() -> None:
     if spec.get("every_step_checkpoint"):
         callbacks.append(ModelCheckpoint(dirpath=workdir / "every", every_n_train_steps=1, save_last=True))
     strategy = HierPipelineStrategy(**spec["strategy"])
+    tied_all_reduces = _count_tied_all_reduces(strategy)
     strategy.skip_flag_on_host = spec.get("skip_flag_on_host")
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -493,10 +514,12 @@ def main() -> None:
         # and during the run: the strategy adds no callback of its own
         "callbacks_during_fit_as_before": probe.callbacks_at_fit_start == callbacks_before,
         "train_epoch_loss": probe.train_epoch_loss,
+        "tied_all_reduces": tied_all_reduces[0],
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
     result["val_loss_by_rank"] = [g["val_loss"] for g in gathered]
+    result["tied_all_reduces_by_rank"] = [g["tied_all_reduces"] for g in gathered]
     result["train_epoch_loss_by_rank"] = [g["train_epoch_loss"] for g in gathered]
     result["callbacks_during_fit_as_before_by_rank"] = [g["callbacks_during_fit_as_before"] for g in gathered]
     result["measured_peak_by_rank"] = [g["measured_peak"] for g in gathered]
