@@ -164,6 +164,8 @@ CASES = {
         "pipeline/schedule.py", "pipeline/migration.py", "pipeline/engine.py", "strategies/hier_pipeline.py",
     ),
     "pipeline_gpipe": ("pipeline/schedule.py", "pipeline/engine.py", "strategies/stage_metrics_sync.py"),
+    # replicas of a tied embedding on the first and the last of 4 stages: a group of their own
+    "pipeline_tied": ("pipeline/tied_parameters.py", "pipeline/schedule.py"),
 }  # fmt: skip
 BACKGROUND_THREADS = {
     "bsp": "hier-bsp-rank",

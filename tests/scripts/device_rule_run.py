@@ -18,7 +18,7 @@ from hybrid_checks import Click  # noqa: E402
 from hybrid_checks import loader as hybrid_loader  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from models import EquivModel, loader  # noqa: E402
-from pipeline_models import SkewedNet  # noqa: E402
+from pipeline_models import SkewedNet, TinyGPT, token_loader  # noqa: E402
 from pipeline_models import loader as pipeline_loader  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -150,6 +150,16 @@ def pipeline(out: Path, schedule: str) -> None:
     run.fit(model, pipeline_loader(), pipeline_loader())
 
 
+def pipeline_tied(out: Path) -> None:
+    """A GPT-2-style model over 4 stages: the embedding's replicas on the first and the last stage sum
+    their gradients over a group of their own (with clipping, rebalance checks every 2 steps)."""
+    strategy = HierPipelineStrategy(
+        partition="uniform", rebalance=2, imbalance_threshold=0.01, min_rebalance_gain=0.0
+    )
+    run = trainer(strategy, out, max_steps=6, gradient_clip_val=1.0)
+    run.fit(TinyGPT(), token_loader())
+
+
 def main() -> None:
     case, out = sys.argv[1], Path(sys.argv[2])
     pl.seed_everything(0, verbose=False)
@@ -171,6 +181,8 @@ def main() -> None:
         bsp(out, max_staleness=0, fill_idle=1)
     elif case == "bsp_time":
         bsp(out, max_staleness=0, bucketing="time")
+    elif case == "pipeline_tied":
+        pipeline_tied(out)
     elif case in ("pipeline_1f1b", "pipeline_gpipe"):
         pipeline(out, case.split("_")[1])
     else:
