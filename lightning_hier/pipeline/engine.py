@@ -528,8 +528,10 @@ class PipelineEngine:
         stages counted once, on the first of them); returns that norm. The stage's part is taken with
         torch's multi-tensor kernels (``_foreach_norm`` / ``_foreach_mul_``, as ``clip_grad_norm_`` does):
         one launch per group of tensors instead of several per parameter, which on a GPU is host time."""
-        params = dict(self.root.named_parameters(remove_duplicate=False))
-        counted_elsewhere = {id(params[t.name]) for t in self.tied if t.stages[0] != self.stage}
+        counted_elsewhere: set[int] = set()
+        if self.tied:
+            params = dict(self.root.named_parameters(remove_duplicate=False))
+            counted_elsewhere = {id(params[t.name]) for t in self.tied if t.stages[0] != self.stage}
         with_grad = [p for p in self.root.parameters() if p.grad is not None and p.numel() > 0]
         grads = [p.grad for p in with_grad]
         local = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -114,10 +114,11 @@ def sum_tied_gradients(
     (the optimizer skips it, as one process would). Then one all-reduce of the gradient on the device.
     Every stage takes the parameters in the same order, so the groups' collectives never cross (the
     device rule of :mod:`lightning_hier.topology`)."""
+    mine = [t for t in tied if stage in t.stages]
+    if not mine:
+        return
     params = dict(root.named_parameters(remove_duplicate=False))
-    for t in tied:
-        if stage not in t.stages:
-            continue
+    for t in mine:
         group, param = groups[t.stages], params[t.name]
         has_grad = torch.tensor([int(param.grad is not None)])
         dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
