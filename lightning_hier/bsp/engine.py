@@ -252,9 +252,7 @@ class BSPEngine:
     def _collect_grads(self, bucket: FlatBucket) -> None:
         """Take in gradients autograd put elsewhere (after a ``zero_grad(set_to_none=True)``, or sparse)."""
         for slot in bucket.slots:
-            param, view = self.params[slot.index], self._grad_views[slot.index]
-            if param.grad is not view:
-                adopt_gradient(param, view, accumulate=True)
+            adopt_gradient(self.params[slot.index], self._grad_views[slot.index], accumulate=True)
 
     def set_clipping(self, clip: tuple[str, float] | None) -> None:
         """Gradient clipping the server applies to the mean gradient of every superstep."""

@@ -153,16 +153,18 @@ class PipelineEngine:
         self.layer_table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
         self._measured_bandwidth: float | None = None
         self.layer_timing = "auto"  # one of LAYER_TIMING_MODES, see times_micro_batch
-        self._outside_layers = self._state_outside_layers()
+        self._held_by_no_layer = self._state_no_layer_holds()
         # read while every tensor is whole: which names are one tensor, and each parameter's shape
         self._canonical = canonical_names(self.root)
         self._other_names = other_names(self._canonical)
         self._shapes = parameter_shapes(self.root)
+        # by every name; the objects stay (a released tensor keeps its Parameter, only .data changes)
+        self._params = dict(self.root.named_parameters(remove_duplicate=False))
         self.tied: list[TiedParameter] = []
         self._tied_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # stages -> their group
         self._find_tied()
         if self.num_stages > 1:
-            start_replicas_equal(self.tied, self.root, self.group)
+            start_replicas_equal(self.tied, self._params, self.group)
         self.release_foreign_state()
         self._enable_memory_policy()
 
@@ -203,10 +205,8 @@ class PipelineEngine:
         partition = partition or self.partition
         first, last = partition.stage_ranges()[self.stage]
         names = self.graph.state_names(first, last)
-        mine = set(names)
-        names += [alias for alias, target in self._outside_layers.items() if target in mine]
         if self.stage == partition.num_stages - 1:
-            names += [name for name, target in self._outside_layers.items() if target is None]
+            names += self._held_by_no_layer
         seen = set(names)
         for name in list(names):
             for other in self._other_names.get(name, ()):
@@ -233,16 +233,17 @@ class PipelineEngine:
     def sum_tied_gradients(self) -> None:
         """Before the optimizer step: every replica of a parameter tied across stages gets the sum of the
         replicas' gradients (collective over the stages; nothing when no parameter is tied across them)."""
-        sum_tied_gradients(self.tied, self.root, self.stage, self.device, self._tied_groups)
+        sum_tied_gradients(self.tied, self._params, self.stage, self.device, self._tied_groups)
 
-    def _state_outside_layers(self) -> dict[str, str | None]:
-        """Each parameter or buffer name no traced layer lists -> the layer-held name of the same tensor,
-        or ``None`` when no layer holds it. Read once, while every tensor is still whole and distinct."""
-        in_layers = self.graph.state_names(0, self.graph.num_clusters)
+    def _state_no_layer_holds(self) -> list[str]:
+        """The parameter and buffer names whose tensor no traced layer uses under any name (another name of
+        a layer's tensor goes with that layer: :meth:`owned_state_names`). Read once, while every tensor is
+        still whole and distinct."""
         state = named_state(self.root)
-        held_as = {id(state[name]): name for name in reversed(in_layers) if name in state}
-        listed = set(in_layers)
-        return {name: held_as.get(id(t)) for name, t in state.items() if name not in listed}
+        held = {
+            id(state[name]) for name in self.graph.state_names(0, self.graph.num_clusters) if name in state
+        }
+        return [name for name, tensor in state.items() if id(tensor) not in held]
 
     def release_foreign_state(self) -> None:
         """Drop the storage of every parameter and buffer another stage owns."""
@@ -528,10 +529,7 @@ class PipelineEngine:
         stages counted once, on the first of them); returns that norm. The stage's part is taken with
         torch's multi-tensor kernels (``_foreach_norm`` / ``_foreach_mul_``, as ``clip_grad_norm_`` does):
         one launch per group of tensors instead of several per parameter, which on a GPU is host time."""
-        counted_elsewhere: set[int] = set()
-        if self.tied:
-            params = dict(self.root.named_parameters(remove_duplicate=False))
-            counted_elsewhere = {id(params[t.name]) for t in self.tied if t.stages[0] != self.stage}
+        counted_elsewhere = {id(self._params[t.name]) for t in self.tied if t.stages[0] != self.stage}
         with_grad = [p for p in self.root.parameters() if p.grad is not None and p.numel() > 0]
         grads = [p.grad for p in with_grad]
         local = torch.zeros((), dtype=torch.float64, device=self.device)

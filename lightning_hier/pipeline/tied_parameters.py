@@ -88,12 +88,12 @@ def find_tied(
 
 @torch.no_grad()
 def start_replicas_equal(
-    tied: Sequence[TiedParameter], root: nn.Module, group: dist.ProcessGroup | None
+    tied: Sequence[TiedParameter], params: Mapping[str, nn.Parameter], group: dist.ProcessGroup | None
 ) -> None:
-    """Give every process rank 0's values of the tied parameters (collective; while every process still
-    holds the whole model). Processes that built the model without a common seed would otherwise start
-    their replicas apart and keep them apart; rank 0's values are the ones ``ddp`` would train too."""
-    params = dict(root.named_parameters(remove_duplicate=False))
+    """Give every process rank 0's values of the tied parameters (``params``: the model's, by every
+    name; collective, while every process still holds the whole model). Processes that built the model
+    without a common seed would otherwise start their replicas apart and keep them apart; rank 0's
+    values are the ones ``ddp`` would train too."""
     for t in tied:
         dist.broadcast(params[t.name].data, src=0, group=group)
 
@@ -101,7 +101,7 @@ def start_replicas_equal(
 @torch.no_grad()
 def sum_tied_gradients(
     tied: Sequence[TiedParameter],
-    root: nn.Module,
+    params: Mapping[str, nn.Parameter],
     stage: int,
     device: torch.device,
     groups: Mapping[tuple[int, ...], dist.ProcessGroup | None],
@@ -114,11 +114,9 @@ def sum_tied_gradients(
     (the optimizer skips it, as one process would). Then one all-reduce of the gradient on the device.
     Every stage takes the parameters in the same order, so the groups' collectives never cross (the
     device rule of :mod:`lightning_hier.topology`)."""
-    mine = [t for t in tied if stage in t.stages]
-    if not mine:
-        return
-    params = dict(root.named_parameters(remove_duplicate=False))
-    for t in mine:
+    for t in tied:
+        if stage not in t.stages:
+            continue
         group, param = groups[t.stages], params[t.name]
         has_grad = torch.tensor([int(param.grad is not None)])
         dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)

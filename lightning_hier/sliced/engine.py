@@ -180,8 +180,8 @@ class HierSlicedEngine:
         if optimizer_state is not None:
             self.sharding.load_consolidated_state_dict(optimizer_state)
         self._where = slot_locations(self.buckets)
-        # per parameter: its bucket and its .grad view there, made once per layout (the hook of every
-        # parameter in every backward reads them; slicing and viewing again cost ~4 us each time)
+        # per parameter: its bucket and its .grad view there (the hook of every parameter reads them in
+        # every backward; a lookup through _where and the bucket costs more)
         self._bucket_of = [self._where[i][0] for i in range(len(self.params))]
         self._param_pointers = [param.data_ptr() for param in self.params]  # where the layout put them
         self._grad_views = [
@@ -317,10 +317,7 @@ class HierSlicedEngine:
                 Variable._execution_engine.queue_callback(self._on_backward_end)
             bucket_index = self._bucket_of[index]
             # somebody replaced or reset .grad (e.g. module.zero_grad(set_to_none=True)), or it is sparse
-            view = self._grad_views[index]
-            grad = param.grad
-            if grad is None or grad.is_sparse or grad.data_ptr() != view.data_ptr():
-                adopt_gradient(param, view)
+            adopt_gradient(param, self._grad_views[index])
             self._used[index] = 1
             if not self._sync:
                 return

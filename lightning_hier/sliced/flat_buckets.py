@@ -57,6 +57,12 @@ class FlatBucket:
         self.owned_slice = owned_slice
         self.params = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         self.grads = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        # each parameter's .grad view, made once: it stays the parameter's .grad (adopt_gradient then
+        # finds it in place), and the hooks read it every backward
+        self._grad_views = {
+            slot.index: self.grads[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            for slot in self.slots
+        }
         with torch.no_grad():
             for (_, param), slot in zip(params, self.slots):
                 self.params[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
@@ -67,7 +73,7 @@ class FlatBucket:
         return self.params[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
-        return self.grads[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        return self._grad_views[slot.index]
 
     @property
     def owned_range(self) -> tuple[int, int]:
@@ -110,6 +116,8 @@ def adopt_gradient(param: torch.Tensor, view: torch.Tensor, accumulate: bool = F
     ``Embedding(sparse=True)`` whose ``.grad`` was unset), which the dense bucket holds densified, the
     same values. ``accumulate``: add it to what the view holds instead of replacing that."""
     grad = param.grad
+    if grad is view:  # the common case, once per parameter per backward
+        return
     if grad is not None and (grad.is_sparse or grad.data_ptr() != view.data_ptr()):
         dense = grad.to_dense() if grad.is_sparse else grad
         if accumulate:
