@@ -375,18 +375,19 @@ class HierSlicedEngine:
         self.clock.mark(_BACKWARD_END)  # where the autograd callback did not run (no gradient here)
         while self._next_to_launch < len(self.buckets):
             self._launch(self._next_to_launch)
-        self._record_globally_unused()
-        bucket_used = [any(s.index in self._globally_used for s in bucket.slots) for bucket in self.buckets]
-        self._note_partly_used(bucket_used)
+        usage = self._start_usage_reduce()  # its latency hides behind the buckets' reductions
         for b, job in enumerate(self._jobs):
             assert job is not None
             self._reducer.wait(job)
             self.clock.mark(("done", b))
-            grad = self._slice_grads[b]
             if self.world_size > 1:
-                grad.div_(self.world_size)
+                self._slice_grads[b].div_(self.world_size)
+        self._record_globally_unused(*usage)
+        bucket_used = [any(s.index in self._globally_used for s in bucket.slots) for bucket in self.buckets]
+        self._note_partly_used(bucket_used)
+        for b, used in enumerate(bucket_used):
             # a bucket no rank used: no gradient, so the optimizer skips it (and its step count), as DDP
-            self.sharding.shards[b].grad = grad if bucket_used[b] else None
+            self.sharding.shards[b].grad = self._slice_grads[b] if used else None
         host_done = None if self.clock.uses_events else [self._host_done(job) for job in self._jobs]
         resolved = self.clock.finish()
         if resolved is not None:
@@ -450,15 +451,24 @@ class HierSlicedEngine:
         self.clock.reset()
         self._end_callback_queued = False
 
-    def _record_globally_unused(self) -> None:
+    def _start_usage_reduce(self) -> tuple[torch.Tensor, dist.Work | None]:
+        """Start the MAX all-reduce of this rank's used-parameter flags (one tiny host collective per
+        step; no flag to get wrong, unlike DDP's ``find_unused_parameters``). It runs on the world group,
+        which no reducer thread uses, so it may overlap the buckets' reductions under any backend."""
+        used = torch.tensor(self._used, dtype=torch.int32)
+        if self.world_size == 1:
+            return used, None
+        work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.topology.world_group, async_op=True)
+        return used, work
+
+    def _record_globally_unused(self, used: torch.Tensor, work: dist.Work | None) -> None:
         """Remember parameters no rank used, so the step leaves them (and their state) untouched.
 
         DDP leaves such parameters' ``.grad`` as ``None`` and optimizers skip them; a flat slice
         cannot skip part of itself, so we snapshot those elements and restore them after the step.
         """
-        used = torch.tensor(self._used, dtype=torch.int32)
-        if self.world_size > 1:  # one tiny all-reduce per step; no flag to get wrong, unlike DDP
-            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.topology.world_group)
+        if work is not None:
+            work.wait()
         flags = used.tolist()
         unused = [index for index, flag in enumerate(flags) if not flag]
         self._globally_used = (
