@@ -586,18 +586,51 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         """Between drains: workers are not in step, so a main-thread collective cannot pair them."""
         return self.engine is not None and not self.engine.memory.paused
 
+    @property
+    def _keeps_own(self) -> bool:
+        """Workers not in lockstep, between drains or in a per-batch training hook: a main-thread collective
+        cannot pair them, so values, decisions and barriers stay the worker's own. The hook counts as well
+        as the pause: at an epoch's last batch a worker that knew it was last has drained in its optimizer
+        step while one that claimed the last batch has not, and both must skip the same collectives."""
+        if self.engine is None or self.settings.lockstep:
+            return False
+        module = self.lightning_module
+        in_batch = module is not None and module._current_fx_name in _PER_BATCH_HOOKS
+        return in_batch or self._running_free
+
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """While workers run free (between drains, not in lockstep) a collective would pair different steps
         of different workers: values logged with ``sync_dist=True`` then stay this worker's own. In lockstep
         they are reduced as under ddp: every worker takes the same steps, so the n-th collective of one
         worker's training steps pairs with the n-th of every other's."""
+        if self._keeps_own:
+            return tensor
         if not self._running_free:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if not self.settings.lockstep:
-            return tensor
         return _on_host(
             lambda host: super(HierBSPStrategy, self).reduce(host, group=group, reduce_op=reduce_op), tensor
         )
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        """Where workers keep their own values (:meth:`reduce`), a decision is the worker's own too: ddp's sum
+        compared with the world size would read every worker's ``True`` as ``False`` under ``all=True``
+        (``SpikeDetection`` then never updated its statistics; Lightning's own test found it). A worker that
+        raises on its decision stops the others through the engine's abort."""
+        if self._keeps_own:
+            return bool(decision)
+        return super().reduce_boolean_decision(decision, all=all)
+
+    def barrier(self, name: str | None = None) -> None:
+        """Where workers keep their own values a barrier would pair different steps (and wait for a step a
+        peer never takes): it returns at once. Between drains in lockstep it meets on the host group, since
+        the BSP thread issues the device's collectives (ddp's barrier on NCCL is a device collective)."""
+        if self._keeps_own:
+            return None
+        if not self._running_free:
+            return super().barrier(name)
+        if self.world_size > 1:
+            super().reduce(torch.zeros(()), reduce_op="sum")  # a CPU tensor: the host backend
+        return None
 
     def all_gather(
         self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
@@ -606,7 +639,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         of different workers (and, with ``max_staleness >= 1``, one worker's last gather would wait for a
         step its peers never take): refused with the hooks where it works. In lockstep it gathers as ddp's
         does, on the host group beside the BSP thread's device collectives."""
-        if self._running_free and not self.settings.lockstep:
+        if self._keeps_own:
             raise RuntimeError(
                 "all_gather while hier_bsp's workers run free (in training_step or a per-batch training "
                 "hook): workers are not in step there, so the gather cannot pair them. Gather in "
@@ -780,6 +813,24 @@ def _validate_at_every_epoch_end(trainer: pl.Trainer) -> None:
         return loop.batch_progress.is_last_batch or (trainer.should_stop and trainer.fit_loop._can_stop_early)
 
     loop._should_check_val_fx = at_epoch_end  # type: ignore[method-assign]
+
+
+# Lightning's hook names (``LightningModule._current_fx_name``) from a training batch's start to its end
+_PER_BATCH_HOOKS = frozenset(
+    {
+        "on_train_batch_start",
+        "training_step",
+        "on_before_backward",
+        "backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "configure_gradient_clipping",
+        "optimizer_step",
+        "on_before_zero_grad",
+        "optimizer_zero_grad",
+        "on_train_batch_end",
+    }
+)
 
 
 def _on_host(collective: Callable[[Any], Any], tensor: Any) -> Any:

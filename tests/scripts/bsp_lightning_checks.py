@@ -165,6 +165,7 @@ class SyncedInTraining(EquivModel):
         super().__init__(optimizer="sgd")
         self.reduced: list[float] = []
         self.gathered: list[list[int]] = []
+        self.decisions: list[list[bool]] = []
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         value = float((self.global_rank + 1) * (batch_idx + 1))
@@ -172,7 +173,46 @@ class SyncedInTraining(EquivModel):
         reduced = self.trainer.strategy.reduce(torch.tensor(value), reduce_op="sum")
         self.reduced.append(float(reduced))
         self.gathered.append(self.all_gather(torch.tensor(self.global_rank)).tolist())
+        record_decisions(self)
         return super().training_step(batch, batch_idx)
+
+
+def record_decisions(module: pl.LightningModule) -> None:
+    """``reduce_boolean_decision`` as callbacks use it (``SpikeDetection``: every rank ``True`` with
+    ``all=True``; only rank 3 ``True`` with ``all=False``), with the barrier before it."""
+    strategy = module.trainer.strategy
+    strategy.barrier("decisions")
+    module.decisions.append(
+        [
+            strategy.reduce_boolean_decision(True, all=True),
+            strategy.reduce_boolean_decision(module.global_rank == 3, all=False),
+        ]
+    )
+
+
+class DecidingInTraining(EquivModel):
+    """Boolean decisions and barriers inside ``training_step`` while workers run free."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.decisions: list[list[bool]] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        record_decisions(self)
+        return super().training_step(batch, batch_idx)
+
+
+def decisions_running_free(out: Path) -> dict:
+    """Non-lockstep workers with a straggler (so they take different numbers of steps): a decision stays
+    the worker's own and the barrier does not wait (before: ``all=True`` read ``True`` as ``False``)."""
+    pl.seed_everything(7, verbose=False)
+    model = DecidingInTraining()
+    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
+    run = trainer(strategy, out, max_epochs=1, callbacks=[SlowRank(3, 0.005)], logger=False)
+    run.fit(model, train_dataloaders=loader(n=256))
+    steps = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, model.decisions)
+    return {"decisions": steps}
 
 
 def synced_in_lockstep(out: Path) -> dict:
@@ -187,6 +227,7 @@ def synced_in_lockstep(out: Path) -> dict:
     return {
         "reduced": model.reduced,
         "gathered": model.gathered,
+        "decisions": model.decisions,
         "logged_last": float(run.callback_metrics["synced"]),
         "steps": run.global_step,
     }
@@ -227,6 +268,7 @@ def main() -> None:
         ),  # fmt: skip
         "fast_dev_run": fast_dev_run(out / "fast_dev_run"),
         "synced_in_lockstep": synced_in_lockstep(out / "synced"),
+        "decisions_running_free": decisions_running_free(out / "decisions"),
         # max_steps mid-epoch with free-running workers: the fastest worker's 11th step ends the fit
         "max_steps": straggler(out / "max_steps", validate=True, epochs=3, max_steps=11),
         "resume": resume(out / "resume"),
