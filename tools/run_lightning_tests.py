@@ -117,7 +117,9 @@ def main() -> int:
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix=f"lightning-tests-{args.strategy}-"))
     prepare(args.lightning_src, work, args.strategy, args.files)
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.files, *args.pytest_args]
+    # a file whose imports need a missing package (onnxruntime, ...) must not stop the others from running
+    options = ["-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
+    command = [sys.executable, "-m", "pytest", *options, *args.files, *args.pytest_args]
     print(f"+ ({work}) {' '.join(command)}", flush=True)
     run = subprocess.run(command, cwd=work, capture_output=True, text=True)
     (work / "pytest.log").write_text(run.stdout + run.stderr)
@@ -126,7 +128,9 @@ def main() -> int:
     print(f"{len(found)} failure(s) not due to a missing package (full log: {work / 'pytest.log'})")
     for line in found:
         print(f"  {line}")
-    return 1 if found else 0
+    if found:
+        return 1
+    return 0 if run.returncode in (0, 1) else run.returncode  # 1: only missing-package failures
 
 
 if __name__ == "__main__":
