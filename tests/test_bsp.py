@@ -712,18 +712,19 @@ def test_per_step_collectives_in_lockstep_pair_as_under_ddp(lightning_results: d
     assert result["reduced"] == [10.0 * (b + 1) for b in range(steps)]
     assert result["gathered"] == [[0, 1, 2, 3]] * steps
     assert result["logged_last"] == 10.0 * steps
-    assert result["decisions"] == [[True, True]] * steps  # rank 3's True reaches rank 0 under all=False
+    assert result["decisions"] == [[True, True, 0]] * steps  # rank 3's True reaches rank 0; rank 0's rank
 
 
 def test_boolean_decisions_of_free_running_workers_stay_their_own(lightning_results: dict) -> None:
     """Workers not in lockstep (a straggler, so they take different numbers of steps): ``all=True`` of every
     worker's ``True`` is ``True`` (ddp's sum compared with the world size gave ``False``, and
-    ``SpikeDetection`` never updated its statistics), ``all=False`` is the worker's own, and a barrier in
-    ``training_step`` returns (it cannot pair different steps)."""
+    ``SpikeDetection`` never updated its statistics), ``all=False`` and a broadcast are the worker's own
+    (the broadcast hung Lightning's learning-rate finder), and a barrier in ``training_step`` returns (it
+    cannot pair different steps)."""
     per_rank = lightning_results["decisions_running_free"]["decisions"]
     assert len(per_rank[3]) < min(len(d) for d in per_rank[:3])  # the straggler took fewer steps
     for rank, decisions in enumerate(per_rank):
-        assert decisions == [[True, rank == 3]] * len(decisions)
+        assert decisions == [[True, rank == 3, rank]] * len(decisions)
 
 
 def test_fast_dev_run_trains_its_steps_on_every_worker(lightning_results: dict) -> None:

@@ -564,8 +564,11 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             self._share_buffers()
 
     def on_train_end(self) -> None:
+        """A worker whose fit ends before the others' (a callback set ``trainer.should_stop`` in a per-batch
+        hook, on this worker only) ends theirs too, as a worker at ``max_steps`` does: they stop after the
+        step they are in. Where every worker drained already this does nothing."""
         if self.engine is not None:
-            self.engine.drain()
+            self.engine.drain(fit_end=True)
             self._share_buffers()
 
     def _share_buffers(self) -> None:
@@ -631,6 +634,19 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         if self.world_size > 1:
             super().reduce(torch.zeros(()), reduce_op="sum")  # a CPU tensor: the host backend
         return None
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Where workers keep their own values the object stays the worker's own (a broadcast would pair
+        different steps: Lightning's learning-rate finder broadcasts ``should_stop`` after every batch and
+        hung there); between drains in lockstep it goes over the host backend, beside the BSP thread's
+        device collectives."""
+        if self._keeps_own:
+            return obj
+        if not self._running_free or not dist.is_initialized():
+            return super().broadcast(obj, src)
+        objects = [obj]
+        dist.broadcast_object_list(objects, src=src, device=torch.device("cpu"))
+        return objects[0]
 
     def all_gather(
         self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False

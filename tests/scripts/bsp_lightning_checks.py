@@ -179,13 +179,15 @@ class SyncedInTraining(EquivModel):
 
 def record_decisions(module: pl.LightningModule) -> None:
     """``reduce_boolean_decision`` as callbacks use it (``SpikeDetection``: every rank ``True`` with
-    ``all=True``; only rank 3 ``True`` with ``all=False``), with the barrier before it."""
+    ``all=True``; only rank 3 ``True`` with ``all=False``), with the barrier before it, and a broadcast
+    of the rank from rank 0."""
     strategy = module.trainer.strategy
     strategy.barrier("decisions")
     module.decisions.append(
         [
             strategy.reduce_boolean_decision(True, all=True),
             strategy.reduce_boolean_decision(module.global_rank == 3, all=False),
+            strategy.broadcast(module.global_rank),  # as the learning-rate finder broadcasts should_stop
         ]
     )
 
