@@ -564,11 +564,8 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             self._share_buffers()
 
     def on_train_end(self) -> None:
-        """A worker whose fit ends before the others' (a callback set ``trainer.should_stop`` in a per-batch
-        hook, on this worker only) ends theirs too, as a worker at ``max_steps`` does: they stop after the
-        step they are in. Where every worker drained already this does nothing."""
         if self.engine is not None:
-            self.engine.drain(fit_end=True)
+            self.engine.drain()
             self._share_buffers()
 
     def _share_buffers(self) -> None:
