@@ -659,14 +659,19 @@ def lightning_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("scenario", ["straggler", "fixed_shards", "timed", "fill"])
-def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results: dict, scenario: str) -> None:
+def logged_supersteps(result: dict) -> tuple[list[dict], list[int]]:
+    """The per-superstep rows rank 0 logged to its CSV, and the micro-steps of each rank they applied."""
     import csv
 
-    result = lightning_results[scenario]
     with open(result["metrics_csv"]) as f:
         rows = [r for r in csv.DictReader(f) if r.get("bsp/micro_steps")]
-    applied = [sum(int(float(r[f"bsp/micro_steps_rank{w}"])) for r in rows) for w in range(4)]
+    return rows, [sum(int(float(r[f"bsp/micro_steps_rank{w}"])) for r in rows) for w in range(4)]
+
+
+@pytest.mark.parametrize("scenario", ["straggler", "fixed_shards", "timed", "fill"])
+def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results: dict, scenario: str) -> None:
+    result = lightning_results[scenario]
+    rows, applied = logged_supersteps(result)
     assert applied == result["computed"]  # every optimizer step a worker took reached the server
     assert sum(int(float(r["bsp/micro_steps"])) for r in rows) == sum(result["computed"])
     worst = max(float(r["bsp/staleness_max"]) for r in rows)
@@ -691,13 +696,24 @@ def test_max_steps_ends_every_worker_when_the_fastest_reaches_it(lightning_resul
     """max_steps with free-running workers (before: refused): the first worker to reach it ends the fit, the
     others stop after the step they are in; every step taken reached the server, and every worker
     validated once, at the shortened epoch's end, with the same model."""
-    import csv
-
     result = lightning_results["max_steps"]
     assert max(result["computed"]) == 11 and result["computed"][3] < 11, result["computed"]
-    with open(result["metrics_csv"]) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("bsp/micro_steps")]
-    applied = [sum(int(float(r[f"bsp/micro_steps_rank{w}"])) for r in rows) for w in range(4)]
+    rows, applied = logged_supersteps(result)
+    assert applied == result["computed"]
+    assert result["same_model_everywhere"]
+    assert result["validations"] == [1] * 4, result
+
+
+def test_should_stop_set_by_one_worker_ends_every_workers_fit(lightning_results: dict) -> None:
+    """One free-running worker sets ``trainer.should_stop`` in ``on_train_batch_end`` (its own ``Timer``, a
+    user's own condition): the others stop after the step they are in, every worker validates once with
+    the same model, and every step taken reached the server (before: the others trained on while the
+    stopped worker waited in its teardown, and the fit hung until the timeout)."""
+    result = lightning_results["stop_one_rank"]
+    assert result["computed"][0] == 6, result["computed"]  # stopped after its batch 5
+    # nobody trained on into the rest of the epoch (64 batches shared by 4 workers) or a later one
+    assert sum(result["computed"]) < 64 // 2, result["computed"]
+    rows, applied = logged_supersteps(result)
     assert applied == result["computed"]
     assert result["same_model_everywhere"]
     assert result["validations"] == [1] * 4, result

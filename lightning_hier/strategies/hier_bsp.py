@@ -298,7 +298,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             _without_step_broadcast(trainer)
             self._mark_train_loading(trainer)
             if not self.settings.lockstep:
-                _validate_at_every_epoch_end(trainer)
+                _validate_at_every_epoch_end(trainer, self._end_every_fit)
         self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
 
     def _build_engine(self) -> None:
@@ -526,6 +526,13 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             self.engine.await_stepped_model()
         self._log_supersteps(trainer)
         return result
+
+    def _end_every_fit(self) -> None:
+        """This worker's fit stops (``trainer.should_stop``): the others stop after the step they are in.
+        Nothing to do where this worker has drained already (an epoch's end, where every worker has)."""
+        if self.engine is not None and not self.engine.memory.paused:
+            self.engine.drain(epoch_end=True, fit_end=True)
+            self._log_supersteps(self.lightning_module.trainer)  # those the drain closed
 
     def _log_supersteps(self, trainer: pl.Trainer) -> None:
         assert self.engine is not None
@@ -814,16 +821,24 @@ def _without_step_broadcast(trainer: pl.Trainer) -> None:
     loop._broadcast_sigterm_tensor = check_own_sigterm  # type: ignore[method-assign]
 
 
-def _validate_at_every_epoch_end(trainer: pl.Trainer) -> None:
+def _validate_at_every_epoch_end(trainer: pl.Trainer, end_every_fit: Callable[[], None]) -> None:
     """Lightning validates when a worker's batch count reaches the loader's length; a worker whose epoch
     ended with the others' (fewer batches) must validate too, or the ranks' validation collectives
-    would not pair up. ``val_check_interval`` is 1.0 here (checked at setup)."""
+    would not pair up. ``val_check_interval`` is 1.0 here (checked at setup).
+
+    Lightning asks this right after ``on_train_batch_end``: the first point where a ``should_stop`` set in
+    a per-batch hook of this worker alone (its own ``Timer`` clock, the user's own condition) is known.
+    ``end_every_fit`` then ends the others' fits after the step they are in, as max_steps does, so every
+    worker validates and stops together (before, the others trained on and the fit hung)."""
     loop = trainer.fit_loop.epoch_loop
 
     def at_epoch_end(data_fetcher: Any) -> bool:
+        stopping = trainer.should_stop and trainer.fit_loop._can_stop_early
+        if stopping:
+            end_every_fit()
         if not loop._should_check_val_epoch():
             return False
-        return loop.batch_progress.is_last_batch or (trainer.should_stop and trainer.fit_loop._can_stop_early)
+        return loop.batch_progress.is_last_batch or stopping
 
     loop._should_check_val_fx = at_epoch_end  # type: ignore[method-assign]
 

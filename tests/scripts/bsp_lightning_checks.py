@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -54,6 +55,18 @@ class SlowRank(pl.Callback):
         time.sleep(self.seconds * (self.factor if trainer.global_rank == self.rank else 1))
 
 
+class StopOneRank(pl.Callback):
+    """Rank ``rank`` alone sets ``trainer.should_stop`` after its batch ``batch_idx`` (as its own ``Timer``
+    clock or a user's own condition would)."""
+
+    def __init__(self, rank: int, batch_idx: int) -> None:
+        self.rank, self.batch_idx = rank, batch_idx
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_rank == self.rank and batch_idx == self.batch_idx:
+            trainer.should_stop = True
+
+
 def trainer(strategy: HierBSPStrategy, root: Path, **kwargs) -> pl.Trainer:  # noqa: ANN003
     return pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, enable_progress_bar=False,
@@ -79,6 +92,7 @@ def straggler(
     validate: bool = False,
     max_steps: int = -1,
     slow_factor: int = 4,
+    stop_rank_at: tuple[int, int] | None = None,
     **settings: object,
 ) -> dict:
     pl.seed_everything(7, verbose=False)
@@ -90,9 +104,10 @@ def straggler(
         share_batches=share_batches,
     )
     slow = SlowRank(3, 0.01, slow_factor)
+    stop = [StopOneRank(*stop_rank_at)] if stop_rank_at else []
     run = trainer(
         strategy, out, max_epochs=epochs, logger=CSVLogger(out / "logs", name="bsp"),
-        enable_checkpointing=False, callbacks=[slow], log_every_n_steps=1, max_steps=max_steps,
+        enable_checkpointing=False, callbacks=[slow, *stop], log_every_n_steps=1, max_steps=max_steps,
     )  # fmt: skip
     data = loader(n=512)
     run.fit(model, train_dataloaders=data, val_dataloaders=loader(n=64) if validate else None)
@@ -273,6 +288,17 @@ def main() -> None:
         "decisions_running_free": decisions_running_free(out / "decisions"),
         # max_steps mid-epoch with free-running workers: the fastest worker's 11th step ends the fit
         "max_steps": straggler(out / "max_steps", validate=True, epochs=3, max_steps=11),
+        # rank 0 alone sets should_stop after its 6th batch of the first epoch; the strategy's timeout is
+        # short so that a fit where the others train on fails here within a minute, not at the job's end
+        "stop_one_rank": straggler(
+            out / "stop_one",
+            validate=True,
+            epochs=3,
+            stop_rank_at=(0, 5),
+            superstep_steps=1,
+            max_staleness=1,
+            timeout=timedelta(seconds=60),
+        ),  # fmt: skip
         "resume": resume(out / "resume"),
         "resume_time_buckets": resume(out / "resume_time", bucketing="time"),
         # an LR scheduler stepping every step: the checkpoint must hold the decayed rates
