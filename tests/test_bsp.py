@@ -719,6 +719,20 @@ def test_should_stop_set_by_one_worker_ends_every_workers_fit(lightning_results:
     assert result["validations"] == [1] * 4, result
 
 
+def test_should_stop_set_by_one_worker_at_its_epochs_last_batch_ends_every_workers_fit(
+    lightning_results: dict,
+) -> None:
+    """The same at the epoch's last batch of that worker (fixed shares, so it is batch 15 of 16), where every
+    worker has already drained for the epoch's end: the workers agree at the epoch's end and none begins
+    the next epoch (before: the others did, and the fit hung until the timeout)."""
+    result = lightning_results["stop_one_rank_at_epoch_end"]
+    assert result["computed"][0] == 16 and max(result["computed"]) == 16, result["computed"]
+    _, applied = logged_supersteps(result)
+    assert applied == result["computed"]
+    assert result["same_model_everywhere"]
+    assert result["validations"] == [1] * 4, result
+
+
 def test_per_step_collectives_in_lockstep_pair_as_under_ddp(lightning_results: dict) -> None:
     """Lockstep workers (max_staleness=0) take the same steps: sync_dist, strategy.reduce and all_gather in
     training_step give ddp's values, hand-computed here (4 workers: the sum of (rank + 1) x (batch + 1))."""

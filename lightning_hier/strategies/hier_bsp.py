@@ -299,6 +299,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             self._mark_train_loading(trainer)
             if not self.settings.lockstep:
                 _validate_at_every_epoch_end(trainer, self._end_every_fit)
+                _stop_together_at_epoch_end(trainer, self._agree_on_stopping)
         self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
 
     def _build_engine(self) -> None:
@@ -533,6 +534,17 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         if self.engine is not None and not self.engine.memory.paused:
             self.engine.drain(epoch_end=True, fit_end=True)
             self._log_supersteps(self.lightning_module.trainer)  # those the drain closed
+
+    def _agree_on_stopping(self, trainer: pl.Trainer) -> None:
+        """At an epoch's end, after its hooks: the fit stops on every worker if it stops on one. A worker
+        that set ``should_stop`` alone in its last batch of the epoch did so after every worker drained
+        for the epoch's end, too late for :meth:`_end_every_fit`; without this the others began the next
+        epoch and the fit hung. Every worker is drained here (the drain is a no-op where it is), so the
+        decision is a real collective on every rank."""
+        if self.engine is None:
+            return
+        self.engine.drain()
+        trainer.should_stop = self.reduce_boolean_decision(trainer.should_stop, all=False)
 
     def _log_supersteps(self, trainer: pl.Trainer) -> None:
         assert self.engine is not None
@@ -841,6 +853,19 @@ def _validate_at_every_epoch_end(trainer: pl.Trainer, end_every_fit: Callable[[]
         return loop.batch_progress.is_last_batch or stopping
 
     loop._should_check_val_fx = at_epoch_end  # type: ignore[method-assign]
+
+
+def _stop_together_at_epoch_end(trainer: pl.Trainer, agree: Callable[[pl.Trainer], None]) -> None:
+    """Lightning's fit loop ends an epoch (its hooks, checkpoints, schedulers) in ``on_advance_end`` and
+    then reads ``should_stop``; ``agree`` makes that decision common to every worker in between."""
+    loop = trainer.fit_loop
+    end_epoch = loop.on_advance_end
+
+    def on_advance_end() -> None:
+        end_epoch()
+        agree(trainer)
+
+    loop.on_advance_end = on_advance_end  # type: ignore[method-assign]
 
 
 # Lightning's hook names (``LightningModule._current_fx_name``) from a training batch's start to its end

@@ -299,6 +299,18 @@ def main() -> None:
             max_staleness=1,
             timeout=timedelta(seconds=60),
         ),  # fmt: skip
+        # rank 0 alone sets it at its epoch's last batch (fixed shares: batch 15 of 16), after every worker
+        # drained for the epoch's end
+        "stop_one_rank_at_epoch_end": straggler(
+            out / "stop_one_last",
+            share_batches=False,
+            validate=True,
+            epochs=3,
+            stop_rank_at=(0, 15),
+            superstep_steps=1,
+            max_staleness=1,
+            timeout=timedelta(seconds=60),
+        ),
         "resume": resume(out / "resume"),
         "resume_time_buckets": resume(out / "resume_time", bucketing="time"),
         # an LR scheduler stepping every step: the checkpoint must hold the decayed rates
