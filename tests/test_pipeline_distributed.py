@@ -28,6 +28,7 @@ from pipeline_models import (  # noqa: E402
     OneLayerNet,
     SkewedNet,
     SkippingNet,
+    StoppingNet,
     TinyGPT,
     TwiceNet,
     flagged_loader,
@@ -512,6 +513,20 @@ def test_the_skip_flag_broadcast_apart_from_the_loss_trains_as_one_process(tmp_p
     expected_losses, expected_state = reference("sgd", model_class=SkippingNet, max_steps=5)
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=SkippingNet)
+
+
+@pytest.mark.parametrize("scenario", ["stop_in_training_step", "stop_in_training_step_host_flag"])
+def test_should_stop_set_in_the_last_stages_training_step_stops_every_stage(
+    tmp_path: Path, scenario: str
+) -> None:
+    """The user's ``training_step`` runs on the last stage only; a ``trainer.should_stop`` it sets there
+    reaches every stage with the step's loss, so all stop after the same step as one process does
+    (before: the first stage trained on and the fit hung)."""
+    result = run_scenario(scenario, 2, tmp_path)
+    expected_losses, expected_state = reference("sgd", model_class=StoppingNet, max_epochs=3)
+    assert len(expected_losses) == StoppingNet.stop_after_step + 1  # one per step, the epoch has 8
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=StoppingNet)
 
 
 class _PlainBackward(SkippingNet):

@@ -492,31 +492,41 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         """The step's loss on every stage (``None`` where every micro-batch skipped), from the last stage.
 
         float64 on every stage: only the last one knows the loss's dtype (float64 under "64-true"), and a
-        broadcast whose ranks disagree on the dtype is a size mismatch."""
+        broadcast whose ranks disagree on the dtype is a size mismatch.
+
+        The last stage's ``trainer.should_stop`` travels with it: the user's ``training_step`` runs there
+        only, so a step that stops the fit on its own condition (``if loss < x: self.trainer.should_stop
+        = True``, as each ``ddp`` rank would decide for itself) stops every stage; before, the other stages
+        trained on and the fit hung."""
         assert self.engine is not None
         all_skipped = self._skipped_micro_batches == num_micro
         if self.num_stages == 1:  # this process is the last stage: no broadcast, no wait for the device
             return None if all_skipped else torch.stack(self._losses).sum().to(torch.float64)
         last = rank_of_stage(self.num_stages, self.num_stages - 1)
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if self._skip_flag_on_host():
-            # the flag on the group's host backend and the loss on the device: every stage reads the
-            # flag without waiting for its own queued kernels (reading a device tensor's value would
+            # the flags on the group's host backend and the loss on the device: every stage reads the
+            # flags without waiting for its own queued kernels (reading a device tensor's value would
             # drain the GPU's queue every step)
-            flag = torch.tensor([float(all_skipped)], dtype=torch.float64)
-            dist.broadcast(flag, src=last, group=self.engine.group)
-            if flag.item():
+            flags = torch.tensor([float(all_skipped), float(trainer.should_stop)], dtype=torch.float64)
+            dist.broadcast(flags, src=last, group=self.engine.group)
+            trainer.should_stop = trainer.should_stop or bool(flags[1].item())
+            if flags[0].item():
                 return None
             loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
             if self._losses:
                 loss = torch.stack(self._losses).sum().to(torch.float64)
             dist.broadcast(loss, src=last, group=self.engine.group)
             return loss
-        result = torch.zeros(2, dtype=torch.float64, device=self.root_device)
+        result = torch.zeros(3, dtype=torch.float64, device=self.root_device)
         if self._losses:
             result[0] = torch.stack(self._losses).sum()
         result[1] = float(all_skipped)
+        result[2] = float(trainer.should_stop)
         dist.broadcast(result, src=last, group=self.engine.group)
-        return None if result[1].item() else result[0]
+        skipped, stop = result[1:].tolist()
+        trainer.should_stop = trainer.should_stop or bool(stop)
+        return None if skipped else result[0]
 
     def _skip_flag_on_host(self) -> bool:
         """Whether the step's skip flag travels apart from its loss, on the host backend: on a GPU (on

@@ -200,12 +200,24 @@ SCENARIOS: dict[str, dict] = {
         strategy=dict(partition="uniform", rebalance="never"),
         trainer=dict(max_steps=5),
     ),
+    # the last stage's training_step sets should_stop (after step 3 of an 8-step epoch, 3 epochs): every
+    # stage stops with it
+    "stop_in_training_step": dict(
+        model=dict(optimizer="sgd"),
+        model_class="stopping",
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_epochs=3),
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),
         trainer=dict(max_steps=6, limit_train_batches=2),
         resume="last",
     ),
+}
+SCENARIOS["stop_in_training_step_host_flag"] = {
+    **SCENARIOS["stop_in_training_step"],
+    "skip_flag_on_host": True,
 }
 # the skipped micro-batches with the skip flag broadcast on the host apart from the loss (the GPU's way)
 SCENARIOS["skipped_micro_batches_host_flag"] = {

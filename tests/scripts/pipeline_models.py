@@ -175,6 +175,19 @@ class SkippingNet(SkewedNet):
         (2.0 * loss).backward(*args, **kwargs)
 
 
+class StoppingNet(SkewedNet):
+    """Stops the fit from its own ``training_step`` after its loss is computed (as a user's "stop once the
+    loss is low enough" does): under hier_pipeline only the last stage gets that far in the step."""
+
+    stop_after_step = 3
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step >= self.stop_after_step:
+            self.trainer.should_stop = True
+        return loss
+
+
 class IterNet(SkewedNet):
     """Pulls each batch from Lightning's ``dataloader_iter`` and returns an extra key beside the loss."""
 
@@ -293,6 +306,7 @@ MODELS = {
     "gather": GatherNet,
     "one": OneLayerNet,
     "skipping": SkippingNet,
+    "stopping": StoppingNet,
     "iter": IterNet,
     "gain": GainNet,
 }
