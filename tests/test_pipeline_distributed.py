@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(SCRIPTS))
 from pipeline_models import (  # noqa: E402
+    CompiledBlocksNet,
     DropNet,
     GainNet,
     GatherNet,
@@ -527,6 +528,26 @@ def test_should_stop_set_in_the_last_stages_training_step_stops_every_stage(
     assert len(expected_losses) == StoppingNet.stop_after_step + 1  # one per step, the epoch has 8
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=StoppingNet)
+
+
+def test_compiled_blocks_run_as_layers_and_migrate_matching_one_process(tmp_path: Path) -> None:
+    """Blocks ``torch.compile``'d one by one are opaque layers (fx cannot trace into them; before: a
+    PipelineTraceError) that run compiled and migrate between stages; the result is one process's."""
+    result = run_scenario("compiled_blocks_migrate", 2, tmp_path)
+    assert result["history"], "the lopsided start must be rebalanced: compiled blocks migrate"
+    expected_losses, expected_state = reference("sgd", model_class=CompiledBlocksNet, max_steps=6)
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=CompiledBlocksNet)
+
+
+def test_a_compiled_module_runs_uncompiled_and_matches_one_process(tmp_path: Path) -> None:
+    """A ``torch.compile``'d LightningModule passed to fit: the compiled steps cannot trace through the
+    stages' exchange (before: a crash inside AOT autograd on the first stage), so it runs uncompiled, with
+    a warning, and trains as one process does."""
+    result = run_scenario("compiled_module", 2, tmp_path)
+    expected_losses, expected_state = reference("sgd", max_steps=4)
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state)
 
 
 class _PlainBackward(SkippingNet):

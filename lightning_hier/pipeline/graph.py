@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
 
@@ -75,7 +76,9 @@ class _LeafTracer(fx.Tracer):
         self.extra_leaves = set(leaf_modules)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.extra_leaves:
+        # a torch.compile'd submodule runs compiled as one layer on whichever stage holds it (fx cannot
+        # trace into a dynamo-optimized module)
+        if module_qualified_name in self.extra_leaves or isinstance(m, OptimizedModule):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 

@@ -23,6 +23,7 @@ from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -215,6 +216,16 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 "defines no forward(); define forward() and call self(...) in the *_step methods, or use "
                 "hier_sliced, hier_bsp or ddp, which do not split the model."
             )
+        if module is not None and module._compiler_ctx is not None:
+            # Lightning compiled the module's forward and *_step methods (a torch.compile'd module passed to
+            # the Trainer); the steps call the stage's part of forward, which exchanges activations with
+            # the neighbouring stages, and dynamo cannot trace that (inductor failed inside it)
+            rank_zero_warn(
+                "hier_pipeline runs a torch.compile'd LightningModule uncompiled: each process runs only its "
+                "stage's part of forward and exchanges activations with the others in between, which a "
+                "compile of the whole module cannot trace."
+            )
+            to_uncompiled(module)
         if self._layer_sync is not None:
             rank_zero_warn(
                 "sync_batchnorm=True with HierPipelineStrategy: a pipeline is one data-parallel replica, so "

@@ -208,6 +208,21 @@ SCENARIOS: dict[str, dict] = {
         strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
         trainer=dict(max_epochs=3),
     ),
+    # torch.compile'd blocks (opaque layers) migrating between stages
+    "compiled_blocks_migrate": dict(
+        model=dict(optimizer="sgd"),
+        model_class="compiled_blocks",
+        strategy=dict(partition=[1, 11], rebalance=2, micro_batches=2),
+        trainer=dict(max_steps=6),
+    ),
+    # the whole module torch.compile'd before fit (Lightning compiles forward and the *_step methods;
+    # aot_eager goes through the same AOT autograd that failed inside the stage exchange)
+    "compiled_module": dict(
+        model=dict(optimizer="sgd"),
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_steps=4),
+        compile_module="aot_eager",
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),
@@ -461,7 +476,7 @@ def main() -> None:
         train_loader = loader(batch_size=spec.get("batch_size", 32), shuffle=spec.get("shuffle", False))
     callbacks_before = [type(cb).__name__ for cb in trainer.callbacks]
     trainer.fit(
-        model,
+        torch.compile(model, backend=spec["compile_module"]) if spec.get("compile_module") else model,
         train_loader,
         val_dataloaders=val_loader,
         ckpt_path=ckpt_path,

@@ -188,6 +188,16 @@ class StoppingNet(SkewedNet):
         return loss
 
 
+class CompiledBlocksNet(SkewedNet):
+    """Each block ``torch.compile``'d on its own (dynamo's ``eager`` backend: the same arithmetic as
+    uncompiled, so one process without compilation is the reference, and no compile time)."""
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.01) -> None:
+        super().__init__(optimizer=optimizer, lr=lr)
+        for i, block in enumerate(self.blocks):
+            self.blocks[i] = torch.compile(block, backend="eager")
+
+
 class IterNet(SkewedNet):
     """Pulls each batch from Lightning's ``dataloader_iter`` and returns an extra key beside the loss."""
 
@@ -307,6 +317,7 @@ MODELS = {
     "one": OneLayerNet,
     "skipping": SkippingNet,
     "stopping": StoppingNet,
+    "compiled_blocks": CompiledBlocksNet,
     "iter": IterNet,
     "gain": GainNet,
 }
