@@ -692,16 +692,22 @@ def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results:
         assert min(fast) > 2 * 512 / 4 / 8, result  # each fast worker trained on more than a quarter
 
 
+def assert_every_worker_stopped_together(result: dict) -> None:
+    """Every step a worker took reached the server, and every worker validated once, at the shortened
+    epoch's end, with the same model."""
+    _, applied = logged_supersteps(result)
+    assert applied == result["computed"]
+    assert result["same_model_everywhere"]
+    assert result["validations"] == [1] * 4, result
+
+
 def test_max_steps_ends_every_worker_when_the_fastest_reaches_it(lightning_results: dict) -> None:
     """max_steps with free-running workers (before: refused): the first worker to reach it ends the fit, the
     others stop after the step they are in; every step taken reached the server, and every worker
     validated once, at the shortened epoch's end, with the same model."""
     result = lightning_results["max_steps"]
     assert max(result["computed"]) == 11 and result["computed"][3] < 11, result["computed"]
-    rows, applied = logged_supersteps(result)
-    assert applied == result["computed"]
-    assert result["same_model_everywhere"]
-    assert result["validations"] == [1] * 4, result
+    assert_every_worker_stopped_together(result)
 
 
 def test_should_stop_set_by_one_worker_ends_every_workers_fit(lightning_results: dict) -> None:
@@ -713,10 +719,7 @@ def test_should_stop_set_by_one_worker_ends_every_workers_fit(lightning_results:
     assert result["computed"][0] == 6, result["computed"]  # stopped after its batch 5
     # nobody trained on into the rest of the epoch (64 batches shared by 4 workers) or a later one
     assert sum(result["computed"]) < 64 // 2, result["computed"]
-    rows, applied = logged_supersteps(result)
-    assert applied == result["computed"]
-    assert result["same_model_everywhere"]
-    assert result["validations"] == [1] * 4, result
+    assert_every_worker_stopped_together(result)
 
 
 def test_should_stop_set_by_one_worker_at_its_epochs_last_batch_ends_every_workers_fit(
@@ -727,10 +730,7 @@ def test_should_stop_set_by_one_worker_at_its_epochs_last_batch_ends_every_worke
     the next epoch (before: the others did, and the fit hung until the timeout)."""
     result = lightning_results["stop_one_rank_at_epoch_end"]
     assert result["computed"][0] == 16 and max(result["computed"]) == 16, result["computed"]
-    _, applied = logged_supersteps(result)
-    assert applied == result["computed"]
-    assert result["same_model_everywhere"]
-    assert result["validations"] == [1] * 4, result
+    assert_every_worker_stopped_together(result)
 
 
 def test_per_step_collectives_in_lockstep_pair_as_under_ddp(lightning_results: dict) -> None:

@@ -132,6 +132,16 @@ def straggler(
     }
 
 
+def rank_0_stops(out: Path, batch_idx: int, share_batches: bool | None = None) -> dict:
+    """:func:`straggler` for three epochs with validation where rank 0 alone sets ``should_stop`` after its
+    batch ``batch_idx``; the strategy's timeout is short, so a fit where the others train on fails here
+    within a minute, not at the job's end."""
+    return straggler(
+        out, share_batches=share_batches, validate=True, epochs=3, stop_rank_at=(0, batch_idx),
+        superstep_steps=1, max_staleness=1, timeout=timedelta(seconds=60),
+    )  # fmt: skip
+
+
 def resume(
     out: Path,
     bucketing: str = "size",
@@ -288,29 +298,11 @@ def main() -> None:
         "decisions_running_free": decisions_running_free(out / "decisions"),
         # max_steps mid-epoch with free-running workers: the fastest worker's 11th step ends the fit
         "max_steps": straggler(out / "max_steps", validate=True, epochs=3, max_steps=11),
-        # rank 0 alone sets should_stop after its 6th batch of the first epoch; the strategy's timeout is
-        # short so that a fit where the others train on fails here within a minute, not at the job's end
-        "stop_one_rank": straggler(
-            out / "stop_one",
-            validate=True,
-            epochs=3,
-            stop_rank_at=(0, 5),
-            superstep_steps=1,
-            max_staleness=1,
-            timeout=timedelta(seconds=60),
-        ),  # fmt: skip
+        # rank 0 alone sets should_stop after its 6th batch of the first epoch
+        "stop_one_rank": rank_0_stops(out / "stop_one", batch_idx=5),
         # rank 0 alone sets it at its epoch's last batch (fixed shares: batch 15 of 16), after every worker
         # drained for the epoch's end
-        "stop_one_rank_at_epoch_end": straggler(
-            out / "stop_one_last",
-            share_batches=False,
-            validate=True,
-            epochs=3,
-            stop_rank_at=(0, 15),
-            superstep_steps=1,
-            max_staleness=1,
-            timeout=timedelta(seconds=60),
-        ),
+        "stop_one_rank_at_epoch_end": rank_0_stops(out / "stop_one_last", batch_idx=15, share_batches=False),
         "resume": resume(out / "resume"),
         "resume_time_buckets": resume(out / "resume_time", bucketing="time"),
         # an LR scheduler stepping every step: the checkpoint must hold the decayed rates
