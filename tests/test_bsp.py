@@ -692,6 +692,21 @@ def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results:
         assert min(fast) > 2 * 512 / 4 / 8, result  # each fast worker trained on more than a quarter
 
 
+def test_a_schedule_sized_by_the_step_estimate_never_runs_past_its_end(lightning_results: dict) -> None:
+    """``configure_optimizers`` sizes a OneCycleLR by ``trainer.estimated_stepping_batches`` (each worker's
+    fixed share, 16 per epoch), with a straggler and the loader reloaded every epoch. Shared batches would let
+    a fast worker take more steps than that, and OneCycleLR raises past its end; the workers keep fixed
+    shares for the fit instead (a warning says so): the fast ones take exactly the estimate, the straggler
+    fewer, and every step reaches the server."""
+    result = lightning_results["one_cycle"]
+    assert result["estimate"] == 2 * 512 // 4 // 8  # 2 epochs of a quarter of 512 samples in batches of 8
+    fast, slow = result["computed"][:3], result["computed"][3]
+    assert fast == [result["estimate"]] * 3 and slow < result["estimate"], result["computed"]
+    _, applied = logged_supersteps(result)
+    assert applied == result["computed"]
+    assert result["same_model_everywhere"]
+
+
 def assert_every_worker_stopped_together(result: dict) -> None:
     """Every step a worker took reached the server, and every worker validated once, at the shortened
     epoch's end, with the same model."""

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(SCRIPTS))
 from pipeline_models import (  # noqa: E402
     CompiledBlocksNet,
+    CountingScheduledNet,
     DropNet,
     GainNet,
     GatherNet,
@@ -548,6 +549,22 @@ def test_a_compiled_module_runs_uncompiled_and_matches_one_process(tmp_path: Pat
     expected_losses, expected_state = reference("sgd", max_steps=4)
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state)
+
+
+def test_a_buffer_counted_in_forward_and_a_schedule_sized_in_configure_optimizers_match_one_process(
+    tmp_path: Path,
+) -> None:
+    """``self.samples_seen += n`` in forward is an in-place node of the graph, run by the stage that holds the
+    buffer (before: the trace left an fx Proxy in the module and setup failed in ``model.to``), and a
+    ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` keeps the user's unshuffled
+    loader (before: Lightning's shuffling DistributedSampler, since the data loaded before the strategy's
+    setup). Losses, weights, schedule and the count equal one process's."""
+    result = run_scenario("counting_scheduled", 2, tmp_path)
+    expected_losses, expected_state = reference("sgd", model_class=CountingScheduledNet, max_epochs=1)
+    assert int(expected_state["samples_seen"]) == 256  # one epoch
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=CountingScheduledNet)
+    assert_every_rank_holds(result["module_after_fit"], 2, expected_state)
 
 
 class _PlainBackward(SkippingNet):

@@ -624,3 +624,73 @@ def test_a_dropout_switched_on_after_the_stage_was_built_still_draws_from_the_pe
         outputs.append(executor.forward(x))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
     assert not torch.equal(outputs[0], model[2](model[0](x)))  # the dropout did draw a mask
+
+
+class _Writing(nn.Module):
+    """A forward that writes to its module as models do: a counting buffer updated in place, an attribute
+    kept for inspection, a tensor constant (which fx stores on the module it traces)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.last_input = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        self.last_input = x
+        return self.lin(x) + torch.tensor([1.0, -1.0])
+
+
+def test_a_trace_leaves_the_model_as_it_was_and_keeps_in_place_buffer_updates() -> None:
+    """fx runs forward once with proxies: before, ``self.seen`` stayed an fx Proxy on the user's model (and
+    Lightning's ``model.to`` failed on it). Now the model is as before the trace, the in-place update is a
+    layer of the graph, and the attribute that the graph cannot set is warned about."""
+    model = _Writing()
+    seen = model.seen
+    with pytest.warns(UserWarning, match=r"_Writing.forward sets last_input"):
+        graph = LayerGraph(model)
+    assert model.seen is seen and model.last_input is None
+    executor = StageExecutor(graph, StagePartition((0,), graph.num_clusters), 0)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(executor.forward(x), model.lin(x) + torch.tensor([1.0, -1.0]))
+    assert int(model.seen) == 3  # the graph's add_ on the model's own buffer
+    model.to(torch.float64)  # what failed on the proxy before
+    assert model.seen.dtype == torch.long
+
+
+def test_a_buffer_or_parameter_replaced_in_forward_is_refused_by_name() -> None:
+    """``self.mean = 0.9 * self.mean + ...`` rebinds the buffer: the graph keeps no assignment, so under the
+    pipeline it would never change. That is refused, naming it and the in-place way, and the model is left
+    as it was."""
+
+    class RunningMean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("mean", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+            return self.lin(x - self.mean)
+
+    model = RunningMean()
+    mean = model.mean
+    with pytest.raises(PipelineTraceError, match=r"assigns new values to mean: .* in place"):
+        LayerGraph(model)
+    assert model.mean is mean
+
+    class Reset(nn.Module):  # a parameter rebuilt in forward (fx cannot trace one made from a proxy)
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.inner.bias = nn.Parameter(torch.zeros(4))
+            return self.inner(x)
+
+    model = Reset()
+    bias = model.inner.bias
+    with pytest.raises(PipelineTraceError, match=r"assigns new values to inner.bias"):
+        LayerGraph(model)
+    assert model.inner.bias is bias

@@ -29,6 +29,8 @@ import torch.fx as fx
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
+from lightning_hier.pipeline import trace_writes
+
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
 
 
@@ -94,23 +96,36 @@ def _offending_call(exc: BaseException) -> str:
     return "<unknown location>"
 
 
-def trace_model(module: nn.Module, leaf_modules: Sequence[str] = ()) -> fx.GraphModule:
-    """Trace ``module.forward``; the graph module shares the model's submodules and parameters."""
+def trace_model(
+    module: nn.Module, leaf_modules: Sequence[str] = (), check_writes: bool = True
+) -> fx.GraphModule:
+    """Trace ``module.forward``; the graph module shares the model's submodules and parameters. The model is
+    left as it was before the trace (see ``trace_writes``); ``check_writes``: judge the forward's writes to
+    the model (an error or a warning)."""
     names = dict(module.named_modules())
     missing = [m for m in leaf_modules if m not in names]
     if missing:
         raise ValueError(f"leaf_modules {missing} are not submodules of {type(module).__name__}.")
     tracer = _LeafTracer(leaf_modules)
     concrete = _specialized_defaults(module)
+    saved = trace_writes.snapshot(module)
     try:
         graph = tracer.trace(module, concrete_args=concrete or None)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, ...
+        trace_writes.restore(saved, fx.Graph())
         raise PipelineTraceError(
             f"hier_pipeline could not trace {type(module).__name__}.forward: {exc} "
             f"(at {_offending_call(exc)}). Make that call traceable by torch.fx, list the submodule "
             "that contains it in `leaf_modules` (it then runs as one opaque layer), or build the "
             "model as an nn.Sequential of such blocks."
         ) from exc
+    writes = trace_writes.restore(saved, graph)
+    if check_writes:
+        error, warning = trace_writes.problems(writes, graph, type(module).__name__)
+        if error:
+            raise PipelineTraceError(error)
+        if warning:
+            warnings.warn(warning, stacklevel=3)
     for node in graph.nodes:  # fx names a specialized input "extra_1": callers pass it as "extra"
         base, _, suffix = str(node.target).rpartition("_")
         if node.op == "placeholder" and suffix.isdigit() and base in concrete:
@@ -133,7 +148,7 @@ def _mode_dependent_args(module: nn.Module, leaf_modules: Sequence[str], traced:
     try:
         for sub in modes:  # the flags only: a user's train() override (and Lightning's hooks) stay unseen
             sub.training = not was_training
-        other = trace_model(module, leaf_modules)
+        other = trace_model(module, leaf_modules, check_writes=False)
     finally:
         for sub, mode in modes.items():
             sub.training = mode

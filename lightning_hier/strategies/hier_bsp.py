@@ -191,6 +191,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         self.time_plan: TimePlan | None = None  # the plan the buckets were rebuilt from, once profiled
         self._earlier_records: list[SuperstepRecord] = []  # of engines replaced by a rebuild
         self._claiming = False  # the train loader now in use draws from a ClaimingSampler
+        self._share_this_fit = self.share_batches  # off for a fit whose data loaded before setup
         self._loading_train_data = False
         self.topology: Topology | None = None
         self.engine: BSPEngine | None = None
@@ -297,6 +298,9 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             self._route_to_engine()
             _without_step_broadcast(trainer)
             self._mark_train_loading(trainer)
+            self._share_this_fit = self.share_batches
+            if self.share_batches and trainer.fit_loop._combined_loader is not None:
+                self._keep_fixed_shards_for_an_early_estimate(trainer)
             if not self.settings.lockstep:
                 _validate_at_every_epoch_end(trainer, self._end_every_fit)
                 _stop_together_at_epoch_end(trainer, self._agree_on_stopping)
@@ -405,6 +409,25 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         self.precision_plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ data
+    def _keep_fixed_shards_for_an_early_estimate(self, trainer: pl.Trainer) -> None:
+        """The train data loaded before the strategy's setup: ``configure_optimizers`` (or ``setup``) read
+        ``trainer.estimated_stepping_batches``, most often to size a schedule (OneCycleLR's ``total_steps``).
+        That count is each worker's fixed share; with shared batches a faster worker takes more steps than
+        it, and the schedule would run past its end (OneCycleLR raises). The workers keep their fixed shards
+        for this fit instead, so no worker takes more steps than the estimate."""
+        self._share_this_fit = False
+        self._claiming = False
+        estimate = trainer.estimated_stepping_batches
+        rank_zero_warn(
+            "HierBSPStrategy keeps each worker's fixed share of the train batches for this fit "
+            "(share_batches=False): the train data was loaded before the strategy's setup, by reading "
+            f"trainer.estimated_stepping_batches ({estimate}), and with shared batches "
+            "a faster worker would take more steps than that estimate, running a schedule sized by it past "
+            "its end. When the fastest workers finish their shares, a straggler's remaining batches of that "
+            "epoch are skipped instead of taken over. Pass share_batches=False to say so, or do not read the "
+            "estimate to keep sharing."
+        )
+
     def _mark_train_loading(self, trainer: pl.Trainer) -> None:
         """Lightning hands every loader to :meth:`process_dataloader` without saying which stage it is for;
         the fit loop's ``setup_data`` loads the train loaders only, so mark that window."""
@@ -422,7 +445,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
 
     def process_dataloader(self, dataloader: object) -> object:
         """The train loader draws its batches from a :class:`ClaimingSampler` when ``share_batches``."""
-        if not (self._loading_train_data and self.share_batches):
+        if not (self._loading_train_data and self._share_this_fit):
             return dataloader
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         why_not = why_not_claimed(dataloader)

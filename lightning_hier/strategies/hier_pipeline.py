@@ -233,6 +233,11 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 "micro-batch, as in every micro-batched pipeline)."
             )
             self._layer_sync = None
+        if module is not None and module._trainer is not None:
+            # before the user's hooks run: configure_optimizers (or setup) reading
+            # trainer.estimated_stepping_batches loads the train data there, and with the flag still on it
+            # would get Lightning's shuffling DistributedSampler instead of the user's loader
+            self._keep_users_sampler(module._trainer)
         super().setup_distributed()
         destroy_process_group_at_exit()
 

@@ -85,6 +85,17 @@ class Validated(ValidatedModel):
         self.validations += 0 if self.trainer.sanity_checking else 1
 
 
+class OneCycle(EquivModel):
+    """Sizes a OneCycleLR by ``trainer.estimated_stepping_batches`` in ``configure_optimizers``, as Lightning
+    documents it (which loads the train data there, before the strategy's setup), and notes the estimate."""
+
+    def configure_optimizers(self):  # noqa: ANN201
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        self.estimate = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.2, total_steps=self.estimate)
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
 def straggler(
     out: Path,
     share_batches: bool | None = None,
@@ -93,10 +104,11 @@ def straggler(
     max_steps: int = -1,
     slow_factor: int = 4,
     stop_rank_at: tuple[int, int] | None = None,
+    one_cycle: bool = False,
     **settings: object,
 ) -> dict:
     pl.seed_everything(7, verbose=False)
-    model = Validated() if validate else EquivModel(optimizer="sgd")
+    model = OneCycle() if one_cycle else Validated() if validate else EquivModel(optimizer="sgd")
     strategy = HierBSPStrategy(
         **(settings or {"superstep_steps": 1, "max_staleness": 1}),
         devices_per_node=2,
@@ -108,6 +120,7 @@ def straggler(
     run = trainer(
         strategy, out, max_epochs=epochs, logger=CSVLogger(out / "logs", name="bsp"),
         enable_checkpointing=False, callbacks=[slow, *stop], log_every_n_steps=1, max_steps=max_steps,
+        reload_dataloaders_every_n_epochs=int(one_cycle),
     )  # fmt: skip
     data = loader(n=512)
     run.fit(model, train_dataloaders=data, val_dataloaders=loader(n=64) if validate else None)
@@ -129,6 +142,7 @@ def straggler(
         "samples": [len(s) for s in seen],
         "each_sample_once_per_epoch": sorted(x for s in seen for x in s) == every,
         "validations": validations,
+        "estimate": getattr(model, "estimate", None),
     }
 
 
@@ -294,6 +308,9 @@ def main() -> None:
             slow_factor=8,
         ),  # fmt: skip
         "fast_dev_run": fast_dev_run(out / "fast_dev_run"),
+        # a OneCycleLR sized by estimated_stepping_batches in configure_optimizers, the loader reloaded every
+        # epoch: the workers keep fixed shares, so no worker steps the schedule past its end
+        "one_cycle": straggler(out / "one_cycle", one_cycle=True),
         "synced_in_lockstep": synced_in_lockstep(out / "synced"),
         "decisions_running_free": decisions_running_free(out / "decisions"),
         # max_steps mid-epoch with free-running workers: the fastest worker's 11th step ends the fit

@@ -223,6 +223,14 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_steps=4),
         compile_module="aot_eager",
     ),
+    # a buffer updated in forward, and configure_optimizers reading estimated_stepping_batches (before the
+    # strategy's setup); an unshuffled loader, so Lightning's DistributedSampler would reorder it
+    "counting_scheduled": dict(
+        model=dict(optimizer="sgd"),
+        model_class="counting_scheduled",
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_epochs=1),  # with max_steps alone Lightning estimates without loading the data
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),

@@ -198,6 +198,26 @@ class CompiledBlocksNet(SkewedNet):
             self.blocks[i] = torch.compile(block, backend="eager")
 
 
+class CountingScheduledNet(SkewedNet):
+    """As users write them: ``forward`` counts the samples it trains on in a buffer (in place, as
+    ``self.count += n`` does), and ``configure_optimizers`` sizes a OneCycleLR with
+    ``trainer.estimated_stepping_batches``, which makes Lightning load the train data right there."""
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.01) -> None:
+        super().__init__(optimizer=optimizer, lr=lr)
+        self.register_buffer("samples_seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.samples_seen += x.shape[0]
+        return super().forward(x)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        total = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total)
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
 class IterNet(SkewedNet):
     """Pulls each batch from Lightning's ``dataloader_iter`` and returns an extra key beside the loss."""
 
@@ -319,6 +339,7 @@ MODELS = {
     "stopping": StoppingNet,
     "compiled_blocks": CompiledBlocksNet,
     "iter": IterNet,
+    "counting_scheduled": CountingScheduledNet,
     "gain": GainNet,
 }
 
