@@ -567,6 +567,30 @@ def test_a_buffer_counted_in_forward_and_a_schedule_sized_in_configure_optimizer
     assert_every_rank_holds(result["module_after_fit"], 2, expected_state)
 
 
+def test_stages_reading_different_batches_are_refused_at_the_first_batch(tmp_path: Path) -> None:
+    """A loader sharded by rank gives each stage its own batches: the pipeline would pair one sample's
+    inputs with another's labels and train on silently. The stages compare their first batch of each epoch
+    (shapes, integer values) and every one raises, naming the cause and the fix."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_scenario("rank_sharded_loader", 2, tmp_path)
+    assert "the stages read different batches" in str(info.value)
+    assert "distributed_sampler_kwargs" in str(info.value)
+    assert time.monotonic() - start < 120
+
+
+def test_inputs_that_differ_off_the_first_stage_are_not_refused_and_train_as_one_process(
+    tmp_path: Path,
+) -> None:
+    """Random augmentation drawn per process makes the float inputs differ between stages while the labels
+    agree; only stage 0 computes on inputs, so that is no error: the run trains as one process on stage 0's
+    data (the clean set here)."""
+    result = run_scenario("inputs_differ_off_stage_0", 2, tmp_path)
+    expected_losses, expected_state = reference("sgd", max_epochs=2)
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state)
+
+
 class _PlainBackward(SkippingNet):
     backward = pl.LightningModule.backward
 

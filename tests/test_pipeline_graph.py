@@ -694,3 +694,23 @@ def test_a_buffer_or_parameter_replaced_in_forward_is_refused_by_name() -> None:
     with pytest.raises(PipelineTraceError, match=r"assigns new values to inner.bias"):
         LayerGraph(model)
     assert model.inner.bias is bias
+
+
+def test_batch_fingerprints_compare_shapes_and_integer_values_not_float_values() -> None:
+    """What the stages compare at each epoch's first batch: a different order of the labels or another
+    batch size is a different batch; inputs drawn with other random augmentation (floats) are not."""
+    from lightning_hier.pipeline.batch_agreement import batch_fingerprint
+
+    x, y = torch.randn(8, 4), torch.arange(8) % 3
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    batch = {"x": x, "y": y, "mask": mask}
+    same = batch_fingerprint({"x": x.clone(), "y": y.clone(), "mask": mask.clone()})
+    assert torch.equal(batch_fingerprint(batch), same)
+    assert torch.equal(batch_fingerprint(batch), batch_fingerprint({**batch, "x": torch.randn(8, 4)}))
+    swapped = y.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]  # same values, other rows: another sample's label
+    assert not torch.equal(batch_fingerprint(batch), batch_fingerprint({**batch, "y": swapped}))
+    other_mask = mask.clone()
+    other_mask[3, 4] = False
+    assert not torch.equal(batch_fingerprint(batch), batch_fingerprint({**batch, "mask": other_mask}))
+    assert not torch.equal(batch_fingerprint([x, y]), batch_fingerprint([x[:7], y[:7]]))

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
 
+from lightning_hier.pipeline.batch_agreement import stages_disagree
 from lightning_hier.pipeline.batching import input_signature, split_batch
 from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
 from lightning_hier.pipeline.graph import LayerGraph
@@ -201,6 +202,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         # how the step's skip flag reaches the stages (see _skip_flag_on_host); None: by the device
         self.skip_flag_on_host: bool | None = None
         self._failed = False
+        self._batch_checked_in_epoch: int | None = None  # the epoch whose first batch the stages compared
         self._user_zero_grad: Callable[..., Any] = _skip_zero_grad
         self._metric_sync: StageMetricsSync | None = None
         self._zero_grad_hook = InstanceHooks()
@@ -321,6 +323,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             )
         self.precision_plugin.convert_module(self.model)
         self._failed = False
+        self._batch_checked_in_epoch = None
         if self.engine is not None and self.engine.root is not module:
             self.engine = None  # another module than the last run's: its own graph and split
         if self.engine is None:
@@ -486,8 +489,11 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None and self.lightning_module is not None
         batch, *rest = args
-        micro, total = split_batch(batch, self.settings.micro_batches)
         trainer = self.lightning_module.trainer
+        if self.num_stages > 1 and self._batch_checked_in_epoch != trainer.current_epoch:
+            self._batch_checked_in_epoch = trainer.current_epoch
+            self._check_every_stage_reads(batch, trainer.current_epoch)
+        micro, total = split_batch(batch, self.settings.micro_batches)
         self._zero_grad(int(rest[0]) if rest else trainer.fit_loop.epoch_loop.batch_idx)
         scale = 1.0 / max(int(trainer.accumulate_grad_batches), 1)
         with self.precision_plugin.train_step_context():
@@ -503,6 +509,21 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             return None  # every stage skips the optimizer step, as Lightning does for one process
         loss = loss.to(torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32)
         return {"loss": loss, **self._extra} if self._extra else loss
+
+    @staticmethod
+    def _check_every_stage_reads(batch: Any, epoch: int) -> None:
+        """Refuse stages that read different batches (once per epoch, before the step's first layer): the
+        pipeline would pair one sample's inputs with another's targets and train on silently."""
+        if stages_disagree(batch, control_group()):
+            raise RuntimeError(
+                f"hier_pipeline: the stages read different batches (epoch {epoch}'s first batch differs in "
+                "its integer tensors, such as labels or token ids, or in its shapes). Stage 0 computes on "
+                "a batch's inputs and the last stage on its targets, so every process must read the same "
+                "batches. A loader that shards by rank (torch.distributed.get_rank(), webdataset's "
+                "split_by_node) should shard by trainer.strategy.distributed_sampler_kwargs instead (one "
+                "replica here: num_replicas=1, rank=0), and random masks or labels drawn in a collate "
+                "function should come from a generator seeded the same on every process."
+            )
 
     def _step_loss(self, num_micro: int) -> torch.Tensor | None:
         """The step's loss on every stage (``None`` where every micro-batch skipped), from the last stage.

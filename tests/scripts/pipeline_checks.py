@@ -22,7 +22,16 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint  # noqa: E402
-from pipeline_models import MODELS, SkewedNet, flagged_loader, gain_loader, loader, token_loader  # noqa: E402
+from pipeline_models import (  # noqa: E402
+    MODELS,
+    SkewedNet,
+    dataset,
+    flagged_loader,
+    gain_loader,
+    loader,
+    token_loader,
+)
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_hier import HierPipelineStrategy, StageRebalancer  # noqa: E402
 
@@ -231,6 +240,22 @@ SCENARIOS: dict[str, dict] = {
         strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
         trainer=dict(max_epochs=1),  # with max_steps alone Lightning estimates without loading the data
     ),
+    # each process reads its own shard (by torch.distributed rank, as webdataset's split_by_node does): the
+    # stages would pair one sample's inputs with another's labels, so it is refused at the first batch
+    "rank_sharded_loader": dict(
+        model=dict(optimizer="sgd"),
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_steps=2),
+        train_loader="rank_sharded",
+    ),
+    # the inputs differ off stage 0 (random augmentation drawn per process), the labels agree: only stage 0
+    # computes on inputs, so this trains as one process on stage 0's data, and is not refused
+    "inputs_differ_off_stage_0": dict(
+        model=dict(optimizer="sgd"),
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_epochs=2),
+        train_loader="noisy_off_stage_0",
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),
@@ -418,6 +443,18 @@ def _probe_memory_limit(precision: str) -> int:
     return (lowest + keep_all) // 2
 
 
+def _special_loader(kind: str) -> DataLoader:
+    """``rank_sharded``: this process's shard of the data set (by rank); ``noisy_off_stage_0``: the data set
+    with noise on the inputs of every process but stage 0's (the last rank), labels unchanged."""
+    x, y = dataset().tensors
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # before fit starts the group
+    if kind == "rank_sharded":
+        return DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=32)
+    if rank != world - 1:
+        x = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(rank))
+    return DataLoader(TensorDataset(x, y), batch_size=32)
+
+
 def main() -> None:
     name, out, workdir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     spec = SCENARIOS[name]
@@ -474,7 +511,9 @@ def main() -> None:
         ckpt_path = str(workdir / f"{resume}.ckpt")
     validate = spec.get("monitor") or spec.get("top_k") or spec.get("validate")
     val_loader = loader(batch_size=32, seed=1) if validate else None
-    if spec.get("flagged"):
+    if spec.get("train_loader"):
+        train_loader = _special_loader(spec["train_loader"])
+    elif spec.get("flagged"):
         train_loader = flagged_loader()
     elif spec.get("gain"):
         train_loader = gain_loader()
