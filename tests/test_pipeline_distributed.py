@@ -27,6 +27,7 @@ from pipeline_models import (  # noqa: E402
     DropNet,
     GainNet,
     GatherNet,
+    NanoStyleGPT,
     OneLayerNet,
     SkewedNet,
     SkippingNet,
@@ -549,6 +550,20 @@ def test_a_compiled_module_runs_uncompiled_and_matches_one_process(tmp_path: Pat
     expected_losses, expected_state = reference("sgd", max_steps=4)
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state)
+
+
+def test_a_nanogpt_style_forward_traces_migrates_and_matches_one_process(tmp_path: Path) -> None:
+    """nanoGPT's forward idioms, which fx could not trace (before: ``PipelineTraceError`` at the assert, then
+    at the mask buffer sliced by a traced length): ``b, t = idx.size()``, ``assert t <= block_size``,
+    ``torch.arange(0, t, device=idx.device)``, a causal mask buffer cut to ``[:T, :T]``. Two stages from a
+    lopsided start, blocks (with their mask buffers) migrating, AdamW: one process's losses and weights."""
+    result = run_scenario("nano_gpt_migrate", 2, tmp_path)
+    assert result["history"], "layers must migrate during the run"
+    expected_losses, expected_state = reference(
+        "adamw", max_steps=6, precision="64-true", model_class=NanoStyleGPT
+    )
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=NanoStyleGPT)
 
 
 def test_a_buffer_counted_in_forward_and_a_schedule_sized_in_configure_optimizers_match_one_process(

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
-from lightning_hier.pipeline.batching import split_batch
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+
+from lightning_hier.pipeline.batching import split_batch  # noqa: E402
 from lightning_hier.pipeline.graph import LayerGraph, PipelineTraceError
 from lightning_hier.pipeline.partition import StagePartition, partition_uniform
 from lightning_hier.pipeline.rebalance import decide_rebalance
@@ -714,3 +719,39 @@ def test_batch_fingerprints_compare_shapes_and_integer_values_not_float_values()
     other_mask[3, 4] = False
     assert not torch.equal(batch_fingerprint(batch), batch_fingerprint({**batch, "mask": other_mask}))
     assert not torch.equal(batch_fingerprint([x, y]), batch_fingerprint([x[:7], y[:7]]))
+
+
+def test_an_assert_on_a_traced_value_is_checked_at_run_time_and_a_buffer_cut_by_one_traces() -> None:
+    """Before, both failed the trace (fx cannot turn a traced value into a bool, and a buffer was a plain
+    tensor that a traced length cannot index). Now the assert is a layer that raises, with its location,
+    on the stage that runs it, and the split model equals the whole one."""
+    from pipeline_models import MaskedAverage  # outside the tests: pytest rewrites a test module's asserts
+
+    torch.manual_seed(0)
+    model = MaskedAverage().double()
+    graph = LayerGraph(model)
+    partition = StagePartition((0, graph.num_clusters - 1), graph.num_clusters)
+    executors = [StageExecutor(graph, partition, s) for s in range(2)]
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    value = x
+    for executor in executors:
+        value = executor.forward(value)
+    torch.testing.assert_close(value, model(x), rtol=0, atol=0)
+    value = torch.randn(3, 7, 4, dtype=torch.float64)  # longer than the mask: the assert fires
+    with pytest.raises(AssertionError, match=r"pipeline_models.py:\d+ `assert t <= self.block"):
+        executors[0].forward(value)
+
+
+def test_a_branch_on_a_traced_value_stays_an_error_naming_the_line() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.size(1) > 3:  # a branch (not an assert): fx cannot know which way it goes
+                x = x * 2
+            return self.lin(x)
+
+    with pytest.raises(PipelineTraceError, match=r"test_pipeline_graph.py:\d+ `if x.size\(1\) > 3:"):
+        LayerGraph(Branchy())

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
 from lightning_hier.pipeline import trace_writes
+from lightning_hier.pipeline import tracer as tracer_module
+from lightning_hier.pipeline.tracer import PipelineTracer
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
 
@@ -70,27 +71,13 @@ class Cluster:
         return self.end - self.start
 
 
-class _LeafTracer(fx.Tracer):
-    """fx tracer that also treats the user's ``leaf_modules`` (qualified names) as opaque layers."""
-
-    def __init__(self, leaf_modules: Sequence[str] = ()) -> None:
-        super().__init__()
-        self.extra_leaves = set(leaf_modules)
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        # a torch.compile'd submodule runs compiled as one layer on whichever stage holds it (fx cannot
-        # trace into a dynamo-optimized module)
-        if module_qualified_name in self.extra_leaves or isinstance(m, OptimizedModule):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
-
-
 def _offending_call(exc: BaseException) -> str:
-    """``file:line `code``` of the innermost frame outside torch, i.e. the user's call that failed."""
+    """``file:line `code``` of the innermost frame outside torch and the tracer, i.e. the user's call that
+    failed."""
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dir = str(torch.__file__).rsplit("/", 1)[0]
     for frame in reversed(frames):
-        if not frame.filename.startswith(torch_dir):
+        if not frame.filename.startswith(torch_dir) and frame.filename != tracer_module.__file__:
             code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
             return f"{frame.filename}:{frame.lineno} `{code}`"
     return "<unknown location>"
@@ -106,19 +93,27 @@ def trace_model(
     missing = [m for m in leaf_modules if m not in names]
     if missing:
         raise ValueError(f"leaf_modules {missing} are not submodules of {type(module).__name__}.")
-    tracer = _LeafTracer(leaf_modules)
     concrete = _specialized_defaults(module)
     saved = trace_writes.snapshot(module)
-    try:
-        graph = tracer.trace(module, concrete_args=concrete or None)
-    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, ...
-        trace_writes.restore(saved, fx.Graph())
+    failure: Exception | None = None
+    # a second attempt with buffers traced, for a buffer indexed by a traced value (a causal mask cut to the
+    # sequence length); the first attempt's error is the one reported
+    for proxy_buffers in (False, True):
+        tracer = PipelineTracer(leaf_modules, proxy_buffers=proxy_buffers)
+        try:
+            graph = tracer.trace(module, concrete_args=concrete or None)
+            break
+        except Exception as exc:  # noqa: BLE001 - fx raises TraceError, TypeError, RuntimeError, ...
+            trace_writes.restore(saved, fx.Graph())
+            failure = failure or exc
+    else:
+        assert failure is not None
         raise PipelineTraceError(
-            f"hier_pipeline could not trace {type(module).__name__}.forward: {exc} "
-            f"(at {_offending_call(exc)}). Make that call traceable by torch.fx, list the submodule "
+            f"hier_pipeline could not trace {type(module).__name__}.forward: {failure} "
+            f"(at {_offending_call(failure)}). Make that call traceable by torch.fx, list the submodule "
             "that contains it in `leaf_modules` (it then runs as one opaque layer), or build the "
             "model as an nn.Sequential of such blocks."
-        ) from exc
+        ) from failure
     writes = trace_writes.restore(saved, graph)
     if check_writes:
         error, warning = trace_writes.problems(writes, graph, type(module).__name__)

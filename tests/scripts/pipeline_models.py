@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -313,6 +315,80 @@ class TinyGPT(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
 
 
+class MaskedAverage(nn.Module):
+    """An assert on a traced length and a buffer cut by it, as nanoGPT's forward has both."""
+
+    def __init__(self, block: int = 6) -> None:
+        super().__init__()
+        self.block = block
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tril(torch.ones(block, block)))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        assert t <= self.block, "sequence too long"
+        h = self.lin(x)
+        h = (self.mask[:t, :t] / t) @ h  # a causal average over the positions so far
+        return self.out(h)
+
+
+class NanoStyleAttention(nn.Module):
+    """Causal attention as nanoGPT writes it: a lower-triangular mask buffer cut to the sequence length read
+    from ``x.size()``, and the scale by ``math.sqrt`` of a traced size."""
+
+    def __init__(self, width: int, heads: int, block_size: int) -> None:
+        super().__init__()
+        self.heads, self.width = heads, width
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        mask = torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size)
+        self.register_buffer("bias", mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # noqa: N806 - nanoGPT's names
+        q, k, v = self.qkv(x).split(self.width, dim=2)
+        q, k, v = (z.view(B, T, self.heads, C // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = nn.functional.softmax(att, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoStyleBlock(nn.Module):
+    def __init__(self, width: int, heads: int, block_size: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = NanoStyleAttention(width, heads, block_size)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class NanoStyleGPT(TinyGPT):
+    """nanoGPT's forward idioms, which fx could not trace: ``b, t = idx.size()``, an ``assert`` on ``t``,
+    positions from ``torch.arange(0, t, device=idx.device)`` and a causal mask buffer indexed by ``t``."""
+
+    block_size = 16
+
+    def __init__(self, optimizer: str = "adamw", lr: float = 3e-3, vocab: int = 37, width: int = 32) -> None:
+        super().__init__(optimizer=optimizer, lr=lr, vocab=vocab, width=width)
+        del self.pos
+        self.wpe = nn.Embedding(self.block_size, width)
+        self.blocks = nn.ModuleList(NanoStyleBlock(width, 4, self.block_size) for _ in range(3))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        device = tokens.device
+        b, t = tokens.size()
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}, block size {self.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        x = self.tok(tokens) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
 TOKENS_PER_SEQUENCE = 12
 
 
@@ -340,6 +416,7 @@ MODELS = {
     "compiled_blocks": CompiledBlocksNet,
     "iter": IterNet,
     "counting_scheduled": CountingScheduledNet,
+    "nano_gpt": NanoStyleGPT,
     "gain": GainNet,
 }
 

@@ -1,0 +1,90 @@
+"""The fx tracer of hier_pipeline: what becomes one layer, and the Python in a forward it accepts.
+
+On top of ``torch.fx.Tracer``:
+
+- the user's ``leaf_modules`` and ``torch.compile``'d submodules are opaque layers;
+- an ``assert`` on a traced value (``assert t <= self.block_size``) becomes a ``torch._assert`` layer
+  instead of failing the trace (fx cannot branch on a traced value, but an assert does not branch: it
+  passes or raises);
+- with ``proxy_buffers``, reading a buffer yields a traced value, as reading a parameter does, so that it
+  can be indexed by one (``self.bias[:, :, :T, :T]`` with ``T`` from ``x.size()``, the causal mask of a
+  GPT). ``trace_model`` takes this only for a forward that fails to trace without it, so the graphs of
+  models that traced before stay the same.
+"""
+
+from __future__ import annotations
+
+import dis
+import linecache
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
+
+
+class PipelineTracer(fx.Tracer):
+    """fx tracer that also treats the user's ``leaf_modules`` (qualified names) as opaque layers."""
+
+    def __init__(self, leaf_modules: Sequence[str] = (), proxy_buffers: bool = False) -> None:
+        super().__init__()
+        self.extra_leaves = set(leaf_modules)
+        self.proxy_buffers = proxy_buffers
+        self._buffer_names: dict[int, str] = {}
+        self._buffer_proxies: dict[str, fx.Proxy] = {}
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        if self.proxy_buffers and isinstance(root, nn.Module):
+            self._buffer_names = {id(b): n for n, b in root.named_buffers(remove_duplicate=False)}
+            self._buffer_proxies = {}
+        return super().trace(root, concrete_args)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        name = self._buffer_names.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in self._buffer_proxies:
+            self._buffer_proxies[name] = self.create_proxy("get_attr", name, (), {})
+        return self._buffer_proxies[name]
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """An ``assert`` on a traced value (``assert t <= self.block_size``, as nanoGPT's forward has)
+        becomes a ``torch._assert`` layer, checked at each call on the stage that computes it; any other
+        branch on a traced value stays an error (fx cannot know which way it goes)."""
+        where = _asserting_frame()
+        if where is None:
+            return super().to_bool(obj)
+        self.create_proxy("call_function", torch._assert, (obj, f"assertion failed at {where}"), {})
+        return True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # a torch.compile'd submodule runs compiled as one layer on whichever stage holds it (fx cannot
+        # trace into a dynamo-optimized module)
+        if module_qualified_name in self.extra_leaves or isinstance(m, OptimizedModule):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def _asserting_frame() -> str | None:
+    """``file:line `code``` of the user's ``assert`` whose condition is being converted to bool right now,
+    or ``None`` where the conversion is not an assert's (an ``if``, ``and``, ``bool(...)``): read from the
+    bytecode, where an assert's conditional jump is followed by ``LOAD_ASSERTION_ERROR``."""
+    torch_dir = str(torch.__file__).rsplit("/", 1)[0]
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == __file__
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    instructions = list(dis.get_instructions(frame.f_code))
+    for now, following in zip(instructions, instructions[1:]):
+        if now.offset == frame.f_lasti:
+            if following.opname != "LOAD_ASSERTION_ERROR":
+                return None
+            code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            return f"{frame.f_code.co_filename}:{frame.f_lineno} `{code}`"
+    return None
