@@ -582,14 +582,21 @@ def test_a_buffer_counted_in_forward_and_a_schedule_sized_in_configure_optimizer
     assert_every_rank_holds(result["module_after_fit"], 2, expected_state)
 
 
-def test_stages_reading_different_batches_are_refused_at_the_first_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("scenario", "where"),
+    [("rank_sharded_loader", "epoch 0"), ("rank_sharded_val_loader", "the validation run")],
+)
+def test_stages_reading_different_batches_are_refused_at_the_first_batch(
+    tmp_path: Path, scenario: str, where: str
+) -> None:
     """A loader sharded by rank gives each stage its own batches: the pipeline would pair one sample's
-    inputs with another's labels and train on silently. The stages compare their first batch of each epoch
-    (shapes, integer values) and every one raises, naming the cause and the fix."""
+    inputs with another's labels and train on (or report validation metrics) silently. The stages compare
+    the first batch of each epoch and of each validation loader (shapes, integer values) and every one
+    raises, naming the cause and the fix."""
     start = time.monotonic()
     with pytest.raises(AssertionError) as info:
-        run_scenario("rank_sharded_loader", 2, tmp_path)
-    assert "the stages read different batches" in str(info.value)
+        run_scenario(scenario, 2, tmp_path)
+    assert f"the stages read different batches ({where}'s first batch" in str(info.value)
     assert "distributed_sampler_kwargs" in str(info.value)
     assert time.monotonic() - start < 120
 

@@ -492,7 +492,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         trainer = self.lightning_module.trainer
         if self.num_stages > 1 and self._batch_checked_in_epoch != trainer.current_epoch:
             self._batch_checked_in_epoch = trainer.current_epoch
-            self._check_every_stage_reads(batch, trainer.current_epoch)
+            self._check_every_stage_reads(batch, f"epoch {trainer.current_epoch}")
         micro, total = split_batch(batch, self.settings.micro_batches)
         self._zero_grad(int(rest[0]) if rest else trainer.fit_loop.epoch_loop.batch_idx)
         scale = 1.0 / max(int(trainer.accumulate_grad_batches), 1)
@@ -511,12 +511,13 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         return {"loss": loss, **self._extra} if self._extra else loss
 
     @staticmethod
-    def _check_every_stage_reads(batch: Any, epoch: int) -> None:
-        """Refuse stages that read different batches (once per epoch, before the step's first layer): the
-        pipeline would pair one sample's inputs with another's targets and train on silently."""
+    def _check_every_stage_reads(batch: Any, where: str) -> None:
+        """Refuse stages that read different batches (at the first batch of each epoch and of each validation
+        or test loader, before the step's first layer): the pipeline would pair one sample's inputs with
+        another's targets and go on silently."""
         if stages_disagree(batch, control_group()):
             raise RuntimeError(
-                f"hier_pipeline: the stages read different batches (epoch {epoch}'s first batch differs in "
+                f"hier_pipeline: the stages read different batches ({where}'s first batch differs in "
                 "its integer tensors, such as labels or token ids, or in its shapes). Stage 0 computes on "
                 "a batch's inputs and the last stage on its targets, so every process must read the same "
                 "batches. A loader that shards by rank (torch.distributed.get_rank(), webdataset's "
@@ -585,8 +586,12 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         assert self.engine is not None
         batch, *rest = args
         micro = [(batch, 0)]
+        batch_idx = int(rest[0]) if rest and isinstance(rest[0], int) else 0
+        if self.num_stages > 1 and batch_idx == 0 and step_name != "predict_step":
+            # a validation or test loader's first batch: its metrics pair stage 0's inputs with the last
+            # stage's targets too (predict has no targets)
+            self._check_every_stage_reads(batch, f"the {step_name.split('_')[0]} run")
         with context():
-            batch_idx = int(rest[0]) if rest and isinstance(rest[0], int) else 0
             forward = self._step_forward(step_name, micro, 1, tuple(rest), 1.0, rng_step=-1 - batch_idx)
             self.engine.eval_step(1, forward, self._spec_keys(step_name, micro))
         return self._outputs[0] if self._outputs else None

@@ -248,6 +248,13 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_steps=2),
         train_loader="rank_sharded",
     ),
+    # the same for a validation loader: its metrics would pair inputs with other samples' targets
+    "rank_sharded_val_loader": dict(
+        model=dict(optimizer="sgd"),
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=2),
+        trainer=dict(max_epochs=1, limit_train_batches=2),
+        val_loader="rank_sharded",
+    ),
     # the inputs differ off stage 0 (random augmentation drawn per process), the labels agree: only stage 0
     # computes on inputs, so this trains as one process on stage 0's data, and is not refused
     "inputs_differ_off_stage_0": dict(
@@ -519,6 +526,8 @@ def main() -> None:
         ckpt_path = str(workdir / f"{resume}.ckpt")
     validate = spec.get("monitor") or spec.get("top_k") or spec.get("validate")
     val_loader = loader(batch_size=32, seed=1) if validate else None
+    if spec.get("val_loader"):
+        val_loader = _special_loader(spec["val_loader"])
     if spec.get("train_loader"):
         train_loader = _special_loader(spec["train_loader"])
     elif spec.get("flagged"):
