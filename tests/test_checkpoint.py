@@ -26,6 +26,14 @@ def test_consolidated_state_resumes_under_another_topology_and_under_ddp(results
     assert results["ddp_resume_vs_uninterrupted"] < 1e-5
 
 
+def test_an_optimizer_kept_whole_resumes_exactly_and_under_ddp(results: dict) -> None:
+    """Adafactor (not elementwise) stays whole on every rank; its checkpoint is its own state_dict and
+    resumes under hier_sliced exactly, and under ddp."""
+    assert results["whole_second_epoch_moved"] > 1e-3
+    assert results["whole_resumed_vs_uninterrupted"] < 1e-6
+    assert results["whole_ddp_resume_vs_uninterrupted"] < 1e-5
+
+
 def test_checkpoint_loads_into_plain_module(results: dict) -> None:
     assert results["plain_module_vs_saved"] == 0.0
     assert results["state_entries"] == results["num_params"]

@@ -427,3 +427,24 @@ def test_an_optimizer_given_back_equals_the_unsharded_one_and_a_new_engine_goes_
             for index, entry in want["state"].items():
                 for key, value in entry.items():
                     torch.testing.assert_close(got["state"][index][key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_optimizers_not_elementwise_stay_whole_by_default_and_are_refused_when_sharding_is_asked() -> None:
+    """``shard_optimizer=None`` shards an elementwise optimizer and keeps any other whole on every rank, with
+    a warning naming why (before: every such optimizer was refused); ``True`` refuses them, pointing to
+    ``shard_optimizer=False``; LBFGS and SparseAdam are refused either way."""
+    from lightning_hier.sliced.sharded_optim import decide_sharding
+
+    params = [nn.Parameter(torch.zeros(3, 2))]
+    assert decide_sharding(torch.optim.Adam(params), (), None) is True
+    assert decide_sharding(torch.optim.Adam(params), (), False) is False
+    with pytest.warns(UserWarning, match=r"keeps Adafactor whole on every rank.*not elementwise"):
+        assert decide_sharding(torch.optim.Adafactor(params), (), None) is False
+    with pytest.warns(UserWarning, match=r"keeps MySGD whole.*elementwise_optimizers=\['MySGD'\]"):
+        assert decide_sharding(MySGD(params, lr=0.1), (), None) is False
+    assert decide_sharding(MySGD(params, lr=0.1), ("MySGD",), None) is True  # the user vouches for it
+    with pytest.raises(ValueError, match=r"not elementwise.*shard_optimizer=False"):
+        decide_sharding(torch.optim.Adafactor(params), (), True)
+    for refused in (torch.optim.LBFGS(params), torch.optim.SparseAdam(params)):
+        with pytest.raises(ValueError, match="not elementwise.*strategy='ddp'"):
+            decide_sharding(refused, (), False)

@@ -227,3 +227,16 @@ def test_entry_points_after_fit_match_ddp(eval_results: dict, entry: str) -> Non
     # without and with BatchNorm buffers: both strategies broadcast rank 0's states before evaluating
     for variant in ("plain", "batch_norm"):
         _check_entry_point(eval_results[variant], entry)
+
+
+def test_an_optimizer_kept_whole_refuses_sharded_checkpoints_by_name() -> None:
+    """A sharded checkpoint writes each rank's optimizer slices; an optimizer kept whole (Adafactor) has
+    none, so the fit is refused at setup with the optimizer and the setting named."""
+    from scripts.models import EquivModel, loader
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=HierSlicedStrategy(checkpoint_format="sharded"), max_steps=1,
+        logger=False, enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"keeps Adafactor whole .* checkpoint_format='sharded'"):
+        trainer.fit(EquivModel(optimizer="adafactor"), loader())

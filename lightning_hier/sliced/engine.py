@@ -43,10 +43,11 @@ from lightning_hier.bucketing.time_bucketing import (
 from lightning_hier.bucketing.time_plan import TimePlan, plan_misfit
 from lightning_hier.sliced.flat_buckets import FlatBucket, adopt_gradient, build_flat_buckets, slot_locations
 from lightning_hier.sliced.reducer import ReduceJob, all_gather_slices, make_reducer
+from lightning_hier.sliced.replicated_optim import ReplicatedOptimizer
 from lightning_hier.sliced.sharded_optim import (
     OptimizerSharding,
     check_no_new_parameters,
-    check_optimizer,
+    decide_sharding,
     frozen_parameters,
     update_rule_of,
 )
@@ -83,11 +84,13 @@ class HierSlicedEngine:
         event_factory: EventFactory | None = None,
         elementwise_optimizers: Sequence[str] = (),
         inter_node_dtype: torch.dtype | None = None,
+        shard_optimizer: bool | None = None,
     ) -> None:
         if topology.intra_group is None or topology.inter_group is None or topology.world_group is None:
             raise ValueError("HierSlicedEngine needs a topology with built groups (Topology.build_groups()).")
         validate_time_settings(bucketing, 1, 0, 0.5)
-        check_optimizer(optimizer, elementwise_optimizers)
+        # False: the optimizer stays whole on every rank (replicated_optim.py), for non-elementwise updates
+        self.replicated = not decide_sharding(optimizer, elementwise_optimizers, shard_optimizer)
         self.module = module
         self.optimizer = optimizer
         self.topology = topology
@@ -152,7 +155,7 @@ class HierSlicedEngine:
         # is a synchronising one (the engine used on its own, ``loss.backward(); finish_backward()``).
         self.open_unannounced_backward: Callable[[], Callable[[], None] | None] | None = None
         self.last_timeline: StepTimeline | None = None
-        self.sharding: OptimizerSharding | None = None
+        self.sharding: OptimizerSharding | ReplicatedOptimizer | None = None
         self.optimizer_given_back = False  # give_back_optimizer ran: the optimizer is the user's again
         self._layout(bucket_plan or plan_size_buckets(self.param_infos, self.cap_bytes))
         self._hooks = [
@@ -169,13 +172,17 @@ class HierSlicedEngine:
         bucket_group = [self._group_of[bucket.slots[0].index] for bucket in self.buckets]
         for group, original in zip(self.optimizer.param_groups, self._original_groups):
             group["params"] = original
-        self.sharding = OptimizerSharding(
-            self.optimizer,
-            self.buckets,
-            bucket_group,
-            self._original_groups,
-            self.params,
-            self.topology.intra_group,
+        self.sharding = (
+            ReplicatedOptimizer(self.optimizer, self.buckets)
+            if self.replicated
+            else OptimizerSharding(
+                self.optimizer,
+                self.buckets,
+                bucket_group,
+                self._original_groups,
+                self.params,
+                self.topology.intra_group,
+            )
         )
         if optimizer_state is not None:
             self.sharding.load_consolidated_state_dict(optimizer_state)
@@ -388,6 +395,8 @@ class HierSlicedEngine:
         for b, used in enumerate(bucket_used):
             # a bucket no rank used: no gradient, so the optimizer skips it (and its step count), as DDP
             self.sharding.shards[b].grad = self._slice_grads[b] if used else None
+        if self.replicated:  # the optimizer steps whole parameters: the full averaged gradients, as ddp's
+            self._expose(skip_unused=True)
         host_done = None if self.clock.uses_events else [self._host_done(job) for job in self._jobs]
         resolved = self.clock.finish()
         if resolved is not None:
@@ -409,8 +418,21 @@ class HierSlicedEngine:
         hooks that read ``param.grad`` (gradient-norm logging) would see the local one. With one
         device per node the bucket was reduced in place and there is nothing to do.
         """
-        if self.topology.devices_per_node == 1:
-            return
+        if not self.replicated:  # replicated: finish_backward exposed them already
+            self._expose()
+
+    @torch.no_grad()
+    def _expose(self, skip_unused: bool = False) -> None:
+        """The all-gather of :meth:`expose_full_gradients`; ``skip_unused``: a parameter no rank used gets
+        ``.grad = None`` afterwards, so the optimizer skips it (no decay, no state change), as under ddp."""
+        if self.topology.devices_per_node > 1:
+            self._gather_gradient_slices()
+        if skip_unused and self._globally_used is not self._every_parameter:
+            for index, param in enumerate(self.params):
+                if index not in self._globally_used:
+                    param.grad = None
+
+    def _gather_gradient_slices(self) -> None:
         works = []
         for bucket, shard in zip(self.buckets, self.sharding.shards):
             start, end = bucket.owned_range
@@ -476,9 +498,10 @@ class HierSlicedEngine:
         )
         for index in self._globally_used:
             self._used_steps[index] += 1
-        self._unused_snapshot = snapshot_unused(
-            unused, self._where, self.buckets, self.sharding.shards, self.optimizer
-        )
+        if not self.replicated:  # a replicated optimizer skips them itself (their .grad is None)
+            self._unused_snapshot = snapshot_unused(
+                unused, self._where, self.buckets, self.sharding.shards, self.optimizer
+            )
 
     def _check_unchanged(self) -> None:
         """Refuse parameter changes made after setup that the flat buckets cannot follow.
@@ -555,8 +578,9 @@ class HierSlicedEngine:
 
         With ``bucketing="time"`` this is also where a new plan, once decided, takes effect.
         """
-        self._unused_snapshot.restore(self.sharding.shards, self.optimizer)
-        self.gather_params()
+        if not self.replicated:  # replicated: every rank made the same step on the whole model
+            self._unused_snapshot.restore(self.sharding.shards, self.optimizer)
+            self.gather_params()
         if clear_gradients:
             self.zero_grad()
         plan = None

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_hier.sliced.flat_buckets import FlatBucket
@@ -76,7 +77,7 @@ def check_optimizer(
         raise ValueError(
             f"{name} cannot run on flat parameter slices: its update is not elementwise. "
             f"{strategy} supports elementwise optimizers such as {', '.join(ELEMENTWISE)}; "
-            "use strategy='ddp' for this optimizer."
+            f"{_whole_optimizer_alternative(strategy, name)}"
         )
     if update_rule_of(optimizer) not in ELEMENTWISE and name not in declared_elementwise:
         raise ValueError(
@@ -84,8 +85,50 @@ def check_optimizer(
             "only if its update is elementwise (no per-tensor norms, shapes or trust ratios). "
             f"{name} is not one it knows ({', '.join(ELEMENTWISE)}). "
             f"If {name}'s update is elementwise, declare it: "
-            f"{strategy}(elementwise_optimizers=[{name!r}]); otherwise use strategy='ddp'."
+            f"{strategy}(elementwise_optimizers=[{name!r}]); otherwise "
+            f"{_whole_optimizer_alternative(strategy, name)}"
         )
+
+
+# need more than whole parameters on every rank: a closure re-running backward (LBFGS), sparse gradients
+NEVER_REPLICATED = ("LBFGS", "SparseAdam")
+
+
+def decide_sharding(
+    optimizer: torch.optim.Optimizer, declared_elementwise: Sequence[str], shard_optimizer: bool | None
+) -> bool:
+    """Whether ``hier_sliced`` shards ``optimizer`` by flat slices (else it stays whole on every rank).
+
+    ``shard_optimizer=None`` (the default): shard an elementwise optimizer, keep any other whole, with a
+    warning that says why and what it costs; ``True``: shard or refuse (:func:`check_optimizer`);
+    ``False``: keep it whole."""
+    name = type(optimizer).__name__
+    if shard_optimizer or name in NEVER_REPLICATED:
+        check_optimizer(optimizer, declared_elementwise)
+        return True
+    if shard_optimizer is False:
+        return False
+    try:
+        check_optimizer(optimizer, declared_elementwise)
+    except ValueError:
+        known = name in NOT_ELEMENTWISE
+        why = "its update is not elementwise" if known else "its update is not known to be elementwise"
+        declare = "" if known else f", or elementwise_optimizers=[{name!r}] if it is elementwise"
+        rank_zero_warn(
+            f"HierSlicedStrategy keeps {name} whole on every rank, as ddp does ({why}, so flat slices "
+            "would change its math): the gradients are still reduced hierarchically, but its state is not "
+            f"sharded. Pass shard_optimizer=False to say so{declare}."
+        )
+        return False
+    return True
+
+
+def _whole_optimizer_alternative(strategy: str, name: str) -> str:
+    if strategy == "HierSlicedStrategy" and name not in NEVER_REPLICATED:
+        return (
+            "pass HierSlicedStrategy(shard_optimizer=False): it then runs whole on every rank, as under ddp."
+        )
+    return "use strategy='ddp' for this optimizer."
 
 
 def frozen_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -118,8 +118,13 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             ``"thread"`` (a communication thread: overlaps more on gloo, where waits block the host)
             or ``"auto"`` (inline on CUDA, thread on CPU). See ``docs/gpu.md``.
         elementwise_optimizers: class names of optimizers, beyond torch's elementwise ones, whose
-            update you vouch is elementwise (sharding by flat slices is exact only then); any other
-            unknown optimizer is refused at setup.
+            update you vouch is elementwise (sharding by flat slices is exact only then).
+        shard_optimizer: ``None`` (default): shard an elementwise optimizer (``SGD``, ``Adam``, ...) by
+            flat slices, one per device of a node; keep any other (``Adafactor``, ``Muon``, LAMB, an unknown
+            one) whole on every rank, as ``ddp`` does, with a warning (the gradients are still reduced
+            hierarchically; only the optimizer state is not sharded). ``True``: shard, or refuse an
+            optimizer that is not elementwise. ``False``: keep it whole. ``LBFGS`` and ``SparseAdam`` are
+            refused either way.
         full_gradients_in_hooks: make every parameter's ``.grad`` the averaged (DDP) gradient in
             ``on_after_backward`` and ``on_before_optimizer_step`` (e.g. for ``grad_norm`` logging),
             at the cost of one intra-node all-gather of the gradients per step. ``"auto"`` (default):
@@ -162,6 +167,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         min_bucket_mb: float = 1.0,
         reducer: Literal["auto", "inline", "thread"] = "auto",
         elementwise_optimizers: Sequence[str] = (),
+        shard_optimizer: bool | None = None,
         full_gradients_in_hooks: bool | str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -220,6 +226,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self.bucketing = bucketing
         self.reducer = reducer
         self.elementwise_optimizers = tuple(elementwise_optimizers)
+        self.shard_optimizer = shard_optimizer
         if full_gradients_in_hooks not in (True, False, "auto"):
             raise ValueError(
                 f"full_gradients_in_hooks={full_gradients_in_hooks!r}: use True, False or 'auto' (on where "
@@ -365,10 +372,12 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
                 comm_chunk_mb=self.comm_chunk_mb,
                 reducer=self.reducer,
                 elementwise_optimizers=self.elementwise_optimizers,
+                shard_optimizer=self.shard_optimizer,
                 inter_node_dtype=INTER_NODE_DTYPES[self.inter_node_dtype],
             )
             for optimizer in self.optimizers
         ]
+        self._refuse_what_a_whole_optimizer_cannot_serve()
         for engine in self.engines:
             engine.open_unannounced_backward = self._open_unannounced_backward
         self.engine = self.engines[0]
@@ -378,6 +387,25 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             " + ".join(str(len(engine.buckets)) for engine in self.engines),
             [round(w, 4) for w in self.slice_plan.weights],
         )
+
+    def _refuse_what_a_whole_optimizer_cannot_serve(self) -> None:
+        """An optimizer kept whole on every rank (``shard_optimizer``) has no slices to write per rank or to
+        decide a 16-bit loss scaler's skip from; the same on every rank, so every rank raises."""
+        whole = [type(engine.optimizer).__name__ for engine in self.engines if engine.replicated]
+        plugin = self.precision_plugin
+        unsupported = {
+            "checkpoint_format='sharded'": self.checkpoint_format == "sharded",
+            "precision='16-mixed'": isinstance(plugin, MixedPrecision) and plugin.scaler is not None,
+        }
+        for setting, used in unsupported.items():
+            if whole and used:
+                for engine in self.engines:
+                    engine.close()
+                raise ValueError(
+                    f"HierSlicedStrategy keeps {', '.join(whole)} whole on every rank (not elementwise, or "
+                    f"shard_optimizer=False), which does not support {setting}; use an elementwise "
+                    "optimizer, or drop the setting."
+                )
 
     def _check_optimizers(self) -> None:
         """Several optimizers (manual optimization, a GAN's generator and discriminator): each is sharded

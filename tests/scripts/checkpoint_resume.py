@@ -25,9 +25,11 @@ from lightning_hier import HierSlicedStrategy, consolidate_sharded_checkpoint  #
 MODEL = dict(optimizer="adamw_groups", scheduler=True)
 
 
-def fit(strategy, epochs: int, ckpt_path: str | None = None, callbacks=None) -> tuple[pl.Trainer, EquivModel]:  # noqa: ANN001
+def fit(
+    strategy, epochs: int, ckpt_path: str | None = None, callbacks=None, model=None
+) -> tuple[pl.Trainer, EquivModel]:  # noqa: ANN001, E501
     pl.seed_everything(7, verbose=False)
-    model = EquivModel(**MODEL)
+    model = EquivModel(**(model or MODEL))
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_epochs=epochs, logger=False,
         enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
@@ -90,6 +92,17 @@ def main() -> None:
     saved_plan = timed_half.strategy.engine.time_bucketing.plan.to_dict()
     timed_resumed, timed_model = fit(timed(), epochs=2, ckpt_path=time_ckpt)
     resumed_bucketing = timed_resumed.strategy.engine.time_bucketing
+    # an optimizer kept whole on every rank (Adafactor: not elementwise): its own state_dict in the
+    # checkpoint, resumed under hier_sliced and under ddp
+    whole_ckpt = str(scratch / "whole.ckpt")
+    adafactor = dict(optimizer="adafactor")
+    _, whole_uninterrupted = fit(HierSlicedStrategy(devices_per_node=2), epochs=2, model=adafactor)
+    whole_trainer, whole_half = fit(HierSlicedStrategy(devices_per_node=2), epochs=1, model=adafactor)
+    whole_trainer.save_checkpoint(whole_ckpt)
+    _, whole_resumed = fit(
+        HierSlicedStrategy(devices_per_node=2), epochs=2, ckpt_path=whole_ckpt, model=adafactor
+    )
+    _, whole_under_ddp = fit(DDPStrategy(), epochs=2, ckpt_path=whole_ckpt, model=adafactor)
     if dist.get_rank() != 0:
         return
     converted = consolidate_sharded_checkpoint(sharded_ckpt)
@@ -110,6 +123,11 @@ def main() -> None:
     reference_optimizer = plain.configure_optimizers()["optimizer"]
     reference_optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # loads as an unsharded state
     results = {
+        "whole_second_epoch_moved": max_rel_diff(params(whole_uninterrupted), params(whole_half)),
+        "whole_resumed_vs_uninterrupted": max_rel_diff(params(whole_uninterrupted), params(whole_resumed)),
+        "whole_ddp_resume_vs_uninterrupted": max_rel_diff(
+            params(whole_uninterrupted), params(whole_under_ddp)
+        ),
         "resumed_vs_uninterrupted": max_rel_diff(params(uninterrupted), params(resumed)),
         "other_topology_vs_uninterrupted": max_rel_diff(
             params(uninterrupted), params(resumed_other_topology)

@@ -43,6 +43,20 @@ class ConstructedStateSGD(torch.optim.Optimizer):
         return loss
 
 
+class TrustRatioSGD(torch.optim.SGD):
+    """A layer-wise trust ratio (LARS-like: each tensor's step scaled by ``||w|| / ||g||``): an update
+    that looks at whole tensors, which no strategy knows."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    ratio = param.norm() / (param.grad.norm() + 1e-6)
+                    param.grad.mul_(ratio.clamp(max=10.0))
+        return super().step(closure)
+
+
 class EquivModel(pl.LightningModule):
     """An MLP with optional frozen, tied and unused parameters and a BatchNorm buffer."""
 
@@ -104,6 +118,10 @@ class EquivModel(pl.LightningModule):
             optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
         elif self.optimizer_name == "constructed_state_sgd":
             optimizer = ConstructedStateSGD(self.parameters())
+        elif self.optimizer_name == "adafactor":  # factored second moments per matrix: not elementwise
+            optimizer = torch.optim.Adafactor(self.parameters(), lr=1e-2)
+        elif self.optimizer_name == "trust_ratio_sgd":
+            optimizer = TrustRatioSGD(self.parameters(), lr=0.05, momentum=0.9)
         elif self.optimizer_name == "adamw_groups":
             decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
             no_decay = [p for n, p in self.named_parameters() if not n.endswith("weight")]

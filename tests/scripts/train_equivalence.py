@@ -70,6 +70,23 @@ SCENARIOS: dict[str, dict] = {
     "inter_node_bf16_sgd": dict(
         model=dict(optimizer="sgd"), hier=dict(devices_per_node=2, inter_node_dtype="bf16"), tolerance=1e-2
     ),
+    # optimizers that look at whole tensors stay whole on every rank (shard_optimizer=None decides so); the
+    # gradients still go through the hierarchical reduction
+    "adafactor_whole_2x2_unused_clip": dict(
+        model=dict(optimizer="adafactor", quirks=True),
+        hier=dict(devices_per_node=2),
+        trainer=dict(gradient_clip_val=0.05),
+        ddp=dict(find_unused_parameters=True),
+    ),
+    "adafactor_whole_time_bucketing_4x1": dict(
+        model=dict(optimizer="adafactor"),
+        hier=dict(devices_per_node=1, bucketing="time", profile_steps=1),
+    ),
+    "unknown_trust_ratio_whole_1x4_accumulate": dict(
+        model=dict(optimizer="trust_ratio_sgd"),
+        hier=dict(devices_per_node=4),
+        trainer=dict(accumulate_grad_batches=2),
+    ),
     "no_bucketing_overlap": dict(
         model=dict(optimizer="sgd"), hier=dict(devices_per_node=2, bucketing="none")
     ),
