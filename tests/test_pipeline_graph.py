@@ -755,3 +755,55 @@ def test_a_branch_on_a_traced_value_stays_an_error_naming_the_line() -> None:
 
     with pytest.raises(PipelineTraceError, match=r"test_pipeline_graph.py:\d+ `if x.size\(1\) > 3:"):
         LayerGraph(Branchy())
+
+
+class _ReverseGradient(torch.autograd.Function):
+    """Identity forward, negated and scaled backward (domain-adversarial training's gradient reversal)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, alpha: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return -ctx.alpha * grad, None
+
+
+class _Adversarial(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Linear(4, 8)
+        self.task = nn.Linear(8, 2)
+        self.domain = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.features(x))
+        return self.task(h) + self.domain(_ReverseGradient.apply(h, 0.5))
+
+
+def test_a_custom_autograd_function_is_one_layer_keeping_its_backward() -> None:
+    """Before, fx traced through ``Function.apply`` into its forward (a ``view_as``) and the custom backward
+    was gone: the stages trained the feature layer with the domain gradient's sign flipped back, silently.
+    Now the apply is one layer, and the split model's gradients equal the whole model's."""
+    torch.manual_seed(0)
+    model = _Adversarial().double()
+    graph = LayerGraph(model)
+    assert any(
+        n.op == "call_function" and "_ReverseGradient" in repr(n.target)
+        for n in graph.graph_module.graph.nodes
+    )
+    x = torch.randn(5, 4, dtype=torch.float64)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    partition = StagePartition((0, graph.num_clusters - 1), graph.num_clusters)
+    executors = [StageExecutor(graph, partition, s) for s in range(2)]
+    value = x
+    for executor in executors:
+        value = executor.forward(value)
+    value.sum().backward()
+    for executor in executors:
+        executor.finish_backward()
+    for param, grad in zip(model.parameters(), expected):
+        torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)

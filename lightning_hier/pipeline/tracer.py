@@ -6,6 +6,8 @@ On top of ``torch.fx.Tracer``:
 - an ``assert`` on a traced value (``assert t <= self.block_size``) becomes a ``torch._assert`` layer
   instead of failing the trace (fx cannot branch on a traced value, but an assert does not branch: it
   passes or raises);
+- a custom ``torch.autograd.Function`` applied to traced values is one layer that applies it (fx would
+  trace through its ``forward`` and drop its ``backward``);
 - with ``proxy_buffers``, reading a buffer yields a traced value, as reading a parameter does, so that it
   can be indexed by one (``self.bias[:, :, :T, :T]`` with ``T`` from ``x.size()``, the causal mask of a
   GPT). ``trace_model`` takes this only for a forward that fails to trace without it, so the graphs of
@@ -22,8 +24,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.autograd import Function
 
 
 class PipelineTracer(fx.Tracer):
@@ -40,7 +44,26 @@ class PipelineTracer(fx.Tracer):
         if self.proxy_buffers and isinstance(root, nn.Module):
             self._buffer_names = {id(b): n for n, b in root.named_buffers(remove_duplicate=False)}
             self._buffer_proxies = {}
-        return super().trace(root, concrete_args)
+        original = Function.__dict__["apply"]
+        Function.apply = classmethod(self._function_apply(original))  # type: ignore[method-assign]
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            Function.apply = original  # type: ignore[method-assign]
+
+    def _function_apply(self, original: Any) -> Any:
+        """``MyFunction.apply(x, ...)`` on traced values becomes one layer calling it: fx would otherwise
+        run the Function's ``forward`` on the proxies and record its operations, so the layer's custom
+        ``backward`` (a gradient reversal, a straight-through estimator) would be lost silently."""
+        tracer = self
+
+        def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+            leaves, _ = pytree.tree_flatten((args, kwargs))
+            if not any(isinstance(leaf, fx.Proxy) for leaf in leaves):
+                return original.__get__(None, cls)(*args, **kwargs)
+            return tracer.create_proxy("call_function", _FunctionCall(cls), args, kwargs)
+
+        return apply
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         name = self._buffer_names.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
@@ -66,6 +89,22 @@ class PipelineTracer(fx.Tracer):
         if module_qualified_name in self.extra_leaves or isinstance(m, OptimizedModule):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+
+class _FunctionCall:
+    """A layer's target that applies the autograd ``Function`` ``cls`` (its own forward and backward)."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.__name__ = f"{cls.__name__}_apply"
+        self.__qualname__ = self.__name__
+        self.__module__ = cls.__module__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.cls.apply(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{self.cls.__qualname__}.apply"
 
 
 def _asserting_frame() -> str | None:
