@@ -6,6 +6,8 @@ On top of ``torch.fx.Tracer``:
 - an ``assert`` on a traced value (``assert t <= self.block_size``) becomes a ``torch._assert`` layer
   instead of failing the trace (fx cannot branch on a traced value, but an assert does not branch: it
   passes or raises);
+- a ``with torch.no_grad():`` block in ``forward`` (which fx does not record) keeps its meaning: the values
+  computed inside reach the rest through a ``stop_gradient`` layer;
 - a custom ``torch.autograd.Function`` applied to traced values is one layer that applies it (fx would
   trace through its ``forward`` and drop its ``backward``);
 - with ``proxy_buffers``, reading a buffer yields a traced value, as reading a parameter does, so that it
@@ -47,9 +49,28 @@ class PipelineTracer(fx.Tracer):
         original = Function.__dict__["apply"]
         Function.apply = classmethod(self._function_apply(original))  # type: ignore[method-assign]
         try:
-            return super().trace(root, concrete_args)
+            graph = super().trace(root, concrete_args)
         finally:
             Function.apply = original  # type: ignore[method-assign]
+        if torch.is_grad_enabled():
+            _stop_gradients_leaving_no_grad(graph)
+        return graph
+
+    def create_node(
+        self,
+        kind: str,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None = None,
+        type_expr: Any | None = None,
+    ) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        # fx does not record a ``with torch.no_grad():`` block, but the block really runs while tracing:
+        # what is computed inside it is marked (a parameter read there is only a reference: not marked)
+        if kind in ("call_module", "call_function", "call_method") and not torch.is_grad_enabled():
+            node.meta[NO_GRAD] = True
+        return node
 
     def _function_apply(self, original: Any) -> Any:
         """``MyFunction.apply(x, ...)`` on traced values becomes one layer calling it: fx would otherwise
@@ -89,6 +110,32 @@ class PipelineTracer(fx.Tracer):
         if module_qualified_name in self.extra_leaves or isinstance(m, OptimizedModule):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+
+NO_GRAD = "lightning_hier_no_grad"
+
+
+def stop_gradient(value: Any) -> Any:
+    """``value`` with every tensor in it detached: where a value computed under ``torch.no_grad()`` in
+    ``forward`` is used after the block."""
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+
+
+def _stop_gradients_leaving_no_grad(graph: fx.Graph) -> None:
+    """Keep a ``with torch.no_grad():`` block's meaning in the graph, which runs without the block: every
+    value computed inside it reaches the code after it through :func:`stop_gradient`, so no gradient flows
+    back into the block (a teacher network, a target computed without gradient), as in the eager forward.
+    The block's layers still record autograd history on their stage (memory, not results)."""
+    for node in list(graph.nodes):
+        if not node.meta.get(NO_GRAD):
+            continue
+        outside = [user for user in node.users if not user.meta.get(NO_GRAD)]
+        if not outside:
+            continue
+        with graph.inserting_after(node):
+            stopped = graph.call_function(stop_gradient, (node,))
+        for user in outside:
+            user.replace_input_with(node, stopped)
 
 
 class _FunctionCall:
