@@ -757,6 +757,18 @@ def test_a_branch_on_a_traced_value_stays_an_error_naming_the_line() -> None:
         LayerGraph(Branchy())
 
 
+def _two_stages_forward_backward(graph: LayerGraph, x: torch.Tensor) -> None:
+    """Forward through a first stage of one cluster and a second of the rest, then backward of the sum."""
+    partition = StagePartition((0, graph.num_clusters - 1), graph.num_clusters)
+    executors = [StageExecutor(graph, partition, s) for s in range(2)]
+    value = x
+    for executor in executors:
+        value = executor.forward(value)
+    value.sum().backward()
+    for executor in executors:
+        executor.finish_backward()
+
+
 class _ReverseGradient(torch.autograd.Function):
     """Identity forward, negated and scaled backward (domain-adversarial training's gradient reversal)."""
 
@@ -797,14 +809,7 @@ def test_a_custom_autograd_function_is_one_layer_keeping_its_backward() -> None:
     model(x).sum().backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    partition = StagePartition((0, graph.num_clusters - 1), graph.num_clusters)
-    executors = [StageExecutor(graph, partition, s) for s in range(2)]
-    value = x
-    for executor in executors:
-        value = executor.forward(value)
-    value.sum().backward()
-    for executor in executors:
-        executor.finish_backward()
+    _two_stages_forward_backward(graph, x)
     for param, grad in zip(model.parameters(), expected):
         torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)
 
@@ -837,16 +842,29 @@ def test_a_no_grad_block_in_forward_keeps_its_teacher_without_gradients() -> Non
     expected = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     assert all(expected[n] is None for n in expected if n.startswith("teacher"))
     model.zero_grad(set_to_none=True)
-    partition = StagePartition((0, graph.num_clusters - 1), graph.num_clusters)
-    executors = [StageExecutor(graph, partition, s) for s in range(2)]
-    value = x
-    for executor in executors:
-        value = executor.forward(value)
-    value.sum().backward()
-    for executor in executors:
-        executor.finish_backward()
+    _two_stages_forward_backward(graph, x)
     for name, param in model.named_parameters():
         if expected[name] is None:
             assert param.grad is None or not param.grad.any(), name
         else:
             torch.testing.assert_close(param.grad, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_an_autocast_block_in_forward_is_warned_about_with_its_line() -> None:
+    """fx does not record ``with torch.autocast(...)``; the graph would run the block under the Trainer's
+    precision instead. The user is told where, and that a leaf module keeps it."""
+
+    class FullPrecisionHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.body(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.head(h)
+
+    with pytest.warns(
+        UserWarning, match=r"switches autocast \(at .*test_pipeline_graph.py:\d+ .*leaf_modules"
+    ):
+        LayerGraph(FullPrecisionHead())

@@ -121,6 +121,14 @@ def trace_model(
             raise PipelineTraceError(error)
         if warning:
             warnings.warn(warning, stacklevel=3)
+        if tracer.autocast_changed_at is not None:
+            warnings.warn(
+                f"{type(module).__name__}.forward switches autocast (at {tracer.autocast_changed_at}): "
+                "hier_pipeline runs the traced graph, which does not keep a `with torch.autocast(...)` "
+                "block, so those layers run under the Trainer's precision. Put the block inside a submodule "
+                "listed in leaf_modules (its forward runs as written).",
+                stacklevel=3,
+            )
     for node in graph.nodes:  # fx names a specialized input "extra_1": callers pass it as "extra"
         base, _, suffix = str(node.target).rpartition("_")
         if node.op == "placeholder" and suffix.isdigit() and base in concrete:

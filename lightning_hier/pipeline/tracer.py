@@ -48,6 +48,8 @@ class PipelineTracer(fx.Tracer):
             self._buffer_proxies = {}
         original = Function.__dict__["apply"]
         Function.apply = classmethod(self._function_apply(original))  # type: ignore[method-assign]
+        self._autocast_at_start = _autocast_state()
+        self.autocast_changed_at: str | None = None
         try:
             graph = super().trace(root, concrete_args)
         finally:
@@ -70,6 +72,8 @@ class PipelineTracer(fx.Tracer):
         # what is computed inside it is marked (a parameter read there is only a reference: not marked)
         if kind in ("call_module", "call_function", "call_method") and not torch.is_grad_enabled():
             node.meta[NO_GRAD] = True
+        if self.autocast_changed_at is None and _autocast_state() != self._autocast_at_start:
+            self.autocast_changed_at = _user_frame() or "<unknown location>"
         return node
 
     def _function_apply(self, original: Any) -> Any:
@@ -115,6 +119,10 @@ class PipelineTracer(fx.Tracer):
 NO_GRAD = "lightning_hier_no_grad"
 
 
+def _autocast_state() -> tuple[bool, ...]:
+    return tuple(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
 def stop_gradient(value: Any) -> Any:
     """``value`` with every tensor in it detached: where a value computed under ``torch.no_grad()`` in
     ``forward`` is used after the block."""
@@ -154,23 +162,35 @@ class _FunctionCall:
         return f"{self.cls.__qualname__}.apply"
 
 
-def _asserting_frame() -> str | None:
-    """``file:line `code``` of the user's ``assert`` whose condition is being converted to bool right now,
-    or ``None`` where the conversion is not an assert's (an ``if``, ``and``, ``bool(...)``): read from the
-    bytecode, where an assert's conditional jump is followed by ``LOAD_ASSERTION_ERROR``."""
+def _user_frame() -> str | None:
+    """``file:line `code``` of the innermost frame outside torch and this module (the user's line)."""
+    frame = _outside_frame()
+    if frame is None:
+        return None
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} `{code}`"
+
+
+def _outside_frame() -> Any:
+    """The innermost frame outside torch and this module."""
     torch_dir = str(torch.__file__).rsplit("/", 1)[0]
     frame = sys._getframe(1)
     while frame is not None and (
         frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == __file__
     ):
         frame = frame.f_back
+    return frame
+
+
+def _asserting_frame() -> str | None:
+    """``file:line `code``` of the user's ``assert`` whose condition is being converted to bool right now,
+    or ``None`` where the conversion is not an assert's (an ``if``, ``and``, ``bool(...)``): read from the
+    bytecode, where an assert's conditional jump is followed by ``LOAD_ASSERTION_ERROR``."""
+    frame = _outside_frame()
     if frame is None:
         return None
     instructions = list(dis.get_instructions(frame.f_code))
     for now, following in zip(instructions, instructions[1:]):
         if now.offset == frame.f_lasti:
-            if following.opname != "LOAD_ASSERTION_ERROR":
-                return None
-            code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-            return f"{frame.f_code.co_filename}:{frame.f_lineno} `{code}`"
+            return _user_frame() if following.opname == "LOAD_ASSERTION_ERROR" else None
     return None
