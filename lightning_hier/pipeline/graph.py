@@ -29,8 +29,7 @@ import torch.fx as fx
 from torch import nn
 
 from lightning_hier.pipeline import trace_writes
-from lightning_hier.pipeline import tracer as tracer_module
-from lightning_hier.pipeline.tracer import PipelineTracer
+from lightning_hier.pipeline.tracer import PipelineTracer, is_tracing_machinery
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
 
@@ -75,9 +74,8 @@ def _offending_call(exc: BaseException) -> str:
     """``file:line `code``` of the innermost frame outside torch and the tracer, i.e. the user's call that
     failed."""
     frames = traceback.extract_tb(exc.__traceback__)
-    torch_dir = str(torch.__file__).rsplit("/", 1)[0]
     for frame in reversed(frames):
-        if not frame.filename.startswith(torch_dir) and frame.filename != tracer_module.__file__:
+        if not is_tracing_machinery(frame.filename):
             code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
             return f"{frame.filename}:{frame.lineno} `{code}`"
     return "<unknown location>"

@@ -41,7 +41,6 @@ class TraceWrites:
     buffers: list[tuple[str, Any]] = field(default_factory=list)
     parameters: list[tuple[str, Any]] = field(default_factory=list)
     attributes: list[tuple[str, Any]] = field(default_factory=list)
-    constants: set[str] = field(default_factory=set)  # fx's own constants, left on the root
 
 
 def snapshot(root: nn.Module) -> dict[str, tuple[nn.Module, _ModuleState]]:
@@ -57,7 +56,7 @@ def restore(saved: dict[str, tuple[nn.Module, _ModuleState]], graph: fx.Graph) -
     stored on the root for the graph (``_tensor_constant0``: new names read by ``get_attr`` nodes) stay: the
     stages read every ``get_attr`` from the model, as they read its parameters."""
     constants = fx_constants(saved, graph)
-    writes = TraceWrites(constants=constants)
+    writes = TraceWrites()
     seen: set[int] = set()
     for prefix, (module, state) in saved.items():
         if id(module) in seen:  # a module reachable under two names: judged once

@@ -171,13 +171,18 @@ def _user_frame() -> str | None:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} `{code}`"
 
 
+_TORCH_DIR = str(torch.__file__).rsplit("/", 1)[0]
+
+
+def is_tracing_machinery(filename: str) -> bool:
+    """Whether code in ``filename`` is torch's or this module's, not the user's."""
+    return filename.startswith(_TORCH_DIR) or filename == __file__
+
+
 def _outside_frame() -> Any:
     """The innermost frame outside torch and this module."""
-    torch_dir = str(torch.__file__).rsplit("/", 1)[0]
     frame = sys._getframe(1)
-    while frame is not None and (
-        frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == __file__
-    ):
+    while frame is not None and is_tracing_machinery(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
 

@@ -235,7 +235,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 "micro-batch, as in every micro-batched pipeline)."
             )
             self._layer_sync = None
-        if module is not None and module._trainer is not None:
+        if module is not None and module._trainer is not None:  # Lightning attached it with the data
             # before the user's hooks run: configure_optimizers (or setup) reading
             # trainer.estimated_stepping_batches loads the train data there, and with the flag still on it
             # would get Lightning's shuffling DistributedSampler instead of the user's loader
@@ -341,7 +341,6 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             install_global_norm_clipping(self.precision_plugin, self)
         self._install_metric_sync(trainer)
         _keep_metrics_local(module)
-        self._keep_users_sampler(trainer)
         if fitting:
             self._take_over_zero_grad(module)
         self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
