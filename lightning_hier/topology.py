@@ -25,6 +25,8 @@ names one of these groups explicitly; none relies on the default group.
 from __future__ import annotations
 
 import os
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -132,6 +134,53 @@ def validate_layout(world_size: int, devices_per_node: int) -> None:
             f"devices_per_node={devices_per_node} does not divide the world size {world_size}; "
             f"valid values are {divisors} (or None for the processes per host)."
         )
+
+
+# ---------------------------------------------------------------------- nodes and hosts
+def gather_hosts() -> list[str]:
+    """Every rank's host name, in rank order (a collective over the control group; every rank calls it)."""
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=control_group())
+    return [str(host) for host in hosts]
+
+
+def nodes_across_hosts(topology: Topology, hosts: Sequence[str]) -> dict[int, dict[str, list[int]]]:
+    """The nodes whose ranks run on more than one host: ``{node: {host: its ranks there}}``.
+
+    Virtual nodes (several on one host) are fine; a node spread over hosts is not what the layout means:
+    its "fast" link is then the network, and memory it shares (``HybridEmbedding``'s tables) is not
+    shared at all."""
+    spread: dict[int, dict[str, list[int]]] = {}
+    for node in range(topology.num_nodes):
+        by_host: dict[str, list[int]] = {}
+        for rank in topology.intra_ranks(node):
+            by_host.setdefault(hosts[rank], []).append(rank)
+        if len(by_host) > 1:
+            spread[node] = by_host
+    return spread
+
+
+def nodes_across_hosts_problem(topology: Topology, hosts: Sequence[str]) -> str | None:
+    """``None`` where every node's ranks share a host; else what is wrong and the two ways to fix it."""
+    spread = nodes_across_hosts(topology, hosts)
+    if not spread:
+        return None
+    per_host: dict[str, int] = {}
+    for host in hosts:
+        per_host[host] = per_host.get(host, 0) + 1
+    node, by_host = next(iter(spread.items()))
+    where = "; ".join(f"ranks {ranks} on {host!r}" for host, ranks in by_host.items())
+    low, high = min(per_host.values()), max(per_host.values())
+    counts = str(low) if low == high else f"{low} to {high}"
+    return (
+        f"devices_per_node={topology.devices_per_node} makes node {node} of ranks "
+        f"{topology.intra_ranks(node)}, but they run on different hosts ({where}); "
+        f"{len(spread)} of {topology.num_nodes} node(s) are spread so. A node's ranks must share a host. "
+        f"The hosts run {counts} process(es) each: set devices_per_node to a divisor of that, or, if the "
+        "launcher numbered ranks round-robin over the hosts (SLURM --distribution=cyclic), launch them host "
+        "by host (--distribution=block), which is Lightning's numbering: rank = node_rank x devices + "
+        "local_rank."
+    )
 
 
 # ---------------------------------------------------------------------- the device rule

@@ -40,6 +40,7 @@ from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.bucketing.time_bucketing import validate_time_settings
 from lightning_hier.bucketing.time_plan import TimePlan
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
+from lightning_hier.strategies.host_layout import warn_if_nodes_span_hosts
 from lightning_hier.strategies.optimizer_routing import route_zero_grad, without_optimizer
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
@@ -213,6 +214,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         self.topology = Topology.from_world(
             world_size, self.global_rank, self.devices_per_node, self.num_processes
         )
+        warn_if_nodes_span_hosts(self.topology, "hier_bsp")
 
     def _get_process_group_backend(self) -> str:
         return resolve_backend(self.root_device, self._process_group_backend)

@@ -39,6 +39,7 @@ from lightning_hier.strategies.global_norm_clipping import (
     remove_global_norm_clipping,
 )
 from lightning_hier.strategies.gradient_readers import hooks_read_gradients
+from lightning_hier.strategies.host_layout import warn_if_nodes_span_hosts
 from lightning_hier.strategies.optimizer_routing import (
     install_optimizer_toggle,
     remove_optimizer_toggle,
@@ -245,6 +246,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self._checkpoint_engine_state: dict[str, Any] | None = None
         self._table_exchange: Topology | None = None  # the tables' thread's own groups, built once
         self._buffers_changed = False
+        self._nodes_span_hosts: str | None = None  # what is wrong where a node's ranks run on several hosts
 
     # ------------------------------------------------------------------ environment
     def setup_distributed(self) -> None:
@@ -261,6 +263,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             world_size, self.global_rank, self.devices_per_node, self.num_processes
         )
         log.info("hier_sliced topology: %s", self.topology.describe())
+        self._nodes_span_hosts = warn_if_nodes_span_hosts(self.topology, "hier_sliced")
 
     def _get_process_group_backend(self) -> str:
         # "cuda:nccl,cpu:gloo" on CUDA: host-side control data is legal on every group (topology.py)
@@ -316,6 +319,11 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         """Local rank 0 of each node creates every HybridEmbedding table in shared memory; the rest map it."""
         assert self.lightning_module is not None
         self.tables = NodeTables(self.lightning_module)
+        if self.tables and self._nodes_span_hosts is not None:  # the same on every rank: all raise
+            raise ValueError(
+                "HybridEmbedding keeps one table per node in the memory its host's processes share, so a "
+                f"node's ranks must run on one host: {self._nodes_span_hosts}"
+            )
         if self.tables:
             topology = self._groups()
             # the tables' exchanges run on a thread of their own, so on groups of their own
