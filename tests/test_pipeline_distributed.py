@@ -196,6 +196,17 @@ def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: P
     # the checkpoint records the partition the run ended with
     meta = torch.load(result["checkpoint"], map_location="cpu", weights_only=False)["hier_pipeline"]
     assert StagePartition.from_dict(meta["partition"]).to_dict() == result["partition"]
+    assert_only_layers_held_elsewhere_refuse_calls(result)
+
+
+def assert_only_layers_held_elsewhere_refuse_calls(result: dict) -> None:
+    """At every step, through the migrations, the modules that raise when called on a stage are exactly those
+    whose own weights that stage released (empty here); after fit every rank holds the whole model and none
+    does."""
+    for rank, (mismatches, guarded_counts, hooked_after_fit) in enumerate(result["guard_by_rank"]):
+        assert mismatches == [], (rank, mismatches[:2])
+        assert min(guarded_counts) > 0, rank  # 4 stages: each holds a part only
+        assert hooked_after_fit == [], rank
 
 
 def test_shared_and_tied_modules_migrate_once_matching_one_process(tmp_path: Path) -> None:
@@ -213,6 +224,7 @@ def test_parameters_tied_across_stages_are_replicated_and_match_one_process(tmp_
     each stage using it holds a replica, the replicas' gradients are summed before the step (and counted
     once in the clipping norm), and layers with replicas migrate; the run equals one process's."""
     result = run_scenario("tied_split_migrate", 4, tmp_path)
+    assert_only_layers_held_elsewhere_refuse_calls(result)
     expected_losses, expected_state = reference(
         "adam", max_steps=8, precision="64-true", model_class=TwiceNet, gradient_clip_val=0.5
     )

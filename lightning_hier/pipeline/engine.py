@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_hier.pipeline.activation_store import ActivationMeter, LayerRunner
+from lightning_hier.pipeline.foreign_layers import ForeignLayerGuard
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.memory_policy import (
     KEEP,
@@ -165,6 +166,7 @@ class PipelineEngine:
         self._find_tied()
         if self.num_stages > 1:
             start_replicas_equal(self.tied, self._params, self.group)
+        self.foreign_layers = ForeignLayerGuard(self.root, self.stage, self.num_stages)
         self.release_foreign_state()
         self._enable_memory_policy()
 
@@ -250,6 +252,11 @@ class PipelineEngine:
         owned = set(self.owned_state_names())
         foreign = [n for n in named_state(self.root) if n not in owned]
         release_state(self.root, foreign, self.optimizers)
+        self.foreign_layers.refresh(foreign)
+
+    def _guard_foreign_layers(self) -> None:
+        owned = set(self.owned_state_names())
+        self.foreign_layers.refresh(n for n in named_state(self.root) if n not in owned)
 
     def restore_full_model(self, device: torch.device | str = "cpu") -> None:
         """Give every rank's module the whole model again, as one process would hold it (collective).
@@ -267,6 +274,7 @@ class PipelineEngine:
             name: value for part in map(from_wire, parts) for name, value in part.items() if name not in owned
         }
         materialize_state(self.root, foreign, torch.device(device))
+        self.foreign_layers.clear()
 
     def restore_full_optimizer_state(self, optimizers: Sequence[Optimizer]) -> None:
         """Give every rank's optimizers the whole state again, as one process would hold it (collective;
@@ -424,6 +432,7 @@ class PipelineEngine:
         kept = set(self.owned_state_names(new))
         release_state(self.root, [n for n in self.owned_state_names() if n not in kept], self.optimizers)
         self.partition = new
+        self._guard_foreign_layers()
         self._find_tied()
         self.executor.set_partition(new)
         self.link.forget_specs()  # the cuts moved
@@ -440,6 +449,7 @@ class PipelineEngine:
             self.root, {n: full_state[n] for n in owned - current if n in full_state}, self.device
         )
         self.partition = new
+        self._guard_foreign_layers()
         self._find_tied()
         self.executor.set_partition(new)
         self.link.forget_specs()  # the cuts moved

@@ -352,11 +352,30 @@ class RunProbe(pl.Callback):
         self.callbacks_at_fit_start: list[str] = []
         self.train_epoch_loss: float | None = None
         self.tied_seen: list[list] = []  # each distinct [parameter, stages holding a replica] of a step
+        # per step: modules that raise when called here, against those whose own state is empty here
+        self.guard_mismatches: list[dict] = []
+        self.guarded_counts: list[int] = []
+        self.hooked_after_fit: list[str] | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
         for tied in trainer.strategy.engine.tied:
             if [tied.name, list(tied.stages)] not in self.tied_seen:
                 self.tied_seen.append([tied.name, list(tied.stages)])
+        hooked = sorted(name for name, module in pl_module.named_modules() if module._forward_pre_hooks)
+        released = sorted(
+            name
+            for name, module in pl_module.named_modules()
+            if module is not pl_module
+            and (own := [*module.parameters(recurse=False), *module.buffers(recurse=False)])
+            and all(tensor.numel() == 0 for tensor in own)
+        )
+        self.guarded_counts.append(len(hooked))
+        if hooked != released:
+            self.guard_mismatches.append({"step": batch_idx, "hooked": hooked, "released": released})
+
+    def on_fit_end(self, trainer, pl_module):  # noqa: ANN001
+        modules = pl_module.named_modules()
+        self.hooked_after_fit = [name for name, module in modules if module._forward_pre_hooks]
 
     def on_fit_start(self, trainer, pl_module):  # noqa: ANN001
         self.callbacks_at_fit_start = [type(cb).__name__ for cb in trainer.callbacks]
@@ -607,6 +626,7 @@ def main() -> None:
         "callbacks_during_fit_as_before": probe.callbacks_at_fit_start == callbacks_before,
         "train_epoch_loss": probe.train_epoch_loss,
         "tied_all_reduces": tied_all_reduces[0],
+        "guard": [probe.guard_mismatches, probe.guarded_counts, probe.hooked_after_fit],
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
@@ -623,6 +643,7 @@ def main() -> None:
     result["predict_returned_by_rank"] = [g["predict_returned"] for g in gathered]
     result["fresh_validate_val_loss_by_rank"] = [g["fresh_validate_val_loss"] for g in gathered]
     result["callbacks_as_before_by_rank"] = [g["callbacks_as_before"] for g in gathered]
+    result["guard_by_rank"] = [g["guard"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     result["gathered"] = getattr(model, "gathered", None)
     if trainer.is_global_zero:
