@@ -27,6 +27,7 @@ from pipeline_models import (  # noqa: E402
     DropNet,
     GainNet,
     GatherNet,
+    LitAutoEncoder,
     NanoStyleGPT,
     OneLayerNet,
     SkewedNet,
@@ -34,6 +35,7 @@ from pipeline_models import (  # noqa: E402
     StoppingNet,
     TinyGPT,
     TwiceNet,
+    WrapperNet,
     flagged_loader,
     gain_loader,
     loader,
@@ -651,3 +653,36 @@ def test_a_step_pulling_from_dataloader_iter_runs_on_three_stages_like_one_proce
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state)
     assert result["extra_keys"] == [["rows"]] * 5
+
+
+def test_steps_calling_the_submodule_forward_hands_its_input_to_match_one_process(tmp_path: Path) -> None:
+    """``forward`` only hands its input to ``self.model`` and the steps call ``self.model(x)`` themselves (a
+    wrapped torchvision / timm / Hugging Face model): on 2 stages from a lopsided start, migrating, those
+    calls run as ``self(...)`` and the fit equals one process's, its validation loss included. Before
+    2026-11-28 the stages failed on a layer the calling stage does not hold."""
+    result = run_scenario("delegating_wrapper", 2, tmp_path)
+    expected_losses, expected_state = reference(
+        "adam", model_class=WrapperNet, max_epochs=1, precision="64-true"
+    )
+    assert result["history"], "the lopsided start [1, 10] must be rebalanced"
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=WrapperNet)
+    model = WrapperNet().double()
+    model.load_state_dict(expected_state)
+    with torch.no_grad():
+        batches = [(x.double(), y) for x, y in loader(batch_size=32, seed=1)]
+        expected_val = sum(torch.nn.functional.cross_entropy(model(x), y).item() for x, y in batches)
+    assert result["val_losses"] == pytest.approx([expected_val / len(batches)], rel=1e-6)
+
+
+def test_lightnings_readme_autoencoder_trains_on_two_stages_as_one_process(tmp_path: Path) -> None:
+    """Lightning's ``LitAutoEncoder``: ``forward`` returns ``self.encoder(x)``; ``training_step`` calls
+    ``self.encoder`` and then ``self.decoder`` (state no layer of forward uses: the last stage's). On 2
+    stages the encoder call runs as ``self(...)``; the fit equals one process's. Before 2026-11-28 it
+    failed inside torch (``mat2 must be a matrix``)."""
+    result = run_scenario("lightning_autoencoder", 2, tmp_path)
+    expected_losses, expected_state = reference(
+        "adam", model_class=LitAutoEncoder, max_steps=8, precision="64-true"
+    )
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=LitAutoEncoder)

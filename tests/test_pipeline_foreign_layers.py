@@ -1,7 +1,8 @@
-"""A step that calls, outside ``self(...)``, a layer another pipeline stage holds gets the reason and the fix.
+"""A step that calls, outside ``self(...)``, a layer another pipeline stage holds gets the reason and the fix;
+a call of the child ``forward`` only hands its inputs to runs as ``self(...)``.
 
-Before 2026-11-28 Lightning's ``LitAutoEncoder`` (a ``training_step`` running ``self.encoder`` and
-``self.decoder`` itself) failed under hier_pipeline inside torch with ``mat2 must be a matrix, got 1-D
+Before 2026-11-28 a ``training_step`` running ``self.encoder`` and ``self.decoder`` itself (as Lightning's
+``LitAutoEncoder`` does) failed under hier_pipeline inside torch with ``mat2 must be a matrix, got 1-D
 tensor`` on one stage.
 """
 
@@ -14,6 +15,7 @@ import torch
 from helpers import run_torchrun
 from torch import nn
 
+from lightning_hier.pipeline.delegation import as_forward, forward_delegate, step_delegate
 from lightning_hier.pipeline.foreign_layers import ForeignLayerGuard, LayerHeldElsewhereError
 from lightning_hier.pipeline.migration import named_state, release_state
 
@@ -52,7 +54,7 @@ def test_a_module_holding_only_part_of_its_state_elsewhere_is_left_alone() -> No
     assert guard.guarded == []
 
 
-def test_lightnings_autoencoder_calling_its_layers_itself_is_refused_with_the_fix() -> None:
+def test_an_autoencoder_calling_its_layers_itself_is_refused_with_the_fix() -> None:
     with pytest.raises(AssertionError) as failed:
         run_torchrun("pipeline_direct_calls.py", 2, timeout=180)
     output = str(failed.value)
@@ -61,3 +63,93 @@ def test_lightnings_autoencoder_calling_its_layers_itself_is_refused_with_the_fi
     assert re.search(named, output)
     assert "needs a `forward` returning `self.decoder(self.encoder(x))`" in output
     assert "mat2 must be a matrix" not in output
+
+
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(2, 2)
+
+
+class Delegates(Wrapper):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Hands x on."""
+        return self.model(x)
+
+
+class DelegatesEverything(Wrapper):
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return self.model(*args, **kwargs)
+
+
+class DelegatesByKeyword(Wrapper):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        return self.model(input=input)
+
+
+class ComputesMore(Wrapper):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) + 1
+
+
+class Reorders(Wrapper):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.model(y, x)
+
+
+class AddsADefault(Wrapper):
+    def forward(self, x: torch.Tensor, input: torch.Tensor | None = None) -> torch.Tensor:  # noqa: A002
+        return self.model(x, input=input)  # Linear's input has no default: self.model(x) would differ
+
+
+class AssignsThenReturns(Wrapper):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedding = self.model(x)
+        return embedding
+
+
+class ReturnsSomethingElse(Wrapper):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedding = self.model(x)  # noqa: F841 - computed, not returned
+        return x
+
+
+class CallsItself(Wrapper):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
+@pytest.mark.parametrize(
+    ("cls", "delegate"),
+    [
+        (Delegates, "model"),
+        (AssignsThenReturns, "model"),
+        (ReturnsSomethingElse, None),
+        (DelegatesEverything, "model"),
+        (DelegatesByKeyword, "model"),
+        (ComputesMore, None),
+        (Reorders, None),
+        (AddsADefault, None),
+        (CallsItself, None),
+    ],
+)
+def test_a_forward_that_only_hands_its_inputs_to_a_child_is_recognised(
+    cls: type, delegate: str | None
+) -> None:
+    assert forward_delegate(cls()) == delegate
+
+
+def test_a_call_of_the_delegate_runs_as_self_with_forwards_arguments_or_says_why_not() -> None:
+    module = Delegates()
+    seen = []
+    run = as_forward(module, lambda *args, **kwargs: seen.append((args, kwargs)) or "out")
+    assert run(torch.ones(1)) == "out" and len(seen) == 1
+    with pytest.raises(TypeError, match=r"do not fit Delegates.forward\(self, x"):
+        run(torch.ones(1), labels=torch.ones(1))
+
+
+def test_a_child_the_traced_graph_runs_as_one_layer_is_not_taken_for_self() -> None:
+    """``forward`` returning ``self.model(x)`` where ``self.model`` is itself a layer of the graph (a
+    ``Linear``, a ``leaf_modules`` entry): the engine calls it, so a call of it is that layer."""
+    assert step_delegate(Delegates(), ["model"]) is None
+    assert step_delegate(Delegates(), ["model.0", "other"]) == "model"

@@ -25,8 +25,10 @@ class LayerHeldElsewhereError(RuntimeError):
 class ForeignLayerGuard:
     """Forward pre-hooks on the submodules of ``root`` whose own state this stage does not hold."""
 
-    def __init__(self, root: nn.Module, stage: int, num_stages: int) -> None:
+    def __init__(self, root: nn.Module, stage: int, num_stages: int, delegate: str | None = None) -> None:
         self.root, self.stage, self.num_stages = root, stage, num_stages
+        # the child forward hands its inputs to: a step's call of it runs as self(...) (delegation.py)
+        self.delegate = delegate
         self._handles: list[RemovableHandle] = []
         self._guarded: list[tuple[str, nn.Module]] = []
 
@@ -37,12 +39,12 @@ class ForeignLayerGuard:
 
     def refresh(self, foreign_names: Iterable[str]) -> None:
         """Guard exactly the modules all of whose own parameters and buffers are in ``foreign_names`` (the
-        root excluded: ``self(...)`` is how the model runs)."""
+        root and the child its ``forward`` delegates to excluded: ``self(...)`` is how the model runs)."""
         self.clear()
         foreign = set(foreign_names)
         for name, module in self.root.named_modules(remove_duplicate=False):
             own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-            if module is self.root or not own:
+            if module is self.root or name == self.delegate or not own:
                 continue
             if all(f"{name}.{local}" in foreign for local, _ in own):
                 self._guarded.append((name, module))

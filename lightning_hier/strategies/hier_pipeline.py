@@ -32,6 +32,7 @@ from torch.utils.data import RandomSampler
 
 from lightning_hier.pipeline.batch_agreement import stages_disagree
 from lightning_hier.pipeline.batching import input_signature, split_batch
+from lightning_hier.pipeline.delegation import as_forward
 from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
@@ -76,12 +77,21 @@ class _StageOutput(BaseException):
 
 
 @contextmanager
-def _forward_replaced(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+def _forward_replaced(
+    module: torch.nn.Module, forward: Callable[..., Any], delegate: str | None = None
+) -> Iterator[None]:
+    """``self(...)`` runs ``forward`` during a step; so does ``self.<delegate>(...)``, the child the module's
+    own ``forward`` only hands its inputs to (pipeline/delegation.py)."""
     module.forward = forward  # type: ignore[method-assign]
+    child = module.get_submodule(delegate) if delegate is not None else None
+    if child is not None:
+        child.forward = as_forward(module, forward)  # type: ignore[method-assign]
     try:
         yield
     finally:
         del module.forward
+        if child is not None:
+            del child.forward
 
 
 def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
@@ -427,8 +437,10 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         self._skipped_micro_batches = 0
         self._extra: dict[str, Any] = {}
 
+        delegate = engine.foreign_layers.delegate
+
         def run_user_step(m: int, forward: Callable[..., Any]) -> Any:
-            with _forward_replaced(module, forward):
+            with _forward_replaced(module, forward, delegate):
                 return step_fn(micro[m][0], *args)
 
         training = step_name == "training_step"

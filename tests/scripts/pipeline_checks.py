@@ -271,6 +271,23 @@ SCENARIOS: dict[str, dict] = {
         # float64: the key bias gets a zero gradient up to rounding, which Adam would scale up
         trainer=dict(max_steps=6, precision="64-true"),
     ),
+    # forward only hands its input to self.model, and the steps call self.model themselves: run as
+    # self(...) on 2 stages from a lopsided start, migrating, validated at the epoch's end
+    "delegating_wrapper": dict(
+        model=dict(optimizer="adam"),
+        model_class="wrapper",
+        strategy=dict(partition=[1, 10], rebalance=2, micro_batches=4),
+        trainer=dict(max_epochs=1, precision="64-true"),
+        validate=True,
+    ),
+    # Lightning's README autoencoder: its steps run self.encoder (what forward returns) and then the decoder,
+    # which no layer of forward uses and so lives on the last stage
+    "lightning_autoencoder": dict(
+        model=dict(optimizer="adam"),
+        model_class="autoencoder",
+        strategy=dict(partition=[1, 4], rebalance=2, micro_batches=4),
+        trainer=dict(max_steps=8, precision="64-true"),
+    ),
     "crash_resume": dict(
         model=dict(optimizer="adam"),
         strategy=dict(partition=[1, 19], rebalance="never", micro_batches=2),

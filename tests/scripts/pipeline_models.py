@@ -392,6 +392,66 @@ class NanoStyleGPT(TinyGPT):
 TOKENS_PER_SEQUENCE = 12
 
 
+class WrapperNet(pl.LightningModule):
+    """A model built elsewhere, wrapped: ``forward`` hands its input to ``self.model``, and the steps call
+    ``self.model`` themselves (as many users of torchvision, timm or Hugging Face models write them)."""
+
+    def __init__(self, optimizer: str = "adam", lr: float = 0.01) -> None:
+        super().__init__()
+        self.optimizer_name, self.lr = optimizer, lr
+        widths = (16, 32, 256, 256, 32, 32)
+        layers: list[nn.Module] = []
+        for inp, out in zip(widths, widths[1:]):
+            layers += [nn.Linear(inp, out), nn.Tanh()]
+        self.model = nn.Sequential(*layers, nn.Linear(widths[-1], 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.model(x), y))
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class LitAutoEncoder(pl.LightningModule):
+    """Lightning's README model: ``forward`` returns the embedding (for inference), and ``training_step``
+    runs the encoder and the decoder itself."""
+
+    def __init__(self, optimizer: str = "adam", lr: float = 0.01) -> None:
+        super().__init__()
+        self.optimizer_name, self.lr = optimizer, lr
+        self.encoder = nn.Sequential(
+            nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)
+        )
+        self.decoder = nn.Sequential(nn.Linear(3, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in lightning, forward defines the prediction/inference actions
+        embedding = self.encoder(x)
+        return embedding
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, _ = batch
+        x = x.view(x.size(0), -1)
+        z = self.encoder(x)
+        x_hat = self.decoder(z)
+        loss = nn.functional.mse_loss(x_hat, x)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
 def token_loader(batch_size: int = 32, n: int = 256, vocab: int = 37) -> DataLoader:
     """Sequences following ``next = (3 * token + 1) mod vocab`` from random starts: inputs and the
     next-token targets."""
@@ -418,6 +478,8 @@ MODELS = {
     "counting_scheduled": CountingScheduledNet,
     "nano_gpt": NanoStyleGPT,
     "gain": GainNet,
+    "wrapper": WrapperNet,
+    "autoencoder": LitAutoEncoder,
 }
 
 
