@@ -269,6 +269,43 @@ def test_plain_default_arguments_are_traced_as_their_defaults_and_other_values_f
         executors[0].forward(x, False, None, 3.0)  # positional too
 
 
+class MaskedByDefaultNone(nn.Module):
+    """Hugging Face's signature: ``attention_mask=None``, used as a tensor (no ``is None`` branch), beside a
+    flag default that a branch reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, extra: bool = False):  # noqa: ANN201
+        h = torch.relu(self.a(x)) * attention_mask.unsqueeze(-1)
+        if extra:
+            h = h + 1
+        return self.b(h)
+
+
+def test_a_none_default_forward_uses_as_a_tensor_is_traced_as_an_input() -> None:
+    """Before 2026-11-28 tracing it as None failed (``'NoneType' object has no attribute 'unsqueeze'``) and
+    the model was refused. Now it is an input (the other defaults stay constants), every call must pass it,
+    and the stages compute the model's own output."""
+    torch.manual_seed(0)
+    model = MaskedByDefaultNone()
+    graph = LayerGraph(model)
+    assert graph.none_traced_as_input == ["attention_mask"] and graph.specialized == {"extra": False}
+    partition = StagePartition((0, 1), graph.num_clusters)
+    executors = [StageExecutor(graph, partition, s) for s in range(2)]
+    x, mask = torch.randn(3, 4), torch.tensor([1.0, 0.0, 1.0])  # one mask value per sample
+    value = executors[0].forward(x, attention_mask=mask)
+    last = executors[1].forward_received(value, (x,), {"attention_mask": mask})  # it may read the mask too
+    torch.testing.assert_close(last, model(x, attention_mask=mask), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"with 'attention_mask' as an input .* this call leaves it None"):
+        executors[0].forward(x)
+    with pytest.raises(ValueError, match=r"with extra=False, its default .* passes True"):
+        executors[0].forward(x, attention_mask=mask, extra=True)
+    # a None default that traces as None (a branch on it) stays a constant, as before
+    assert LayerGraph(Switched()).none_traced_as_input == []
+
+
 def test_initial_partitions_and_their_errors() -> None:
     graph = LayerGraph(BranchyNet(width=8))
     by_params = initial_partition(graph, PipelineSettings(partition="parameters"), 2)

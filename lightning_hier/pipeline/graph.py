@@ -91,12 +91,18 @@ def trace_model(
     missing = [m for m in leaf_modules if m not in names]
     if missing:
         raise ValueError(f"leaf_modules {missing} are not submodules of {type(module).__name__}.")
-    concrete = _specialized_defaults(module)
+    defaults = _specialized_defaults(module)
     saved = trace_writes.snapshot(module)
     failure: Exception | None = None
-    # a second attempt with buffers traced, for a buffer indexed by a traced value (a causal mask cut to the
-    # sequence length); the first attempt's error is the one reported
-    for proxy_buffers in (False, True):
+    # further attempts: with buffers traced, for a buffer indexed by a traced value (a causal mask cut to the
+    # sequence length); then with the ``None`` defaults traced as inputs (``attention_mask=None`` that forward
+    # uses as a tensor, as Hugging Face signatures have it). The first attempt's error is the one reported.
+    as_inputs = {name: None for name, value in defaults.items() if value is None}
+    attempts = [(defaults, False), (defaults, True)]
+    if as_inputs:
+        without_none = {name: value for name, value in defaults.items() if name not in as_inputs}
+        attempts += [(without_none, False), (without_none, True)]
+    for concrete, proxy_buffers in attempts:
         tracer = PipelineTracer(leaf_modules, proxy_buffers=proxy_buffers)
         try:
             graph = tracer.trace(module, concrete_args=concrete or None)
@@ -131,7 +137,10 @@ def trace_model(
         base, _, suffix = str(node.target).rpartition("_")
         if node.op == "placeholder" and suffix.isdigit() and base in concrete:
             node.target = base
-    return fx.GraphModule(tracer.root, graph, type(module).__name__)
+    traced = fx.GraphModule(tracer.root, graph, type(module).__name__)
+    traced.meta["specialized"] = concrete  # the defaults traced as constants
+    traced.meta["none_traced_as_input"] = sorted(name for name in as_inputs if name not in concrete)
+    return traced
 
 
 ModeArgs = dict[str, list[tuple[int | str, bool, bool]]]
@@ -178,7 +187,8 @@ def _specialized_defaults(module: nn.Module) -> dict[str, Any]:
     """``forward``'s arguments with a plain default (``None``, a bool, a number, a string), traced as that
     value: a branch on them (``if extra:``, ``if mask is not None:``) cannot be traced symbolically. The
     graph checks each call's value against it (fx's "has been specialized" assertion), so passing another
-    value fails loudly instead of running the traced branch."""
+    value fails loudly instead of running the traced branch. A ``None`` default forward cannot trace as
+    ``None`` (it uses it as a tensor) is traced as an input instead (:func:`trace_model`)."""
     try:
         parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
@@ -239,7 +249,9 @@ class LayerGraph:
         self.split_tied_parameters = split_tied_parameters
         self.graph_module = trace_model(module, leaf_modules)
         # forward's arguments traced as their plain default: a call passing another value is refused
-        self.specialized: dict[str, Any] = _specialized_defaults(module)
+        self.specialized: dict[str, Any] = self.graph_module.meta["specialized"]
+        # defaults of None that only trace as inputs: a call must pass a value (stage.py checks)
+        self.none_traced_as_input: list[str] = self.graph_module.meta["none_traced_as_input"]
         self.mode_args = _mode_dependent_args(module, leaf_modules, self.graph_module)
         self.num_relays = 0
         self._index_nodes()

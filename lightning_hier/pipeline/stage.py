@@ -264,12 +264,22 @@ class StageExecutor:
 
     def _check_specialized(self, env: dict[str, Any]) -> None:
         """A clear error for an argument traced as its default (``mask=None``) that a call now passes
-        (fx's own assertion names neither the cause nor the fix)."""
-        specialized = self.graph.specialized
-        if not specialized:
+        (fx's own assertion names neither the cause nor the fix), and for one whose default ``None`` did
+        not trace (traced as an input) that a call leaves at ``None``."""
+        specialized, as_inputs = self.graph.specialized, self.graph.none_traced_as_input
+        if not specialized and not as_inputs:
             return
         for node in self.graph.placeholders:
             name = str(node.target).lstrip("*")
+            if name in as_inputs and env.get(node.name) is None:
+                model = type(self.graph.root).__name__
+                raise ValueError(
+                    f"hier_pipeline traced {model}.forward with '{name}' as an input (forward uses its "
+                    "value, so its default None does not trace), but this call leaves it None. "
+                    f"Pass '{name}' on every call of forward, or make forward trace with None (``if "
+                    f"{name} is None: ...`` cannot be traced; compute the default inside a submodule "
+                    "listed in leaf_modules)."
+                )
             if name not in specialized or node.name not in env:
                 continue
             default, value = specialized[name], env[node.name]
