@@ -28,10 +28,14 @@ def test_consolidated_state_resumes_under_another_topology_and_under_ddp(results
 
 def test_an_optimizer_kept_whole_resumes_exactly_and_under_ddp(results: dict) -> None:
     """Adafactor (not elementwise) stays whole on every rank; its checkpoint is its own state_dict and
-    resumes under hier_sliced exactly, and under ddp."""
+    resumes under hier_sliced exactly, and under ddp; on hier_bsp's whole-parameter server it trains as
+    under hier_sliced and resumes exactly."""
     assert results["whole_second_epoch_moved"] > 1e-3
     assert results["whole_resumed_vs_uninterrupted"] < 1e-6
     assert results["whole_ddp_resume_vs_uninterrupted"] < 1e-5
+    # on hier_bsp's whole-parameter server (devices_per_node=1): as under hier_sliced (= ddp), and resumed
+    assert results["whole_server_vs_hier_sliced_whole"] < 1e-5
+    assert results["whole_server_resumed_vs_uninterrupted"] < 1e-6
 
 
 def test_checkpoint_loads_into_plain_module(results: dict) -> None:

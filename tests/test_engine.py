@@ -318,6 +318,21 @@ def test_hier_bsp_refuses_an_unknown_optimizer_naming_its_own_setting() -> None:
         BSPEngine(model, MySGD(model.parameters(), lr=0.1), None, settings)  # refused before any group
 
 
+def test_hier_bsp_steps_any_per_parameter_optimizer_whole_where_each_rank_holds_the_whole_server() -> None:
+    """devices_per_node=1: every piece is a whole parameter, so Adafactor and unknown optimizers run (as
+    under ddp: tests/scripts/bsp_equivalence.py); with node-sliced servers they are refused, the error
+    naming devices_per_node=1; LBFGS never (its closure re-runs backward)."""
+    from lightning_hier.bsp.engine import check_server_optimizer
+
+    params = [nn.Parameter(torch.zeros(3, 2))]
+    check_server_optimizer(torch.optim.Adafactor(params), (), devices_per_node=1)
+    check_server_optimizer(MySGD(params, lr=0.1), (), devices_per_node=1)
+    with pytest.raises(ValueError, match=r"not elementwise.*HierBSPStrategy\(devices_per_node=1\)"):
+        check_server_optimizer(torch.optim.Adafactor(params), (), devices_per_node=2)
+    with pytest.raises(ValueError, match="LBFGS cannot run on flat parameter slices.*strategy='ddp'"):
+        check_server_optimizer(torch.optim.LBFGS(params), (), devices_per_node=1)
+
+
 def test_a_subclass_that_keeps_the_parents_step_runs_the_parents_update() -> None:
     from lightning_hier.sliced.sharded_optim import update_rule_of
 

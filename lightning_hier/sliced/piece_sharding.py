@@ -9,7 +9,10 @@ parameter that was unused in some steps into a bucket of its own (a rebuild betw
 same layout meanwhile), so it uses this sharding instead: the optimizer steps one *piece* per
 parameter and slice (the part of the parameter inside this rank's slice, a view of the slice), and
 a piece whose parameter no worker used gets no gradient, so torch's optimizer leaves it, its
-moments and its step count alone, as under ``ddp`` with ``find_unused_parameters=True``.
+moments and its step count alone, as under ``ddp`` with ``find_unused_parameters=True``. A piece that is a
+whole parameter (always so with ``devices_per_node=1``, where a rank's slice is the whole bucket) has the
+parameter's shape, so an optimizer that reads shapes or whole-tensor norms (Adafactor, LARS-like trust
+ratios) steps it as under ``ddp``.
 
 The checkpoint layout is the unsharded optimizer's, as for the bucket sharding: a parameter with no
 state (never used) has no entry, as in torch.
@@ -54,8 +57,10 @@ class PieceSharding(OptimizerSharding):
             start, end = bucket.owned_range
             for slot, lo, hi in bucket.slots_in(start, end):
                 at = slot.offset + lo - start
-                view = nn.Parameter(shard.data[at : at + hi - lo], requires_grad=False)
-                pieces.append(Piece(b, slot.index, lo, hi, at, view))
+                view = shard.data[at : at + hi - lo]
+                if lo == 0 and hi == slot.numel:  # a whole parameter keeps its shape (Adafactor reads it)
+                    view = view.view(slot.shape)
+                pieces.append(Piece(b, slot.index, lo, hi, at, nn.Parameter(view, requires_grad=False)))
         return pieces
 
     def _optimizer_params(self, group_index: int) -> list[nn.Parameter]:
@@ -68,7 +73,7 @@ class PieceSharding(OptimizerSharding):
         skipped = set(unused)
         for piece in self.pieces:
             grad = slice_grads[piece.bucket][piece.at : piece.at + piece.hi - piece.lo]
-            piece.param.grad = None if piece.index in skipped else grad
+            piece.param.grad = None if piece.index in skipped else grad.view(piece.param.shape)
 
     # ------------------------------------------------------------------ checkpoints
     def _gathered_piece_states(self) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, torch.dtype]]]:
@@ -110,7 +115,7 @@ class PieceSharding(OptimizerSharding):
                 for piece in bucket_pieces:
                     value = self.optimizer.state.get(piece.param, {}).get(key)
                     if value is not None:
-                        full[start + piece.at : start + piece.at + value.numel()].copy_(value)
+                        full[start + piece.at : start + piece.at + value.numel()].copy_(value.reshape(-1))
                 for work in all_gather_slices(full, bucket.bounds, self.intra_group):
                     work.wait()
                 for slot in bucket.slots:
@@ -135,7 +140,8 @@ class PieceSharding(OptimizerSharding):
             for key, value in saved.items():
                 if is_elementwise_state(key, value, shape):
                     device = piece.param.device
-                    new_state[key] = value.reshape(-1)[piece.lo : piece.hi].to(device).clone()
+                    part = value.reshape(-1)[piece.lo : piece.hi].reshape(piece.param.shape)
+                    new_state[key] = part.to(device).clone()
                 else:
                     new_state[key] = value.clone() if torch.is_tensor(value) else value
             if new_state:

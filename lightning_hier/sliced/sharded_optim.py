@@ -128,6 +128,11 @@ def _whole_optimizer_alternative(strategy: str, name: str) -> str:
         return (
             "pass HierSlicedStrategy(shard_optimizer=False): it then runs whole on every rank, as under ddp."
         )
+    if strategy == "HierBSPStrategy" and name not in NEVER_REPLICATED:
+        return (
+            "pass HierBSPStrategy(devices_per_node=1): every rank then holds the whole server and the "
+            "optimizer steps whole parameters, as under ddp."
+        )
     return "use strategy='ddp' for this optimizer."
 
 

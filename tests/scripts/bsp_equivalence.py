@@ -44,6 +44,19 @@ SCENARIOS: dict[str, dict] = {
         ddp=dict(find_unused_parameters=True),
     ),
     # state made in the optimizer's constructor (Adagrad in torch 2.11 and before) must exist for the pieces
+    # optimizers that read whole tensors, stepped on a whole-parameter server (devices_per_node=1): Adafactor
+    # (factored moments per matrix) with a never-used, a frozen and a tied parameter; an unknown LARS-like
+    # trust ratio with accumulation and clipping
+    "adafactor_whole_server_frozen_tied_unused": dict(
+        model=dict(optimizer="adafactor", quirks=True),
+        bsp=dict(devices_per_node=1, early_push=True, find_unused_parameters=True),
+        ddp=dict(find_unused_parameters=True),
+    ),
+    "trust_ratio_whole_server_accumulate_clip": dict(
+        model=dict(optimizer="trust_ratio_sgd"),
+        bsp=dict(devices_per_node=1, early_push=True),
+        trainer=dict(gradient_clip_val=0.05, accumulate_grad_batches=2),
+    ),
     "optimizer_state_made_at_construction": dict(
         model=dict(optimizer="constructed_state_sgd"),
         bsp=dict(devices_per_node=2, early_push=True, elementwise_optimizers=["ConstructedStateSGD"]),

@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from models import EquivModel, loader  # noqa: E402
 from train_equivalence import max_rel_diff  # noqa: E402
 
-from lightning_hier import HierSlicedStrategy, consolidate_sharded_checkpoint  # noqa: E402
+from lightning_hier import HierBSPStrategy, HierSlicedStrategy, consolidate_sharded_checkpoint  # noqa: E402
 
 MODEL = dict(optimizer="adamw_groups", scheduler=True)
 
@@ -103,6 +103,16 @@ def main() -> None:
         HierSlicedStrategy(devices_per_node=2), epochs=2, ckpt_path=whole_ckpt, model=adafactor
     )
     _, whole_under_ddp = fit(DDPStrategy(), epochs=2, ckpt_path=whole_ckpt, model=adafactor)
+
+    # the same optimizer on hier_bsp's whole-parameter server (devices_per_node=1, plain BSP), resumed
+    def whole_server() -> HierBSPStrategy:
+        return HierBSPStrategy(devices_per_node=1, superstep_steps=1, max_staleness=0)
+
+    server_ckpt = str(scratch / "whole_server.ckpt")
+    _, server_uninterrupted = fit(whole_server(), epochs=2, model=adafactor)
+    server_trainer, _ = fit(whole_server(), epochs=1, model=adafactor)
+    server_trainer.save_checkpoint(server_ckpt)
+    _, server_resumed = fit(whole_server(), epochs=2, ckpt_path=server_ckpt, model=adafactor)
     if dist.get_rank() != 0:
         return
     converted = consolidate_sharded_checkpoint(sharded_ckpt)
@@ -127,6 +137,12 @@ def main() -> None:
         "whole_resumed_vs_uninterrupted": max_rel_diff(params(whole_uninterrupted), params(whole_resumed)),
         "whole_ddp_resume_vs_uninterrupted": max_rel_diff(
             params(whole_uninterrupted), params(whole_under_ddp)
+        ),
+        "whole_server_vs_hier_sliced_whole": max_rel_diff(
+            params(whole_uninterrupted), params(server_uninterrupted)
+        ),
+        "whole_server_resumed_vs_uninterrupted": max_rel_diff(
+            params(server_uninterrupted), params(server_resumed)
         ),
         "resumed_vs_uninterrupted": max_rel_diff(params(uninterrupted), params(resumed)),
         "other_topology_vs_uninterrupted": max_rel_diff(

@@ -49,12 +49,17 @@ class TrustRatioSGD(torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201
+        loss = None
+        if closure is not None:  # Lightning's closure runs the backward: the gradients exist after it
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
                     ratio = param.norm() / (param.grad.norm() + 1e-6)
                     param.grad.mul_(ratio.clamp(max=10.0))
-        return super().step(closure)
+        super().step()
+        return loss
 
 
 class EquivModel(pl.LightningModule):
