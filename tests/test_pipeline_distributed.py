@@ -24,6 +24,7 @@ sys.path.insert(0, str(SCRIPTS))
 from pipeline_models import (  # noqa: E402
     CompiledBlocksNet,
     CountingScheduledNet,
+    DirectOneLayerNet,
     DropNet,
     GainNet,
     GatherNet,
@@ -480,6 +481,24 @@ def test_a_model_with_fewer_layers_than_stages_runs_with_relay_stages(tmp_path: 
         batches = list(loader(batch_size=32, seed=1))[:2]
         want = sum(float(torch.nn.functional.cross_entropy(model(x), y)) for x, y in batches) / 2
     assert len(result["val_losses"]) == 2
+    assert abs(result["val_losses"][-1] - want) <= 1e-5 * abs(want)
+
+
+def test_a_boring_model_whose_steps_call_its_layer_itself_matches_one_process(tmp_path: Path) -> None:
+    """The same one-Linear model with ``training_step`` / ``validation_step`` calling ``self.only(x)``
+    (what ``forward`` returns; many of Lightning's own tests write their BoringModel's steps so): on 3
+    stages it trains and validates as one process (before 2026-11-28 the stage without the layer failed)."""
+    result = run_scenario("relay_stages_direct_calls", 3, tmp_path)
+    expected_losses, expected_state = reference(
+        "sgd", model_class=DirectOneLayerNet, max_epochs=2, limit_train_batches=3
+    )
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=DirectOneLayerNet)
+    model = DirectOneLayerNet()
+    model.load_state_dict(expected_state)
+    with torch.no_grad():
+        batches = list(loader(batch_size=32, seed=1))[:2]
+        want = sum(float(torch.nn.functional.cross_entropy(model(x), y)) for x, y in batches) / 2
     assert abs(result["val_losses"][-1] - want) <= 1e-5 * abs(want)
 
 

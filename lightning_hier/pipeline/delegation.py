@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -59,13 +59,6 @@ def forward_delegate(module: nn.Module) -> str | None:
     ):
         return None
     return target.attr
-
-
-def step_delegate(module: nn.Module, layer_targets: Iterable[str]) -> str | None:
-    """:func:`forward_delegate`, unless the traced graph runs that child as one layer (``forward`` returning
-    ``self.linear(x)``, a ``leaf_modules`` entry): the engine calls it then, so a call of it is that layer."""
-    delegate = forward_delegate(module)
-    return None if delegate is None or delegate in set(layer_targets) else delegate
 
 
 def _returned_call(body: list[ast.stmt]) -> ast.Call | None:
@@ -129,13 +122,20 @@ def _same_defaults(forward: Callable[..., Any], child_forward: Callable[..., Any
     return True
 
 
-def as_forward(module: nn.Module, stage_forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``stage_forward`` (what ``self(...)`` runs in a step) for calls of the delegate child: its arguments
-    must bind to ``forward``'s parameters, which is what the child then receives."""
+def as_forward(module: nn.Module, child: nn.Module, stage_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """What ``child.forward`` is during a step: a step's call of the delegate child runs ``stage_forward``
+    (what ``self(...)`` runs), with arguments that must bind to ``forward``'s parameters; a call made while
+    that runs (the engine running the child itself as a layer: ``forward`` returning ``self.layer(x)``, as
+    Lightning's ``BoringModel`` does) runs the child's own ``forward``."""
     signature = inspect.signature(type(module).forward)
     name = f"{type(module).__name__}.forward"
+    own_forward = type(child).forward
+    running = False
 
     def called_as_forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal running
+        if running:
+            return own_forward(child, *args, **kwargs)
         try:
             signature.bind(module, *args, **kwargs)
         except TypeError as error:
@@ -144,6 +144,10 @@ def as_forward(module: nn.Module, stage_forward: Callable[..., Any]) -> Callable
                 f"but this call's arguments do not fit {name}{signature}: {error}. Call self(...) with "
                 "forward's arguments, or let forward take what the step passes."
             ) from error
-        return stage_forward(*args, **kwargs)
+        running = True
+        try:
+            return stage_forward(*args, **kwargs)
+        finally:
+            running = False
 
     return called_as_forward

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_hier.pipeline.activation_store import ActivationMeter, LayerRunner
-from lightning_hier.pipeline.delegation import step_delegate
+from lightning_hier.pipeline.delegation import forward_delegate
 from lightning_hier.pipeline.foreign_layers import ForeignLayerGuard
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.memory_policy import (
@@ -167,8 +167,7 @@ class PipelineEngine:
         self._find_tied()
         if self.num_stages > 1:
             start_replicas_equal(self.tied, self._params, self.group)
-        modules_run = (node.target for node in graph.nodes if node.op == "call_module")
-        delegate = step_delegate(self.root, modules_run)
+        delegate = forward_delegate(self.root)
         self.foreign_layers = ForeignLayerGuard(self.root, self.stage, self.num_stages, delegate)
         self.release_foreign_state()
         self._enable_memory_policy()

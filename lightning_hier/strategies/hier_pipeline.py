@@ -85,7 +85,7 @@ def _forward_replaced(
     module.forward = forward  # type: ignore[method-assign]
     child = module.get_submodule(delegate) if delegate is not None else None
     if child is not None:
-        child.forward = as_forward(module, forward)  # type: ignore[method-assign]
+        child.forward = as_forward(module, child, forward)  # type: ignore[method-assign]
     try:
         yield
     finally:

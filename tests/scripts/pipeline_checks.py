@@ -295,6 +295,8 @@ SCENARIOS: dict[str, dict] = {
         resume="last",
     ),
 }
+# the same with steps that call the one layer themselves (as many of Lightning's own tests write BoringModel)
+SCENARIOS["relay_stages_direct_calls"] = {**SCENARIOS["relay_stages"], "model_class": "one_direct"}
 SCENARIOS["stop_in_training_step_host_flag"] = {
     **SCENARIOS["stop_in_training_step"],
     "skip_flag_on_host": True,

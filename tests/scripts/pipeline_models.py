@@ -146,6 +146,21 @@ class OneLayerNet(SkewedNet):
         return loss
 
 
+class DirectOneLayerNet(OneLayerNet):
+    """Lightning's BoringModel as many of its tests subclass it: ``forward`` returns ``self.only(x)`` and the
+    steps call ``self.only`` themselves."""
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.only(x) / self.temperature, y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.only(x), y))
+
+
 class SkippingNet(SkewedNet):
     """Uses Lightning's "return None to skip" and overrides ``backward``, both as a user writes them.
 
@@ -471,6 +486,7 @@ MODELS = {
     "drop": DropNet,
     "gather": GatherNet,
     "one": OneLayerNet,
+    "one_direct": DirectOneLayerNet,
     "skipping": SkippingNet,
     "stopping": StoppingNet,
     "compiled_blocks": CompiledBlocksNet,
