@@ -26,6 +26,7 @@ from pipeline_models import (  # noqa: E402
     CountingScheduledNet,
     DirectOneLayerNet,
     DropNet,
+    ExampleInputNet,
     GainNet,
     GatherNet,
     LitAutoEncoder,
@@ -285,6 +286,19 @@ def test_gpipe_sgd_with_global_norm_clipping_and_accumulation(tmp_path: Path) ->
     )
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state)
+
+
+def test_a_model_with_an_example_input_and_the_model_summary_on_matches_one_process(tmp_path: Path) -> None:
+    """``example_input_array`` set and Lightning's model summary on (it runs the example through the whole
+    model on every rank at fit start): the fit runs as one process's, and every rank's module has its
+    example input back afterwards. Before 2026-11-28 the summary's forward failed on both stages."""
+    result = run_scenario("example_input_summary", 2, tmp_path)
+    expected_losses, expected_state = reference(
+        "sgd", model_class=ExampleInputNet, max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=2
+    )
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=ExampleInputNet)
+    assert result["example_input_after_fit_by_rank"] == [True, True]
 
 
 def test_static_shapes_send_each_cut_spec_once_per_shape_and_match_one_process(tmp_path: Path) -> None:

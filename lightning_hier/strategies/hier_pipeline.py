@@ -212,6 +212,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         # how the step's skip flag reaches the stages (see _skip_flag_on_host); None: by the device
         self.skip_flag_on_host: bool | None = None
         self._failed = False
+        self._hidden_example_input: tuple[pl.LightningModule, Any] | None = None  # set aside while running
         self._batch_checked_in_epoch: int | None = None  # the epoch whose first batch the stages compared
         self._user_zero_grad: Callable[..., Any] = _skip_zero_grad
         self._metric_sync: StageMetricsSync | None = None
@@ -340,6 +341,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             self._build_engine()
         else:
             self.engine.release_foreign_state()  # the last teardown gave this rank the whole model
+        self._hide_example_input(module)
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
@@ -716,6 +718,20 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             self.engine.drop_foreign_optimizer_state()
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _hide_example_input(self, module: pl.LightningModule) -> None:
+        """``example_input_array`` is set aside for the run: Lightning's model summary (every rank, at fit
+        start) and a logger's graph run it through the whole model, which no process holds. Back at
+        teardown."""
+        if self.num_stages == 1 or module.example_input_array is None:
+            return
+        self._hidden_example_input = (module, module.example_input_array)
+        module.example_input_array = None
+        rank_zero_warn(
+            f"hier_pipeline sets {type(module).__name__}.example_input_array aside while it runs: each "
+            "process holds one stage's layers, so the example forward of the model summary (its In/Out "
+            "sizes) and of a logger's graph cannot run. It is back after the run."
+        )
+
     # ------------------------------------------------------------------ teardown
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown must not wait in a collective for stages that may be gone
@@ -729,6 +745,9 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             self.engine.restore_full_model("cpu")
             if self.optimizers and not without_optimizer(self.optimizers):
                 self.engine.restore_full_optimizer_state(self.optimizers)
+        if self._hidden_example_input is not None:
+            module, example = self._hidden_example_input
+            module.example_input_array, self._hidden_example_input = example, None
         remove_global_norm_clipping(self.precision_plugin)
         self._remove_metric_sync()
         self._zero_grad_hook.restore()

@@ -295,6 +295,12 @@ SCENARIOS: dict[str, dict] = {
         resume="last",
     ),
 }
+# example_input_array set, with Lightning's model summary on (it runs the example through the model)
+SCENARIOS["example_input_summary"] = {
+    **SCENARIOS["gpipe_sgd_clip_accumulate"],
+    "model_class": "example_input",
+    "model_summary": True,
+}
 # the same with steps that call the one layer themselves (as many of Lightning's own tests write BoringModel)
 SCENARIOS["relay_stages_direct_calls"] = {**SCENARIOS["relay_stages"], "model_class": "one_direct"}
 SCENARIOS["stop_in_training_step_host_flag"] = {
@@ -548,7 +554,7 @@ def main() -> None:
             spec.get("monitor") or spec.get("every_step_checkpoint") or spec.get("top_k")
         ),
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=spec.get("model_summary", False),
         num_sanity_val_steps=0,
         callbacks=callbacks,
         default_root_dir=str(workdir),
@@ -646,6 +652,7 @@ def main() -> None:
         "train_epoch_loss": probe.train_epoch_loss,
         "tied_all_reduces": tied_all_reduces[0],
         "guard": [probe.guard_mismatches, probe.guarded_counts, probe.hooked_after_fit],
+        "example_input_after_fit": getattr(model, "example_input_array", None) is not None,
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
@@ -663,6 +670,7 @@ def main() -> None:
     result["fresh_validate_val_loss_by_rank"] = [g["fresh_validate_val_loss"] for g in gathered]
     result["callbacks_as_before_by_rank"] = [g["callbacks_as_before"] for g in gathered]
     result["guard_by_rank"] = [g["guard"] for g in gathered]
+    result["example_input_after_fit_by_rank"] = [g["example_input_after_fit"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     result["gathered"] = getattr(model, "gathered", None)
     if trainer.is_global_zero:

@@ -161,6 +161,14 @@ class DirectOneLayerNet(OneLayerNet):
         self.log("val_loss", nn.functional.cross_entropy(self.only(x), y))
 
 
+class ExampleInputNet(SkewedNet):
+    """Sets ``example_input_array``, as Lightning's docs suggest for the model summary's In/Out sizes."""
+
+    def __init__(self, **kwargs) -> None:  # noqa: ANN003
+        super().__init__(**kwargs)
+        self.example_input_array = torch.zeros(2, 16)
+
+
 class SkippingNet(SkewedNet):
     """Uses Lightning's "return None to skip" and overrides ``backward``, both as a user writes them.
 
@@ -487,6 +495,7 @@ MODELS = {
     "gather": GatherNet,
     "one": OneLayerNet,
     "one_direct": DirectOneLayerNet,
+    "example_input": ExampleInputNet,
     "skipping": SkippingNet,
     "stopping": StoppingNet,
     "compiled_blocks": CompiledBlocksNet,
