@@ -322,7 +322,7 @@ def test_hier_bsp_steps_any_per_parameter_optimizer_whole_where_each_rank_holds_
     """devices_per_node=1: every piece is a whole parameter, so Adafactor and unknown optimizers run (as
     under ddp: tests/scripts/bsp_equivalence.py); with node-sliced servers they are refused, the error
     naming devices_per_node=1; LBFGS never (its closure re-runs backward)."""
-    from lightning_hier.bsp.engine import check_server_optimizer
+    from lightning_hier.sliced.sharded_optim import check_server_optimizer
 
     params = [nn.Parameter(torch.zeros(3, 2))]
     check_server_optimizer(torch.optim.Adafactor(params), (), devices_per_node=1)

@@ -32,26 +32,12 @@ from lightning_hier.bucketing.time_plan import TimePlan, plan_time_buckets
 from lightning_hier.sliced.engine import trainable_params
 from lightning_hier.sliced.flat_buckets import FlatBucket, adopt_gradient, build_flat_buckets
 from lightning_hier.sliced.sharded_optim import (
-    NEVER_REPLICATED,
     check_no_new_parameters,
-    check_optimizer,
+    check_server_optimizer,
     frozen_parameters,
 )
 from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.topology import Topology
-
-
-def check_server_optimizer(
-    optimizer: torch.optim.Optimizer, elementwise_optimizers: Sequence[str], devices_per_node: int | None
-) -> None:
-    """With ``devices_per_node=1`` every rank's server slice is whole buckets, so each optimizer parameter is
-    a whole model parameter with its shape (:class:`~lightning_hier.sliced.piece_sharding.PieceSharding`) and
-    any optimizer that steps parameter by parameter runs as under ``ddp`` (Adafactor, LARS-like); otherwise
-    the slices cut parameters, and only elementwise updates are exact (:func:`check_optimizer`)."""
-    name = type(optimizer).__name__
-    if devices_per_node == 1 and name not in NEVER_REPLICATED:
-        return
-    check_optimizer(optimizer, elementwise_optimizers, strategy="HierBSPStrategy")
 
 
 class BSPEngine:

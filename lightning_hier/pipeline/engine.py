@@ -249,16 +249,16 @@ class PipelineEngine:
         }
         return [name for name, tensor in state.items() if id(tensor) not in held]
 
+    def _foreign_state_names(self) -> list[str]:
+        """The parameter and buffer names another stage owns under the current partition."""
+        owned = set(self.owned_state_names())
+        return [n for n in named_state(self.root) if n not in owned]
+
     def release_foreign_state(self) -> None:
         """Drop the storage of every parameter and buffer another stage owns."""
-        owned = set(self.owned_state_names())
-        foreign = [n for n in named_state(self.root) if n not in owned]
+        foreign = self._foreign_state_names()
         release_state(self.root, foreign, self.optimizers)
         self.foreign_layers.refresh(foreign)
-
-    def _guard_foreign_layers(self) -> None:
-        owned = set(self.owned_state_names())
-        self.foreign_layers.refresh(n for n in named_state(self.root) if n not in owned)
 
     def restore_full_model(self, device: torch.device | str = "cpu") -> None:
         """Give every rank's module the whole model again, as one process would hold it (collective).
@@ -434,7 +434,7 @@ class PipelineEngine:
         kept = set(self.owned_state_names(new))
         release_state(self.root, [n for n in self.owned_state_names() if n not in kept], self.optimizers)
         self.partition = new
-        self._guard_foreign_layers()
+        self.foreign_layers.refresh(self._foreign_state_names())
         self._find_tied()
         self.executor.set_partition(new)
         self.link.forget_specs()  # the cuts moved
@@ -451,7 +451,7 @@ class PipelineEngine:
             self.root, {n: full_state[n] for n in owned - current if n in full_state}, self.device
         )
         self.partition = new
-        self._guard_foreign_layers()
+        self.foreign_layers.refresh(self._foreign_state_names())
         self._find_tied()
         self.executor.set_partition(new)
         self.link.forget_specs()  # the cuts moved

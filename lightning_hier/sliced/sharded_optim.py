@@ -123,6 +123,20 @@ def decide_sharding(
     return True
 
 
+def check_server_optimizer(
+    optimizer: torch.optim.Optimizer, elementwise_optimizers: Sequence[str], devices_per_node: int | None
+) -> None:
+    """Whether ``hier_bsp``'s parameter server can step ``optimizer`` (else raise). With
+    ``devices_per_node=1`` every rank's server slice is whole buckets, so each optimizer parameter is a whole
+    model parameter with its shape (:class:`~lightning_hier.sliced.piece_sharding.PieceSharding`) and any
+    optimizer that steps parameter by parameter runs as under ``ddp`` (Adafactor, LARS-like); otherwise the
+    slices cut parameters, and only elementwise updates are exact (:func:`check_optimizer`)."""
+    name = type(optimizer).__name__
+    if devices_per_node == 1 and name not in NEVER_REPLICATED:
+        return
+    check_optimizer(optimizer, elementwise_optimizers, strategy="HierBSPStrategy")
+
+
 def _whole_optimizer_alternative(strategy: str, name: str) -> str:
     if strategy == "HierSlicedStrategy" and name not in NEVER_REPLICATED:
         return (
