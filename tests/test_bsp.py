@@ -120,6 +120,40 @@ def test_a_failure_of_the_bsp_thread_is_named_for_what_it_was() -> None:
     assert describe_loss(KeyError("sum"), [2]).startswith("lost rank(s) [2]")
 
 
+def test_the_servers_optimizer_copy_keeps_hooks_attributes_and_steps_where_torch_sees_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server steps a copy of the user's optimizer. ``copy.copy`` kept only what
+    ``Optimizer.__getstate__`` lists (defaults, state, param groups): the user's step hooks and own
+    attributes were gone, and with torch's ``_warned_capturable_if_run_uncaptured`` gone Adafactor's step
+    on a CUDA machine failed (``KeyError: 'capturable'``, found on an H200)."""
+    import types
+
+    from lightning_hier.bsp.server import server_copy
+
+    # what torch's graph-capture health check reads on a CUDA machine, without one
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda")
+    )
+    stream = types.SimpleNamespace(is_capturing=lambda: False)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda *args, **kwargs: stream)
+    weight = torch.nn.Parameter(torch.ones(3, 2))
+    user = torch.optim.Adafactor([weight], lr=0.1)
+    user.tag = "user's own attribute"
+    stepped: list[str] = []
+    user.register_step_post_hook(lambda optimizer, args, kwargs: stepped.append(type(optimizer).__name__))
+    copied = server_copy(user)
+    weight.grad = torch.full_like(weight, 0.5)
+    copied.step()  # before: KeyError: 'capturable'
+    assert stepped == ["Adafactor"] and copied.tag == "user's own attribute"
+    assert copied.state[weight] and not user.state  # the copy's state is its own
+    assert copied.param_groups[0] is not user.param_groups[0]
+    reference = torch.nn.Parameter(torch.ones(3, 2))
+    reference.grad = torch.full_like(reference, 0.5)
+    torch.optim.Adafactor([reference], lr=0.1).step()
+    assert torch.equal(weight, reference)
+
+
 def test_quota_is_one_superstep_per_staleness_step() -> None:
     assert BSPSettings(superstep_steps=3, max_staleness=0).quota == 3
     assert BSPSettings(superstep_steps=3, max_staleness=2).quota == 9

@@ -16,7 +16,6 @@ master model.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -157,7 +156,11 @@ def server_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     ``param_groups`` between steps; the server thread steps its copy with the settings each superstep
     was computed with, so neither side overwrites the other's values mid-step.
     """
-    copied = copy.copy(optimizer)
+    # not copy.copy: Optimizer.__getstate__ keeps only defaults, state and param_groups, so the copy
+    # lost the step hooks, the user's own attributes, and torch's _warned_capturable_if_run_uncaptured
+    # (without it Adafactor's step on CUDA reads a "capturable" setting it does not have: KeyError)
+    copied = object.__new__(type(optimizer))
+    copied.__dict__.update(optimizer.__dict__)
     copied.__dict__.pop("step", None)  # an LR scheduler's wrapper calls the original's step
     copied.param_groups = [dict(group) for group in optimizer.param_groups]
     # a state of its own, starting as the user's (some optimizers make it in the constructor)

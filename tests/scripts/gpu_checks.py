@@ -27,7 +27,7 @@ from hybrid_checks import Click  # noqa: E402
 from hybrid_checks import loader as hybrid_loader  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 from models import EquivModel, loader  # noqa: E402
-from pipeline_models import SkewedNet  # noqa: E402
+from pipeline_models import LitAutoEncoder, SkewedNet, WrapperNet  # noqa: E402
 from pipeline_models import loader as pipeline_loader  # noqa: E402
 
 from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy  # noqa: E402
@@ -49,9 +49,15 @@ SLICED = {
         dict(reducer="thread"),
         dict(accumulate_grad_batches=2),
     ),
+    # optimizers that read whole tensors stay whole on every rank (factored moments; a trust ratio)
+    "sliced_adafactor_whole": (dict(optimizer="adafactor", quirks=True), {}, {}),
+    "sliced_trust_ratio_whole_clip": (dict(optimizer="trust_ratio_sgd"), {}, dict(gradient_clip_val=0.05)),
 }
 PIPELINE = {
     "pipeline_keep": dict(activation_policy="keep"),
+    # steps that call a submodule themselves (forward hands its input on): run as self(...) on the stage
+    "pipeline_delegating_wrapper": dict(activation_policy="keep"),
+    "pipeline_lightning_autoencoder": dict(activation_policy="keep"),
     "pipeline_swap": dict(activation_policy="swap"),
     "pipeline_recompute_gpipe": dict(activation_policy="recompute", schedule="gpipe"),
     # every micro-batch timed per layer with CUDA events, cut specs kept from memory
@@ -68,6 +74,8 @@ BSP = {
     ),
     "bsp_plain_bf16_mixed": (dict(optimizer="adam"), {}, dict(precision="bf16-mixed")),
     "bsp_plain_time_buckets": (dict(optimizer="sgd"), dict(bucketing="time", profile_steps=2), {}),
+    # Adafactor's factored moments need whole parameters: the whole-parameter server (devices_per_node=1)
+    "bsp_plain_adafactor_whole_server": (dict(optimizer="adafactor"), dict(devices_per_node=1), {}),
     # the worker's stream held back on the device: the local BSP module's own stream must wait for folds
     "bsp_lagging_worker_stream": (dict(optimizer="adam"), dict(early_push=True), {}),
     # the same with the module's waits removed: must NOT match (the check above can fail on a GPU)
@@ -86,6 +94,10 @@ NEGATIVE_CONTROLS = ("bsp_lagging_unordered",)
 # CommProfiler on CUDA tensors (CUDA-event timing): the profiled fit against the same fit without it
 PROFILED = ("profiler_ddp", "profiler_hier_sliced", "profiler_hier_bsp", "profiler_hier_pipeline")
 RESUMED = ("sliced_checkpoint_resume",)  # a checkpoint of a CUDA run, resumed on the device
+PIPELINE_MODELS = {
+    "pipeline_delegating_wrapper": WrapperNet,
+    "pipeline_lightning_autoencoder": LitAutoEncoder,
+}
 
 
 def trainer(strategy, steps: int, **kwargs) -> pl.Trainer:  # noqa: ANN001, ANN003
@@ -228,7 +240,7 @@ def pipeline(case: str) -> dict:
 
     for strategy, trainer_kwargs, batch_size in runs:
         pl.seed_everything(0, verbose=False)
-        model = SkewedNet(optimizer="adam")
+        model = PIPELINE_MODELS.get(case, SkewedNet)(optimizer="adam")
         initial = state(model)
         pipelined = isinstance(strategy, HierPipelineStrategy)
         callbacks = timed if pipelined else []
