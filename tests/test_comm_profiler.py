@@ -364,12 +364,11 @@ def test_ddp_timing_is_sampled_as_asked_and_bytes_are_exact_every_step() -> None
     timed step makes the host wait) DDP times its first ten iterations and then every N-th, and the
     steps in between carry the latest timing. Reference: DDP's own logging data read every step; bytes
     against the parameters counted by hand."""
-    from helpers import free_port
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_hier.profiling.ddp_reducer import DDPReducerStats
 
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)  # port 0: the system's free port, bound at once (no race)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         torch.manual_seed(0)
