@@ -85,8 +85,11 @@ class SharedMemoryFullError(OSError):
     """The node's shared-memory filesystem cannot hold a table (raised before anything maps it)."""
 
 
-def create_segment(path: Path, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Create a zero-filled segment readable and writable by this user only, reserve its space, map it.
+def create_segment(
+    path: Path, rows: int, dim: int, dtype: torch.dtype, populate: bool = False
+) -> torch.Tensor:
+    """Create a zero-filled segment readable and writable by this user only, reserve its space, map it
+    (``populate``: every page mapped now, see :func:`~lightning_hier.sparse.table_file.map_table`).
 
     The space is reserved up front (``posix_fallocate``): a ``/dev/shm`` too small for the table
     (Docker's default is 64 MiB) is a clear error here instead of a SIGBUS at the first touch of
@@ -112,7 +115,7 @@ def create_segment(path: Path, rows: int, dim: int, dtype: torch.dtype) -> torch
             "shared memory (e.g. docker run --shm-size=...), or use HybridEmbedding(path=...) on a disk "
             "file.",
         ) from err
-    return map_table(path)
+    return map_table(path, populate=populate)
 
 
 def size_text(rows: int, dim: int, dtype: torch.dtype) -> str:
