@@ -222,14 +222,18 @@ def test_a_populated_table_is_read_without_page_faults(tmp_path: Path) -> None:
     ids = torch.randint(0, 50_000, (4000,), generator=torch.Generator().manual_seed(0))
     out = torch.ones(4000, 64)  # written once: the read below faults only on the table's pages
 
-    def faults_reading(populate: bool) -> int:
+    def faults_reading(populate: str | None) -> int:
         table = map_table(path, populate=populate)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         torch.index_select(table, 0, ids, out=out)
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-    assert faults_reading(populate=False) > 100  # one per page touched, or per 16 with the kernel's fault-around
-    assert faults_reading(populate=True) < 10
+    assert (
+        faults_reading(populate=None) > 100
+    )  # one per page touched, or per 16 with the kernel's fault-around
+    assert faults_reading(populate="read") < 10
+    with pytest.raises(ValueError, match="populate"):
+        map_table(path, writable=False, populate="write")
 
 
 def test_segments_are_private_and_gone_once_attached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -264,7 +264,9 @@ class HybridEmbedding(nn.Module):
         assert segments is not None
         if local_rank != 0:
             # every process reads rows; only the updater (local rank 0) touches the optimizer state
-            self._table = map_table(segments["table"], populate=self.prefault and self.path is None)
+            self._table = map_table(
+                segments["table"], populate="read" if self.prefault and self.path is None else None
+            )
             self.optimizer_state = {n: map_table(p) for n, p in segments["states"].items()}
             if segments["index"] is not None:
                 self.index = SharedIdIndex(Path(segments["index"]), self.num_embeddings, create=False)

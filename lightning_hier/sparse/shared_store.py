@@ -89,7 +89,8 @@ def create_segment(
     path: Path, rows: int, dim: int, dtype: torch.dtype, populate: bool = False
 ) -> torch.Tensor:
     """Create a zero-filled segment readable and writable by this user only, reserve its space, map it
-    (``populate``: every page mapped now, see :func:`~lightning_hier.sparse.table_file.map_table`).
+    (``populate``: every page mapped now for writing, as its creator initialises and updates it; see
+    :func:`~lightning_hier.sparse.table_file.map_table`).
 
     The space is reserved up front (``posix_fallocate``): a ``/dev/shm`` too small for the table
     (Docker's default is 64 MiB) is a clear error here instead of a SIGBUS at the first touch of
@@ -115,7 +116,7 @@ def create_segment(
             "shared memory (e.g. docker run --shm-size=...), or use HybridEmbedding(path=...) on a disk "
             "file.",
         ) from err
-    return map_table(path, populate=populate)
+    return map_table(path, populate="write" if populate else None)
 
 
 def size_text(rows: int, dim: int, dtype: torch.dtype) -> str:

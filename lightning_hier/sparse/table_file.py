@@ -23,6 +23,7 @@ import os
 import struct
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -123,32 +124,38 @@ def read_header(path: str | os.PathLike) -> tuple[int, int, torch.dtype]:
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
 
 
-def map_table(path: str | os.PathLike, writable: bool = True, populate: bool = False) -> torch.Tensor:
+def map_table(
+    path: str | os.PathLike, writable: bool = True, populate: Literal["read", "write"] | None = None
+) -> torch.Tensor:
     """Memory-map a table file as a ``rows x dim`` tensor sharing the file's pages.
 
-    ``populate``: map every page into this process now, so that reading (and, ``writable``, writing) a
-    row never takes a page fault later. A process that maps a table takes a minor fault at the first
-    touch of each page (4 processes reading a benchmark step's rows of a 1 GB ``/dev/shm`` table: about
-    200 faults and +0.7 ms per step each, 8-10 ms in the first steps); populating costs 0.1-0.5 s per GB
-    once, and 2 MB of page tables per GB per process, which touching every row would cost anyway. Kernels
-    without ``MADV_POPULATE_*`` (before 5.14) map pages on first touch, as without it.
+    ``populate``: map every page into this process now, so that touching a row never takes a page fault
+    later: ``"read"`` for a process that only reads rows, ``"write"`` for the one that updates them (on a
+    disk file it marks every page dirty, so only for a file that is written anyway). A process that maps
+    a table takes a minor fault at the first touch of each page (4 processes reading a benchmark step's
+    rows of a 1 GB ``/dev/shm`` table: about 200 faults and +0.7 ms per step each, 8-10 ms in the first
+    steps); populating costs 0.1-0.5 s per GB once, and 2 MB of page tables per GB per process, which
+    touching every row would cost anyway. Kernels without ``MADV_POPULATE_*`` (before 5.14) map pages on
+    first touch, as without it.
     """
+    if populate not in (None, "read", "write") or (populate == "write" and not writable):
+        raise ValueError(f"populate={populate!r} must be None, 'read' or (for a writable map) 'write'.")
     rows, dim, dtype = read_header(path)
     if rows * dim == 0:
         return torch.empty(rows, dim, dtype=dtype)
     array = np.memmap(path, dtype=_NUMPY_STORAGE[dtype], mode="r+" if writable else "r", offset=HEADER_BYTES,
                       shape=(rows, dim))  # fmt: skip
-    if populate:
-        _populate(array, writable)
+    if populate is not None:
+        _populate(array, populate == "write")
     with warnings.catch_warnings():  # a read-only map is only ever read from
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.from_numpy(array)
     return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
 
 
-def _populate(array: np.memmap, writable: bool) -> None:
+def _populate(array: np.memmap, for_writes: bool) -> None:
     mapping = getattr(array, "_mmap", None)  # numpy's mmap.mmap behind the array
     if mapping is None or not hasattr(mapping, "madvise"):
         return
     with contextlib.suppress(OSError):  # an older kernel (EINVAL): pages are mapped at first touch instead
-        mapping.madvise(_MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ)
+        mapping.madvise(_MADV_POPULATE_WRITE if for_writes else _MADV_POPULATE_READ)
