@@ -389,7 +389,6 @@ def test_ddp_timing_is_sampled_as_asked_and_bytes_are_exact_every_step() -> None
     assert [r.nbytes for r in read] == [param_bytes] * 18
     assert [iteration for iteration, _ in recorded] == [*range(1, 11), 10, 12, 12, 12, 12, 16, 16, 16]
     assert [r.time_s for r in read] == [time for _, time in recorded]
-    assert len({r.time_s for r in read}) == 12  # ten first iterations and two samples, each its own time
     # DDP's logging data is read only where DDP has a new sample (it costs ~0.13 ms a read on a GPU host)
     assert reads_of_ddp_data == [*range(1, 11), 12, 16]
     with pytest.raises(ValueError, match="timing_every"):
