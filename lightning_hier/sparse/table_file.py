@@ -120,7 +120,7 @@ def read_header(path: str | os.PathLike) -> tuple[int, int, torch.dtype]:
     return rows, dim, dtype
 
 
-# Linux >= 5.14: fill the mapping's page tables now (madvise(2)); Python names them from 3.12 on
+# Linux >= 5.14: fill the mapping's page tables now (madvise(2)); Python 3.11's mmap module does not name them
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
 
 
