@@ -36,6 +36,16 @@ def test_leader_and_shared_merges_give_the_frequency_rule_bit_for_bit_on_uneven_
         assert leader["shared_bitwise"]
 
 
+def test_the_leader_merge_reads_rows_from_the_mailboxes_and_sends_by_message_only_what_overflows(
+    results: dict,
+) -> None:
+    # rank 3's 7 rows fit its mailbox: only the header goes; rank 1's 300 overflow: header and rows go
+    sends = results["uneven_sends"]
+    assert [s["leader"] for s in sends] == [0, 2, 0, 2]  # without mailboxes every row goes by message
+    assert [s["leader_mailboxes"] for s in sends] == [0, 2, 0, 1]
+    assert results["leader_merge_in_training_has_mailboxes"]  # the default merge gets them at attach
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_training_with_the_shared_merge_gives_the_leader_merges_table_to_the_bit(
     results: dict, optimizer: str

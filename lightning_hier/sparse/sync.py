@@ -10,7 +10,8 @@ and the node's processes can share the merge (the update stays with one process 
 seed's single updater):
 
 - by default the node leader (local rank 0) collects the node's rows (point to point: each rank
-  sends its packed rows and goes on; nobody waits for anybody's length) and merges them into
+  puts its packed rows in its shared-memory mailbox, :mod:`.staging`, where they fit, else sends
+  them, and goes on; nobody waits for anybody's length) and merges them into
   ``(ids, sum, count)``; the leaders of all nodes all-gather those and finish the average;
 - with ``share_merge``, each process sends each process of its node the rows of the ids that
   process owns (``id mod devices_per_node``), through shared-memory mailboxes (:mod:`.staging`)

@@ -5,10 +5,12 @@ Rank 0 writes JSON to argv[1]; argv[2] is a scratch directory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -104,6 +106,22 @@ def mapped_segments() -> list[str]:
                        for line in maps if "lightning_hier-" in line})  # fmt: skip
 
 
+@contextlib.contextmanager
+def counting_sends() -> Iterator[list[int]]:
+    """Count this process's point-to-point sends (``dist.isend``) while the block runs."""
+    count, isend = [0], dist.isend
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        count[0] += 1
+        return isend(*args, **kwargs)
+
+    dist.isend = counted
+    try:
+        yield count
+    finally:
+        dist.isend = isend
+
+
 def main() -> None:
     out, scratch = Path(sys.argv[1]), Path(sys.argv[2])
     results: dict = {}
@@ -146,12 +164,21 @@ def main() -> None:
     staging = NodeStaging.attach(topology.intra_group, 3, "test", mailbox_bytes=256 * packed_row_bytes(3))
     modes = {
         "leader": {},
+        "leader_mailboxes": {"staging": staging},
         "shared_messages": {"share_merge": True},
         "shared_mailboxes": {"share_merge": True, "staging": staging},
     }
     groups = (topology.intra_group, topology.inter_group)
     leads = rank % 2 == 0
-    got = {name: hierarchical_frequency_average(*uneven, *groups, leads, **kw) for name, kw in modes.items()}
+    got, sends = {}, {}
+    for name, kw in modes.items():
+        with counting_sends() as count:
+            got[name] = hierarchical_frequency_average(*uneven, *groups, leads, **kw)
+        sends[name] = count[0]
+    everyones_sends = [None] * 4
+    dist.all_gather_object(everyones_sends, sends)
+    results["uneven_sends"] = everyones_sends
+    results["leader_merge_in_training_has_mailboxes"] = model.emb._staging is not None
     mine = None
     if leads:
         leader_ids, leader_rows = got["leader"]
@@ -160,7 +187,7 @@ def main() -> None:
             "max_diff": (leader_rows - want[1]).abs().max().item(),
             "shared_bitwise": all(
                 torch.equal(got[name][0], leader_ids) and torch.equal(got[name][1], leader_rows)
-                for name in ("shared_messages", "shared_mailboxes")
+                for name in ("leader_mailboxes", "shared_messages", "shared_mailboxes")
             ),
         }
     rules = [None] * 4
