@@ -122,3 +122,28 @@ def test_a_peer_lost_in_the_tables_exchange_ends_training_with_an_error_not_a_ha
     assert results[1] is None  # it died without reporting
     assert results[0]["raised"] is not None, results[0]
     assert results[0]["seconds"] < 30 and results[0]["queued_s"] < 1.0
+
+
+def _mailbox_rows(rank: int, world: int, store: str) -> dict:
+    init_gloo(rank, world, store)
+    topology = Topology(world, rank, world).build_groups()
+    found = {}
+    for merge, rows, dim in (("leader", 50, 4), ("shared", 50, 4), ("leader", 1_000_000, 4)):
+        table = HybridEmbedding(rows, dim, mode="sum", node_merge=merge)
+        table.attach(topology.intra_group, topology.inter_group, rank)
+        staging = table._staging
+        found[f"{merge} {rows}"] = [
+            [None if box is None else box.shape[0] for box in boxes]
+            for boxes in (staging.inboxes, staging.outboxes)
+        ]
+    return found
+
+
+def test_mailboxes_are_no_larger_than_the_table_and_the_leader_merge_has_no_inbox(tmp_path: Path) -> None:
+    # a process never sends more unique ids than the table has rows; only the shared merge uses inboxes
+    results = run_spawned(_mailbox_rows, 2, tmp_path)
+    for found in results:
+        assert found["leader 50"] == [[None, None], [50, 50]], found
+        assert found["shared 50"] == [[50, 50], [50, 50]], found
+        cap = (4 << 20) // (8 + 4 * 4)  # 4 MiB of packed rows (an int64 id and 4 float32 values)
+        assert found["leader 1000000"] == [[None, None], [cap, cap]], found

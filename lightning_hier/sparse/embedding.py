@@ -121,8 +121,9 @@ class HybridEmbedding(nn.Module):
         node_merge: who merges a node's gradient rows under ``hier_sliced``: ``"leader"`` (local rank
             0, which also updates) or ``"shared"`` (each process merges the ids it owns, and the slow
             link's share is split over the node's processes; local rank 0 still updates). Both hand
-            rows over through shared-memory mailboxes of 8 MiB per process. The same result to the
-            bit; which is faster depends on the node (docs/hybrid_embedding.md).
+            rows over through shared-memory mailboxes (per process 4 MiB with the leader's merge, 8
+            shared, less for a smaller table). The same result to the bit; which is faster depends
+            on the node (docs/hybrid_embedding.md).
         prefault: map every page of the node's shared table into each process when it attaches
             (the updater's optimizer state too), so that training never stops for a page fault on a
             row it touches first (on a 1 GB table about 0.7 ms per step and process after the first
@@ -274,7 +275,13 @@ class HybridEmbedding(nn.Module):
             dist.barrier(group=intra_group)  # every process has mapped the segments ...
             # both merges hand rows over through shared memory: by message, each row would cross the
             # loopback network twice (gloo's socket loop took a fifth of the click benchmark's CPU)
-            self._staging = NodeStaging.attach(intra_group, self.embedding_dim, label)
+            self._staging = NodeStaging.attach(
+                intra_group,
+                self.embedding_dim,
+                label,
+                max_rows=self.num_embeddings,
+                inbox=self.node_merge == "shared",
+            )
         if local_rank == 0:
             owned = [*segments["states"].values(), segments["index"]]
             if self.path is None:

@@ -3,11 +3,13 @@
 The processes of a node already share the embedding table; handing each other the table's
 per-id gradients through shared memory too saves the copies through the loopback network that a
 message would take (on the click benchmark ~4 MB per step, a sixth of its CPU went to gloo's
-socket loop). Each process owns one segment with two mailboxes of ``capacity`` packed rows
+socket loop). Each process owns one segment with up to two mailboxes of ``capacity`` packed rows
 (:func:`lightning_hier.sparse.sync.pack_rows`: an int64 id and ``dim`` float32 values per row):
 
-- the **inbox**, where it puts its own gradient rows, sorted by the process that merges them;
-- the **outbox**, where it puts the rows it merged, for the node's updater to read.
+- the **inbox** (shared merge only), where it puts its own gradient rows, sorted by the process that
+  merges them;
+- the **outbox**, where it puts the rows the node's updater reads: its own (leader merge) or the
+  ones it merged (shared merge).
 
 A process writes only its own mailboxes and reads the others' only between a message that says
 "written" and the node's release after the update, so no lock is needed
@@ -31,7 +33,8 @@ from lightning_hier.sparse.table_file import map_table
 log = logging.getLogger(__name__)
 
 MAILBOX_BYTES = 4 << 20
-"""Default size of one mailbox (a process holds two): 8 MiB of ``/dev/shm`` per process and table."""
+"""Default size of one mailbox (a process holds two under the shared merge, one under the leader's): at
+most 8 MiB of ``/dev/shm`` per process and table, less for a table smaller than that."""
 _MIN_ROWS = 256
 
 
@@ -49,16 +52,29 @@ class NodeStaging:
 
     @classmethod
     def attach(
-        cls, group: dist.ProcessGroup, dim: int, label: str, mailbox_bytes: int = MAILBOX_BYTES
+        cls,
+        group: dist.ProcessGroup,
+        dim: int,
+        label: str,
+        mailbox_bytes: int = MAILBOX_BYTES,
+        max_rows: int | None = None,
+        inbox: bool = True,
     ) -> NodeStaging:
-        """Create this process's segment, map everybody's (a collective over ``group``, the node)."""
+        """Create this process's segment, map everybody's (a collective over ``group``, the node).
+
+        ``max_rows``: no mailbox holds more rows than this (a table's row count: a process never
+        sends more unique ids than the table has), so small tables take small mailboxes; ``inbox``:
+        whether to have one at all (only the shared merge uses it)."""
         width = packed_row_bytes(dim)
         capacity = max(_MIN_ROWS, mailbox_bytes // width)
+        if max_rows is not None:
+            capacity = max(1, min(capacity, max_rows))
+        inbox_rows = capacity if inbox else 0
         path = None
         try:
             # float32 columns: 2 carry the id's bytes, dim the values; inbox rows, then outbox rows
             path = REGISTRY.track(new_segment_path(f"{label}.mailbox{dist.get_rank(group)}"))
-            create_segment(path, 2 * capacity, width // 4, torch.float32)
+            create_segment(path, inbox_rows + capacity, width // 4, torch.float32)
         except OSError as err:
             log.warning("HybridEmbedding %r: no shared-memory mailbox, rows go by message (%s)", label, err)
             path = None
@@ -72,8 +88,8 @@ class NodeStaging:
                 outboxes.append(None)
                 continue
             boxes = map_table(other).view(torch.uint8)
-            inboxes.append(boxes[:capacity])
-            outboxes.append(boxes[capacity:])
+            inboxes.append(boxes[:inbox_rows] if inbox_rows else None)
+            outboxes.append(boxes[inbox_rows:])
         dist.barrier(group=group)  # everybody mapped every segment: the names can go
         if path is not None:
             path.unlink(missing_ok=True)
