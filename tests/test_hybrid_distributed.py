@@ -13,6 +13,7 @@ from helpers import init_gloo, run_spawned, run_torchrun
 
 from lightning_hier import HybridEmbedding, Topology
 from lightning_hier.sparse.background import TableJobs
+from lightning_hier.sparse.sync import frequency_average
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +148,35 @@ def test_mailboxes_are_no_larger_than_the_table_and_the_leader_merge_has_no_inbo
         assert found["shared 50"] == [[50, 50], [50, 50]], found
         cap = (4 << 20) // (8 + 4 * 4)  # 4 MiB of packed rows (an int64 id and 4 float32 values)
         assert found["leader 1000000"] == [[None, None], [cap, cap]], found
+
+
+def _two_syncs_before_one_update(rank: int, world: int, store: str) -> dict:
+    init_gloo(rank, world, store)
+    topology = Topology(world, rank, world).build_groups()
+    table = HybridEmbedding(20, 3, mode="sum", optimizer="sgd", lr=0.5)
+    table.attach(topology.intra_group, topology.inter_group, rank, managed=True)
+    before = table.weight.clone()
+    generator = torch.Generator().manual_seed(rank)
+    parts = []
+    for _ in range(2):  # two synchronising backward passes, then one update (a loss scaler's order)
+        ids = torch.randperm(20, generator=generator)[:6]
+        table(ids.view(1, -1)).pow(2).sum().backward()
+        parts.append(table.pending_gradient())
+        table.sync_gradients()
+    table.apply_update()
+    everyone: list = [None] * world
+    torch.distributed.all_gather_object(everyone, parts)
+    want = before.clone()
+    for i in range(2):  # each sync is frequency-averaged on its own; the two add up
+        ids, rows = frequency_average([p[i] for p in everyone])
+        want.index_add_(0, ids, rows, alpha=-0.5)
+    return {"max_diff": (table.weight - want).abs().max().item(), "mailboxes": table._staging is not None}
+
+
+def test_two_syncs_before_one_update_apply_both_gradients(tmp_path: Path) -> None:
+    # under a loss scaler the update waits for the optimizer step: a second synchronising backward
+    # before it must add its gradient to the first's (it replaced it), and must not rewrite a mailbox
+    # the leader may still be reading
+    for result in run_spawned(_two_syncs_before_one_update, 2, tmp_path):
+        assert result["mailboxes"]
+        assert result["max_diff"] < 1e-6, result

@@ -198,6 +198,7 @@ class HybridEmbedding(nn.Module):
         self._staging: NodeStaging | None = None  # the node's gradient mailboxes in shared memory
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._synced: tuple[torch.Tensor, torch.Tensor] | None = None  # averaged, still loss-scaled
+        self._mailbox_unreleased = False  # this process's mailbox may still be read by the node
         self._synced_step = False
         self._managed = False  # attached by hier_sliced, which syncs and applies the updates
 
@@ -458,10 +459,22 @@ class HybridEmbedding(nn.Module):
             ids, rows = self._coalesced(pending)
             intra, inter = self._groups_for_exchange()
             shared = self.node_merge == "shared"
+            # a mailbox is rewritten only after the node's release (the update) says its last content
+            # was read; a second sync before that (two synchronising backward passes before one
+            # step under a loss scaler) goes by message
+            staging = None if self._mailbox_unreleased else self._staging
             averaged = hierarchical_frequency_average(
-                ids, rows, intra, inter, self.is_updater, self._staging, share_merge=shared
+                ids, rows, intra, inter, self.is_updater, staging, share_merge=shared
             )
-            self._synced = averaged if self.is_updater else None
+            self._mailbox_unreleased = staging is not None
+            if not self.is_updater or averaged is None:
+                self._synced = None
+            elif self._synced is None:
+                self._synced = averaged
+            else:  # several syncs before one update add up, as a dense parameter's .grad does
+                unique, summed, _ = coalesce(torch.cat([self._synced[0], averaged[0]]),
+                                             torch.cat([self._synced[1], averaged[1]]))  # fmt: skip
+                self._synced = unique, summed
 
         self._run(exchange)
 
@@ -491,6 +504,7 @@ class HybridEmbedding(nn.Module):
             self._synced = None
             intra, _ = self._groups_for_exchange()
             release_from_leader(intra)  # nobody reads a row before it is updated
+            self._mailbox_unreleased = False
 
         self._run(update)
 
@@ -543,6 +557,7 @@ class HybridEmbedding(nn.Module):
         runtime = {
             "_intra_group": None, "_inter_group": None, "_exchange_groups": None, "_jobs": None,
             "_staging": None, "_managed": False, "_pending": [], "_synced": None, "_synced_step": False,
+            "_mailbox_unreleased": False,
         }  # fmt: skip
         for key, value in self.__dict__.items():
             clone.__dict__[key] = runtime[key] if key in runtime else copy.deepcopy(value, memo)
