@@ -463,3 +463,37 @@ def test_optimizers_not_elementwise_stay_whole_by_default_and_are_refused_when_s
     for refused in (torch.optim.LBFGS(params), torch.optim.SparseAdam(params)):
         with pytest.raises(ValueError, match="not elementwise.*strategy='ddp'"):
             decide_sharding(refused, (), False)
+
+
+def _reduce_scatters_of_one_backward(rank: int, world: int, store: str, chunk_mb: float | None) -> int:
+    init_gloo(rank, world, store)
+    torch.manual_seed(0)
+    model = nn.Linear(1024, 1024)  # one bucket of 1,049,600 floats: 2.1 MB per slice of a 2-device node
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    topology = Topology(world, rank, world).build_groups()
+    engine = HierSlicedEngine(model, optimizer, topology, SlicePlan((1.0, 1.0)), comm_chunk_mb=chunk_mb)
+    calls = [0]
+    names = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")  # the last: torch 2.13
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    for name, collective in originals.items():
+
+        def counted(*args, _collective=collective, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[0] += 1
+            return _collective(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    try:
+        model(torch.randn(4, 1024)).sum().backward()
+        engine.finish_backward()
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
+    return calls[0]
+
+
+@pytest.mark.parametrize(("chunk_mb", "pieces"), [(None, 3), (4.0, 1), (0.5, 5)])
+def test_a_bucket_is_pipelined_in_1_mb_chunks_on_cpu_unless_told(
+    tmp_path: Path, chunk_mb: float | None, pieces: int
+) -> None:
+    # a slice of 2,099,200 bytes: 3 chunks of at most 1 MiB (the CPU default), 1 of 4 MiB, 5 of 0.5 MiB
+    assert run_spawned(_reduce_scatters_of_one_backward, 2, tmp_path, chunk_mb) == [pieces, pieces]

@@ -42,7 +42,7 @@ from lightning_hier.bucketing.time_bucketing import (
 )
 from lightning_hier.bucketing.time_plan import TimePlan, plan_misfit
 from lightning_hier.sliced.flat_buckets import FlatBucket, adopt_gradient, build_flat_buckets, slot_locations
-from lightning_hier.sliced.reducer import ReduceJob, all_gather_slices, make_reducer
+from lightning_hier.sliced.reducer import ReduceJob, all_gather_slices, chunk_bytes_for, make_reducer
 from lightning_hier.sliced.replicated_optim import ReplicatedOptimizer
 from lightning_hier.sliced.sharded_optim import (
     OptimizerSharding,
@@ -79,7 +79,7 @@ class HierSlicedEngine:
         bucket_plan: BucketPlan | None = None,
         bucketing: str = "size",
         time_config: TimeBucketingConfig | None = None,
-        comm_chunk_mb: float = 4.0,
+        comm_chunk_mb: float | None = None,
         reducer: str = "auto",
         event_factory: EventFactory | None = None,
         elementwise_optimizers: Sequence[str] = (),
@@ -122,7 +122,7 @@ class HierSlicedEngine:
         self._reducer = make_reducer(
             topology.intra_group,
             topology.inter_group,
-            max(1, int(comm_chunk_mb * 1024 * 1024)),
+            chunk_bytes_for(comm_chunk_mb, self.device),
             self.device,
             reducer,
             inter_node_dtype,

@@ -322,6 +322,21 @@ class ThreadedReducer(HierarchicalReducer):
 
 
 REDUCERS = ("auto", "inline", "thread")
+CUDA_CHUNK_MB = 4.0
+"""``comm_chunk_mb`` left ``None`` on CUDA: NCCL needs messages of megabytes to reach its bandwidth."""
+HOST_CHUNK_MB = 1.0
+"""``comm_chunk_mb`` left ``None`` on CPU: gloo's intra-node hop is slow enough that the first chunk's
+reduce-scatter (before the slow link starts) and the last chunk's all-gather (after it ends) show; on the
+emulated 2 x 2 cluster at 200 Mbit/s 1 MB chunks gave 0.677x ``ddp``'s step against 0.694x at 4 MB."""
+
+
+def chunk_bytes_for(comm_chunk_mb: float | None, device: torch.device) -> int:
+    """The pipelining chunk in bytes: ``comm_chunk_mb``, or where it is ``None`` the device's default
+    (:data:`CUDA_CHUNK_MB` on CUDA or a CPU run emulating it, else :data:`HOST_CHUNK_MB`)."""
+    if comm_chunk_mb is None:
+        on_cuda = device.type == "cuda" or emulating_cuda()
+        comm_chunk_mb = CUDA_CHUNK_MB if on_cuda else HOST_CHUNK_MB
+    return max(1, int(comm_chunk_mb * 1024 * 1024))
 
 
 def make_reducer(
