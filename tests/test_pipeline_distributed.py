@@ -719,3 +719,20 @@ def test_lightnings_readme_autoencoder_trains_on_two_stages_as_one_process(tmp_p
     )
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=LitAutoEncoder)
+
+
+def test_a_sigterm_on_rank_0_ends_every_stage_at_the_step_ddp_ends_at(tmp_path: Path) -> None:
+    # Lightning broadcasts rank 0's SIGTERM flag before each step; hier_pipeline's rank 0 no longer waits
+    # for the others to receive it, and the flag must still stop every rank where it stops them under ddp
+    found = {}
+    for kind in ("ddp", "hier_pipeline"):
+        run_torchrun("pipeline_sigterm.py", 2, str(tmp_path / kind), kind)
+        found[kind] = [json.loads((tmp_path / f"{kind}.{rank}").read_text()) for rank in range(2)]
+    # each rank leaves the fit as under ddp: rank 0 with SIGTERMException, rank 1 as Lightning's own ddp
+    # leaves it (its peer gone once rank 0 exits); both after the 3 steps before the flag was broadcast
+    ended = {kind: [(r["raised"].split("(")[0], r["global_step"]) for r in rs] for kind, rs in found.items()}
+    assert ended["hier_pipeline"] == ended["ddp"], ended
+    assert ended["ddp"][0] == ("SIGTERMException", 3) and ended["ddp"][1][1] == 3, ended
+    # the pipeline's loss reached both stages, the same as ddp's rank 0 computed on the same batches
+    assert found["hier_pipeline"][0]["losses"] == found["hier_pipeline"][1]["losses"]
+    assert len(found["hier_pipeline"][0]["losses"]) == 3

@@ -47,6 +47,7 @@ from lightning_hier.strategies.optimizer_routing import without_optimizer
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
+from lightning_hier.strategies.sigterm_broadcast import SigtermBroadcast
 from lightning_hier.strategies.stage_metrics_sync import StageMetricsSync
 from lightning_hier.topology import control_group, resolve_backend
 
@@ -151,7 +152,12 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             tied to its embedding then cannot be split at all).
     """
 
-    _runtime_state = {"engine": lambda: None, "_metric_sync": lambda: None}
+    _runtime_state = {
+        "engine": lambda: None,
+        "_metric_sync": lambda: None,
+        "_loss_broadcasts": list,
+        "_sigterm_broadcast": SigtermBroadcast,
+    }
 
     strategy_name = "hier_pipeline"
 
@@ -212,6 +218,8 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         # how the step's skip flag reaches the stages (see _skip_flag_on_host); None: by the device
         self.skip_flag_on_host: bool | None = None
         self._failed = False
+        self._loss_broadcasts: list[tuple[dist.Work, torch.Tensor]] = []  # the last stage's, in flight
+        self._sigterm_broadcast = SigtermBroadcast()
         self._hidden_example_input: tuple[pl.LightningModule, Any] | None = None  # set aside while running
         self._batch_checked_in_epoch: int | None = None  # the epoch whose first batch the stages compared
         self._user_zero_grad: Callable[..., Any] = _skip_zero_grad
@@ -334,6 +342,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             )
         self.precision_plugin.convert_module(self.model)
         self._failed = False
+        self._loss_broadcasts = []
         self._batch_checked_in_epoch = None
         if self.engine is not None and self.engine.root is not module:
             self.engine = None  # another module than the last run's: its own graph and split
@@ -355,6 +364,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         _keep_metrics_local(module)
         if fitting:
             self._take_over_zero_grad(module)
+            self._sigterm_broadcast.install(trainer)
         self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
 
     def _build_engine(self) -> None:
@@ -551,6 +561,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         trained on and the fit hung."""
         assert self.engine is not None
         all_skipped = self._skipped_micro_batches == num_micro
+        self.finish_loss_broadcast()
         if self.num_stages == 1:  # this process is the last stage: no broadcast, no wait for the device
             return None if all_skipped else torch.stack(self._losses).sum().to(torch.float64)
         last = rank_of_stage(self.num_stages, self.num_stages - 1)
@@ -560,24 +571,42 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             # flags without waiting for its own queued kernels (reading a device tensor's value would
             # drain the GPU's queue every step)
             flags = torch.tensor([float(all_skipped), float(trainer.should_stop)], dtype=torch.float64)
-            dist.broadcast(flags, src=last, group=self.engine.group)
+            self._broadcast_from_last(flags, last)
             trainer.should_stop = trainer.should_stop or bool(flags[1].item())
             if flags[0].item():
                 return None
             loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
             if self._losses:
                 loss = torch.stack(self._losses).sum().to(torch.float64)
-            dist.broadcast(loss, src=last, group=self.engine.group)
+            self._broadcast_from_last(loss, last)
             return loss
         result = torch.zeros(3, dtype=torch.float64, device=self.root_device)
         if self._losses:
             result[0] = torch.stack(self._losses).sum()
         result[1] = float(all_skipped)
         result[2] = float(trainer.should_stop)
-        dist.broadcast(result, src=last, group=self.engine.group)
+        self._broadcast_from_last(result, last)
         skipped, stop = result[1:].tolist()
         trainer.should_stop = trainer.should_stop or bool(stop)
         return None if skipped else result[0]
+
+    def _broadcast_from_last(self, tensor: torch.Tensor, last: int) -> None:
+        """Broadcast the step's loss or flags from the last stage. The other stages wait for the values;
+        the last stage, which has them, goes on at once: waiting there (a gloo send completes once the
+        receiver has posted its receive) put the other stages' last backward in front of its optimizer
+        step, on the step's critical path. It waits at the next broadcast or at teardown."""
+        assert self.engine is not None
+        if not self.engine.is_last:
+            dist.broadcast(tensor, src=last, group=self.engine.group)
+            return
+        work = dist.broadcast(tensor, src=last, group=self.engine.group, async_op=True)
+        self._loss_broadcasts.append((work, tensor))
+
+    def finish_loss_broadcast(self) -> None:
+        """Wait until the last stage's earlier loss broadcasts have reached every stage."""
+        broadcasts, self._loss_broadcasts = self._loss_broadcasts, []
+        for work, _ in broadcasts:
+            work.wait()
 
     def _skip_flag_on_host(self) -> bool:
         """Whether the step's skip flag travels apart from its loss, on the host backend: on a GPU (on
@@ -741,7 +770,11 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         """After a run every rank's module holds the whole trained model, as under ``ddp``, so the
         user's script can save, export or run it (and ``start_method="spawn"`` can hand it back), and
         after a fit every rank's optimizer holds the whole state, as ``ddp`` leaves it."""
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            self._sigterm_broadcast.remove(module.trainer, wait=not self._failed and dist.is_initialized())
         if self.engine is not None and not self._failed and dist.is_initialized():
+            self.finish_loss_broadcast()
             self.engine.restore_full_model("cpu")
             if self.optimizers and not without_optimizer(self.optimizers):
                 self.engine.restore_full_optimizer_state(self.optimizers)
