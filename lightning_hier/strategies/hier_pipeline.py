@@ -45,6 +45,7 @@ from lightning_hier.strategies.instance_hooks import InstanceHooks
 from lightning_hier.strategies.micro_batch_logging import step_values_over_micro_batches
 from lightning_hier.strategies.optimizer_routing import without_optimizer
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
+from lightning_hier.strategies.posted_broadcasts import PostedBroadcasts
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
 from lightning_hier.strategies.sigterm_broadcast import SigtermBroadcast
@@ -155,7 +156,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
     _runtime_state = {
         "engine": lambda: None,
         "_metric_sync": lambda: None,
-        "_loss_broadcasts": list,
+        "_loss_broadcasts": PostedBroadcasts,
         "_sigterm_broadcast": SigtermBroadcast,
     }
 
@@ -218,7 +219,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         # how the step's skip flag reaches the stages (see _skip_flag_on_host); None: by the device
         self.skip_flag_on_host: bool | None = None
         self._failed = False
-        self._loss_broadcasts: list[tuple[dist.Work, torch.Tensor]] = []  # the last stage's, in flight
+        self._loss_broadcasts = PostedBroadcasts()  # the last stage's step losses and flags
         self._sigterm_broadcast = SigtermBroadcast()
         self._hidden_example_input: tuple[pl.LightningModule, Any] | None = None  # set aside while running
         self._batch_checked_in_epoch: int | None = None  # the epoch whose first batch the stages compared
@@ -342,7 +343,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             )
         self.precision_plugin.convert_module(self.model)
         self._failed = False
-        self._loss_broadcasts = []
+        self._loss_broadcasts.forget()
         self._batch_checked_in_epoch = None
         if self.engine is not None and self.engine.root is not module:
             self.engine = None  # another module than the last run's: its own graph and split
@@ -561,7 +562,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         trained on and the fit hung."""
         assert self.engine is not None
         all_skipped = self._skipped_micro_batches == num_micro
-        self.finish_loss_broadcast()
+        self._loss_broadcasts.wait()
         if self.num_stages == 1:  # this process is the last stage: no broadcast, no wait for the device
             return None if all_skipped else torch.stack(self._losses).sum().to(torch.float64)
         last = rank_of_stage(self.num_stages, self.num_stages - 1)
@@ -596,17 +597,10 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         receiver has posted its receive) put the other stages' last backward in front of its optimizer
         step, on the step's critical path. It waits at the next broadcast or at teardown."""
         assert self.engine is not None
-        if not self.engine.is_last:
+        if self.engine.is_last:
+            self._loss_broadcasts.post(tensor, last, self.engine.group)
+        else:
             dist.broadcast(tensor, src=last, group=self.engine.group)
-            return
-        work = dist.broadcast(tensor, src=last, group=self.engine.group, async_op=True)
-        self._loss_broadcasts.append((work, tensor))
-
-    def finish_loss_broadcast(self) -> None:
-        """Wait until the last stage's earlier loss broadcasts have reached every stage."""
-        broadcasts, self._loss_broadcasts = self._loss_broadcasts, []
-        for work, _ in broadcasts:
-            work.wait()
 
     def _skip_flag_on_host(self) -> bool:
         """Whether the step's skip flag travels apart from its loss, on the host backend: on a GPU (on
@@ -774,7 +768,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         if module is not None and module._trainer is not None:
             self._sigterm_broadcast.remove(module.trainer, wait=not self._failed and dist.is_initialized())
         if self.engine is not None and not self._failed and dist.is_initialized():
-            self.finish_loss_broadcast()
+            self._loss_broadcasts.wait()
             self.engine.restore_full_model("cpu")
             if self.optimizers and not without_optimizer(self.optimizers):
                 self.engine.restore_full_optimizer_state(self.optimizers)

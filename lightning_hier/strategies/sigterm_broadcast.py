@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_hier.strategies.posted_broadcasts import PostedBroadcasts
+
 PATCHED = "_broadcast_sigterm_tensor"
 
 
@@ -26,7 +28,7 @@ class SigtermBroadcast:
     """Installs the broadcast on a trainer's training loop; :meth:`remove` restores Lightning's own."""
 
     def __init__(self) -> None:
-        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sent = PostedBroadcasts()  # rank 0's flags
 
     def install(self, trainer: pl.Trainer) -> None:
         setattr(trainer.fit_loop.epoch_loop, PATCHED, partial(self._broadcast, trainer))
@@ -36,22 +38,16 @@ class SigtermBroadcast:
         when the other ranks may be gone)."""
         trainer.fit_loop.epoch_loop.__dict__.pop(PATCHED, None)
         if wait:
-            self.finish()
-        self._in_flight = []
-
-    def finish(self) -> None:
-        """Wait until rank 0's broadcasts so far have reached every rank."""
-        in_flight, self._in_flight = self._in_flight, []
-        for work, _ in in_flight:
-            work.wait()
+            self._sent.wait()
+        self._sent.forget()
 
     def _broadcast(self, trainer: pl.Trainer) -> None:
-        self.finish()
+        self._sent.wait()
         received = bool(getattr(trainer, "received_sigterm", False))
         try:
             flag = torch.tensor([int(received)], device=trainer.strategy.root_device)
             if dist.get_rank() == 0:
-                self._in_flight.append((dist.broadcast(flag, src=0, async_op=True), flag))
+                self._sent.post(flag, src=0)
             else:
                 dist.broadcast(flag, src=0)
                 received = bool(flag.item())
