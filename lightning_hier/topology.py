@@ -198,6 +198,11 @@ def emulating_cuda() -> bool:
     return device_backend_name() != "nccl"
 
 
+def runs_as_cuda(device: torch.device) -> bool:
+    """Whether a run on ``device`` takes CUDA's choices: on a CUDA device, or in a CPU run emulating one."""
+    return device.type == "cuda" or emulating_cuda()
+
+
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     """The default group's backend for a run on ``device``: ``"cuda:nccl,cpu:gloo"`` on CUDA.
 
@@ -207,7 +212,7 @@ def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     """
     if requested is not None:
         return requested
-    if device.type == "cuda" or emulating_cuda():
+    if runs_as_cuda(device):
         return f"cuda:{device_backend_name()},cpu:gloo"
     return "gloo"
 

@@ -36,7 +36,7 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
-from lightning_hier.topology import emulating_cuda
+from lightning_hier.topology import runs_as_cuda
 
 log = logging.getLogger(__name__)
 
@@ -334,8 +334,7 @@ def chunk_bytes_for(comm_chunk_mb: float | None, device: torch.device) -> int:
     """The pipelining chunk in bytes: ``comm_chunk_mb``, or where it is ``None`` the device's default
     (:data:`CUDA_CHUNK_MB` on CUDA or a CPU run emulating it, else :data:`HOST_CHUNK_MB`)."""
     if comm_chunk_mb is None:
-        on_cuda = device.type == "cuda" or emulating_cuda()
-        comm_chunk_mb = CUDA_CHUNK_MB if on_cuda else HOST_CHUNK_MB
+        comm_chunk_mb = CUDA_CHUNK_MB if runs_as_cuda(device) else HOST_CHUNK_MB
     return max(1, int(comm_chunk_mb * 1024 * 1024))
 
 
@@ -351,6 +350,6 @@ def make_reducer(
     if kind not in REDUCERS:
         raise ValueError(f"reducer={kind!r} is not one of {list(REDUCERS)}.")
     if kind == "auto":
-        kind = "inline" if device.type == "cuda" or emulating_cuda() else "thread"
+        kind = "inline" if runs_as_cuda(device) else "thread"
     cls = InlineReducer if kind == "inline" else ThreadedReducer
     return cls(intra_group, inter_group, chunk_bytes, inter_dtype)
