@@ -297,6 +297,7 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
         / micro,
         "settled": timer.settled,
         "final_starts": list(engine.partition.starts),
+        "extra_warmup": list(engine.schedule.extra_warmup),  # extra 1F1B warm-up forwards per stage
         "stage_times_s": stage_times,  # per micro-batch: the window's checks', or (never) since it opened
         "window_checks": checks,
         "max_mean_before": max_over_mean(history[0]["stage_times"] if history else None),  # uniform split

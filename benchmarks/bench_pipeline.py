@@ -113,6 +113,7 @@ def describe(job: Job) -> str:
         text += (
             f", engine overhead {fmt(w['engine_overhead_ms_per_micro_batch'])} ms per micro-batch "
             f"({fmt(w['engine_overhead_without_optimizer_ms_per_micro_batch'])} without the optimizer step)"
+            f", extra warm-up forwards {w.get('extra_warmup', [])}"
         )
         for part in w["step_parts_ms_by_stage"]:
             text += (

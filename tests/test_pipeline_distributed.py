@@ -315,6 +315,16 @@ def test_static_shapes_send_each_cut_spec_once_per_shape_and_match_one_process(t
     assert 1 <= first_stage_headers <= 3 * (1 + len(history)) < 12 * 3, (first_stage_headers, history)
 
 
+def test_extra_warmup_forwards_train_as_one_process(tmp_path: Path) -> None:
+    """``extra_warmup=2``: stage 0 runs all 4 forwards before its first backward and stage 1 receives the
+    surplus ahead; the losses and weights are those of one process (static shapes, a smaller last batch)."""
+    result = run_scenario("extra_warmup_static", 2, tmp_path)
+    expected_losses, expected_state = reference("adam", batch_size=48, max_epochs=2, precision="64-true")
+    assert_losses_match(result["losses"], expected_losses)
+    assert_checkpoint_matches(result["checkpoint"], expected_state)
+    assert result["peak_in_flight_by_rank"] == [1, 4]  # rank 0 is the last stage
+
+
 def test_resume_with_a_different_number_of_stages(tmp_path: Path) -> None:
     first = run_scenario("resume_first_2_stages", 2, tmp_path)
     assert first["history"], "rebalance=1 from [2, 18] must migrate before the checkpoint"

@@ -38,13 +38,25 @@ def test_paired_schedules_match_one_process_and_admit_one_issuing_order(stages: 
             # step's last micro-batch
             assert result["receives_pending_after_step"] == 0, case
             micro = int(case.split("/")[1])
+            if case.startswith("extra/"):
+                # the stage held as many micro-batches as its warm-up count, and the memory plan is told so
+                extra = [int(v) for v in case.split("/")[2].split(",")]
+                expected_warmup = min(
+                    micro, sum(1 + (extra[t] if t < stages - 1 else 0) for t in range(stage, stages))
+                )
+                assert result["peak_in_flight"] == expected_warmup == result["in_flight_limit"], (
+                    case,
+                    result,
+                )
             headers = 2 if case.endswith("static") else micro  # static: one per new row count
             assert result["headers_received"] == (headers if stage > 0 else 0), (case, result)
             assert result["headers_sent"] == (headers if stage < stages - 1 else 0), (case, result)
             # static, rows 3, 3, 2, 2, 2: micro-batches 1, 3 and 4 have a spec known from memory, so on
             # gloo their data receives are posted while the one before computes
+            # (with extra warm-up the surplus activations are received ahead by the schedule instead)
             ahead = 3 if case.endswith("static") else 0
-            assert result["activations_posted_ahead"] == (ahead if stage > 0 else 0), (case, result)
+            if not case.startswith("extra/"):
+                assert result["activations_posted_ahead"] == (ahead if stage > 0 else 0), (case, result)
     report = analyze(tmp_path / "audit")
     report.raise_if_problems()
     records = report.records

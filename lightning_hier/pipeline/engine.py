@@ -10,6 +10,7 @@ repartitions, is rank 0, where Lightning logs and saves.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -58,6 +59,7 @@ from lightning_hier.pipeline.tied_parameters import (
     start_replicas_equal,
     sum_tied_gradients,
 )
+from lightning_hier.pipeline.warmup import choose_extra_warmup
 from lightning_hier.topology import control_group, host_capable_backend
 
 log = logging.getLogger(__name__)
@@ -141,6 +143,8 @@ class PipelineEngine:
         self.executor = StageExecutor(graph, partition, stage, device)
         self.link = StageLink(stage, self.num_stages, self._rank_of_stage, device, group=self.group)
         self.schedule = PipelineSchedule(self.link, schedule, on_backward_done=self.executor.finish_backward)
+        if isinstance(self.settings.extra_warmup, int):
+            self.schedule.extra_warmup = [self.settings.extra_warmup] * (self.num_stages - 1)
         self.history: list[RebalanceEvent] = []
         self.checks: list[dict[str, Any]] = []  # every check: step, reason, changed, measured stage times
         self.last_decision: RebalanceDecision | None = None
@@ -377,6 +381,7 @@ class PipelineEngine:
                 "reason": decision.reason,
                 "changed": decision.new is not None,
                 "stage_times": list(decision.stage_times),
+                "extra_warmup": self._choose_extra_warmup(decision.new or self.partition),
             }
         )
         if decision.new is None:
@@ -399,6 +404,35 @@ class PipelineEngine:
             event.pause_seconds,
         )
         return decision
+
+    def _choose_extra_warmup(self, partition: StagePartition) -> list[int]:
+        """``extra_warmup="auto"``: the extra 1F1B warm-up forwards per stage that shorten the step simulated
+        from the measured layer times on ``partition`` (pipeline/warmup.py). Every stage decides from the
+        same broadcast table, so all agree. Not under a ``memory_limit`` (each extra forward holds one
+        more micro-batch's activations, which the memory plan does not trade against time) nor GPipe."""
+        settings = self.settings
+        if (
+            settings.extra_warmup != "auto"
+            or settings.memory_limit is not None
+            or self.schedule.kind != "1f1b"
+        ):
+            return list(self.schedule.extra_warmup)
+        layers = self.layer_table["layers"]
+        forward, backward = [], []
+        for start, end in partition.stage_ranges():
+            first, last = self.graph.clusters[start].start, self.graph.clusters[end - 1].end
+            times = [layers.get(i, (0.0, 0.0)) for i in range(first, last)]
+            forward.append(math.fsum(f for f, _ in times))
+            backward.append(math.fsum(b for _, b in times))
+        extra = [0] * (self.num_stages - 1)
+        if all(t > 0 for t in forward) and all(t > 0 for t in backward):
+            extra = choose_extra_warmup(forward, backward, settings.micro_batches)[:-1]
+        if extra != self.schedule.extra_warmup:
+            log.info(
+                "hier_pipeline: extra warm-up forwards per stage %s -> %s", self.schedule.extra_warmup, extra
+            )
+        self.schedule.extra_warmup = extra
+        return list(extra)
 
     def after_optimizer_step(self, steps: int, epoch_ends: bool) -> None:
         """The plans that follow optimizer step number ``steps`` (1-based; ``epoch_ends`` when it was the

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hier.pipeline.activation_store import ActivationMeter
+from lightning_hier.pipeline.warmup import warmup_counts
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -224,6 +225,11 @@ class StageLink:
         for work in posted:
             work.wait()
 
+    def post_receives(self, ops: list[dist.P2POp]) -> list[dist.Work]:
+        """Post receives without waiting; the caller waits for the returned works when it needs the data."""
+        self._release_finished_sends()
+        return list(dist.batch_isend_irecv(ops)) if ops else []
+
     def post_sends(self, ops: list[dist.P2POp]) -> None:
         """Post sends that no receive of this stage is paired with; their buffers go when done."""
         self._release_finished_sends()
@@ -277,6 +283,12 @@ class PipelineSchedule:
         self.held_bytes = 0  # of the last micro-batch stashed, storages counted once
         self.keys: Sequence[Hashable] | None = None
         self.num_micro = 0  # of the step running
+        # 1F1B: extra forwards per stage before its first backward (pipeline/warmup.py), the same list on
+        # every stage: a stage's receives follow the previous stage's count
+        self.extra_warmup: list[int] = []
+        # activations whose receive is posted, by micro-batch: (buffer, works still to wait for)
+        self._inbox: dict[int, tuple[torch.Tensor | None, list[dist.Work]]] = {}
+        self._recv_next = 0  # the next activation whose receive is not posted yet (they go in order)
 
     @property
     def is_first(self) -> bool:
@@ -290,7 +302,11 @@ class PipelineSchedule:
         """Micro-batches whose activations this stage holds at once under the schedule."""
         if self.kind == "gpipe":
             return num_micro
-        return min(num_micro, self.link.num_stages - self.link.stage)
+        return self.warmups(num_micro)[self.link.stage]
+
+    def warmups(self, num_micro: int) -> list[int]:
+        """Forwards each stage runs before its first backward (1F1B: ``S - s`` plus the extra ones)."""
+        return warmup_counts(self.link.num_stages, num_micro, self.extra_warmup)
 
     # ------------------------------------------------------------------ pieces of a step
     def _key(self, m: int) -> Hashable | None:
@@ -301,6 +317,9 @@ class PipelineSchedule:
         backend), or the receive posted ahead (:meth:`_expect_next`) to wait for."""
         if self.is_first:
             return [], None, []
+        if m != self._recv_next:
+            raise AssertionError(f"activation {m} received out of order (next is {self._recv_next})")
+        self._recv_next = m + 1
         posted = self.link.take_expected_activation()
         if posted is not None:
             work, value, header = posted
@@ -318,8 +337,8 @@ class PipelineSchedule:
         this stage computes (:meth:`StageLink.expect_header`), or where its spec is known from memory,
         on gloo, the receive of its data (:meth:`StageLink.expect_activation`). Posted after ``m``'s data,
         so the messages of a cut are received in the order they are sent."""
-        if self.is_first or m + 1 >= self.num_micro:
-            return
+        if self.is_first or m + 1 >= self.num_micro or self._recv_next > m + 1:
+            return  # the first stage receives nothing; the next one's receive may be posted already
         key = self._key(m + 1)
         if not self.link.knows_spec(key):
             self.link.expect_header()
@@ -374,7 +393,7 @@ class PipelineSchedule:
     def train_step(self, num_micro: int, forward: ForwardFn, keys: Sequence[Hashable] | None = None) -> None:
         """Forward and backward of ``num_micro`` micro-batches; gradients accumulate in ``.grad``.
         ``keys``: per micro-batch, what its activations' specs depend on (``static_shapes``)."""
-        self.keys, self.num_micro = keys, num_micro
+        self._start(num_micro, keys)
         if self.kind == "gpipe":
             self._gpipe(num_micro, forward)
         else:
@@ -396,12 +415,20 @@ class PipelineSchedule:
     def _one_f_one_b(self, num_micro: int, forward: ForwardFn) -> None:
         """Warm-up forwards, then backward/forward pairs with paired exchanges, then backwards.
 
-        Stage ``s`` runs ``min(n, S - s)`` forwards before its first backward. In the steady
-        state it posts {send activation f, receive gradient b} and then {send gradient b,
-        receive activation f+1}; stage ``s+1`` posts the mirror images of these pairs.
+        Stage ``s`` runs ``w[s]`` forwards before its first backward (1F1B: ``S - s``, more with
+        ``extra_warmup``, :func:`~lightning_hier.pipeline.warmup.warmup_counts`). In the steady state
+        it posts {send activation f, receive gradient b} and then {send gradient b, receive the
+        activation the previous stage sends with its receive of gradient b}; the neighbours post the
+        mirror images of these pairs. Where the previous stage runs more warm-up forwards than this
+        one needs, this stage receives the surplus ahead, without waiting, before its first pair.
         """
         stash: dict[int, _InFlight] = {}
-        warmup = min(num_micro, self.link.num_stages - self.link.stage)
+        counts = self.warmups(num_micro)
+        warmup = counts[self.link.stage]
+        # the previous stage sends activation b + lead together with its receive of gradient b (the first
+        # stage receives none)
+        lead = counts[self.link.stage - 1] - 1 if not self.is_first else num_micro
+        self._recv_next = 0 if not self.is_first else num_micro
         fwd = bwd = 0
         forward_sends: list[dist.P2POp] = []
         for i in range(warmup):
@@ -418,21 +445,39 @@ class PipelineSchedule:
             self.link.exchange(forward_sends + backward_sends + recv_ops)
             forward_sends = []
             backward_sends = self._compute_backward(bwd, grad, stash)
+            paired = bwd + lead
             bwd += 1
             if fwd < num_micro:
-                recv_ops, received, posted = self._recv_activation_ops(fwd)
+                while self._recv_next < min(paired, num_micro):  # the previous stage's surplus warm-up
+                    self._receive_ahead(self._recv_next)
+                recv_ops, posted = [], []
+                if paired < num_micro and self._recv_next == paired:
+                    recv_ops, value, posted = self._recv_activation_ops(paired)
+                    self._inbox[paired] = (value, [])  # the exchange waits for it
                 self.link.exchange(backward_sends + recv_ops, posted)
                 backward_sends = []
+                received, waits = self._inbox.pop(fwd) if fwd in self._inbox else (None, [])
+                self.link.exchange([], waits)
                 forward_sends = self._compute_forward(fwd, received, forward, stash)
                 fwd += 1
         self.link.post_sends(forward_sends + backward_sends)
+
+    def _receive_ahead(self, m: int) -> None:
+        """Post activation ``m``'s receive now and wait for it when its forward runs."""
+        recv_ops, value, posted = self._recv_activation_ops(m)
+        self._inbox[m] = (value, posted + self.link.post_receives(recv_ops))
+
+    def _start(self, num_micro: int, keys: Sequence[Hashable] | None) -> None:
+        self._inbox.clear()  # empty unless a step failed half-way; its receives are not this step's
+        self.keys, self.num_micro = keys, num_micro
+        self._recv_next = 0
 
     # ------------------------------------------------------------------ eval
     def eval_step(
         self, num_micro: int, forward: ForwardFn, keys: Sequence[Hashable] | None = None
     ) -> list[Any]:
         """Forward only; returns the last stage's outputs (empty list elsewhere)."""
-        self.keys, self.num_micro = keys, num_micro
+        self._start(num_micro, keys)
         outputs = []
         for m in range(num_micro):
             recv_ops, received, posted = self._recv_activation_ops(m)

@@ -33,6 +33,7 @@ class PipelineSettings:
     activation_policy: str = "auto"
     static_shapes: bool = False
     split_tied_parameters: bool = True
+    extra_warmup: int | str = "auto"
 
     def __post_init__(self) -> None:
         if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
@@ -90,6 +91,15 @@ class PipelineSettings:
         if not isinstance(self.split_tied_parameters, bool):
             raise ValueError(
                 f"split_tied_parameters must be True or False, got {self.split_tied_parameters!r}."
+            )
+        if self.extra_warmup != "auto" and (
+            isinstance(self.extra_warmup, bool)
+            or not isinstance(self.extra_warmup, int)
+            or self.extra_warmup < 0
+        ):
+            raise ValueError(
+                f"extra_warmup must be 'auto' or an integer >= 0 (extra forwards per stage before its first "
+                f"backward), got {self.extra_warmup!r}."
             )
         if not isinstance(self.profile_steps, int) or self.profile_steps < 1:
             raise ValueError(f"profile_steps must be a positive integer, got {self.profile_steps!r}.")

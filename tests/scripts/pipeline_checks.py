@@ -168,6 +168,16 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_epochs=2, precision="64-true"),
         batch_size=48,
     ),
+    # the first stage runs every forward before its first backward (2 extra warm-up forwards), its
+    # surplus activations received ahead by the second, with cut specs remembered per shape
+    "extra_warmup_static": dict(
+        model=dict(optimizer="adam"),
+        strategy=dict(
+            partition=[12, 8], rebalance="never", micro_batches=4, static_shapes=True, extra_warmup=2
+        ),
+        trainer=dict(max_epochs=2, precision="64-true"),
+        batch_size=48,
+    ),
     # one Linear on three stages: two of them hold a relay layer only, across a validation and a resume
     "relay_stages": dict(
         model=dict(optimizer="sgd"),
@@ -642,6 +652,7 @@ def main() -> None:
         "backward_hooks": [hooks.before, hooks.after, hooks.after_with_grads, hooks.before_zero_grad],
         "memory_plan": engine.memory_plan.to_dict() if engine.memory_plan is not None else None,
         "headers_sent": engine.link.headers_sent,
+        "peak_in_flight": engine.schedule.peak_in_flight,
         "torch_save_calls": saves.calls,
         "predict_returned": len(predictions) if spec.get("monitor") else None,
         "fresh_validate_val_loss": fresh_validate_val_loss if spec.get("monitor") else None,
@@ -665,6 +676,7 @@ def main() -> None:
     result["backward_hooks_by_rank"] = [g["backward_hooks"] for g in gathered]
     result["memory_plan_by_rank"] = [g["memory_plan"] for g in gathered]
     result["headers_sent_by_rank"] = [g["headers_sent"] for g in gathered]
+    result["peak_in_flight_by_rank"] = [g["peak_in_flight"] for g in gathered]
     result["torch_save_calls_by_rank"] = [g["torch_save_calls"] for g in gathered]
     result["predict_returned_by_rank"] = [g["predict_returned"] for g in gathered]
     result["fresh_validate_val_loss_by_rank"] = [g["fresh_validate_val_loss"] for g in gathered]

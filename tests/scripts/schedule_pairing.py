@@ -22,6 +22,8 @@ from lightning_hier.pipeline.schedule import PipelineSchedule, StageLink
 from lightning_hier.topology import control_group, resolve_backend
 
 WIDTH, BATCH = 8, 12
+# per stage count: the extra warm-up forwards tried (the last stage's entry is not used)
+EXTRA_WARMUPS = {2: [(1,), (3,)], 4: [(1, 0, 0), (0, 2, 0), (0, 0, 1), (2, 1, 1)]}
 
 
 def model(stages: int) -> nn.ModuleList:
@@ -39,7 +41,13 @@ def reference_grads(stages: int, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def run(
-    schedule: str, num_micro: int, stage: int, stages: int, group: dist.ProcessGroup, static: bool = False
+    schedule: str,
+    num_micro: int,
+    stage: int,
+    stages: int,
+    group: dist.ProcessGroup,
+    static: bool = False,
+    extra_warmup: tuple[int, ...] = (),
 ) -> dict:
     layer = model(stages)[stage]
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
@@ -53,7 +61,9 @@ def run(
             return h.pow(2).mean() * (len(micro[m]) / BATCH)
         return h
 
-    PipelineSchedule(link, schedule).train_step(num_micro, forward, keys)
+    pipeline = PipelineSchedule(link, schedule)
+    pipeline.extra_warmup = list(extra_warmup)
+    pipeline.train_step(num_micro, forward, keys)
     expected = reference_grads(stages, x)[stage]
     return {
         "max_diff": (layer.weight.grad - expected).abs().max().item(),
@@ -62,6 +72,8 @@ def run(
         "activations_posted_ahead": link.activations_posted_ahead,
         "headers_received": link.headers_received,
         "headers_sent": link.headers_sent,
+        "peak_in_flight": pipeline.peak_in_flight,
+        "in_flight_limit": pipeline.in_flight_limit(num_micro),
     }
 
 
@@ -78,6 +90,13 @@ def main() -> None:
                 results[f"{schedule}/{num_micro}"] = run(schedule, num_micro, stage, stages, group)
             # 12 rows in 5 micro-batches: 3, 3, 2, 2, 2 rows, so two headers cross each cut
             results[f"{schedule}/5/static"] = run(schedule, 5, stage, stages, group, static=True)
+        # extra warm-up forwards (pipeline/warmup.py): the stages before each extra one run ahead
+        for extra in EXTRA_WARMUPS[stages]:
+            name = ",".join(map(str, extra))
+            results[f"extra/{stages + 2}/{name}"] = run(
+                "1f1b", stages + 2, stage, stages, group, False, extra
+            )
+            results[f"extra/5/{name}/static"] = run("1f1b", 5, stage, stages, group, True, extra)
     audit.dump(out.parent / "audit")
     gathered = [None] * stages
     dist.all_gather_object(gathered, results, group=group)
