@@ -154,11 +154,11 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         extra_warmup: forwards a 1F1B stage runs before its first backward beyond 1F1B's ``stages - s``.
             ``"auto"`` (default) decides at each rebalance check from the measured layer times: where a
             stage is slower than the stages after it, one more warm-up forward lets it run the next
-            micro-batch instead of waiting for a gradient (about 5 % shorter steps on the benchmark's
-            skewed stack), at the cost of one more micro-batch's activations on it and on the stages
-            before it; nothing changes on balanced stages, with ``rebalance="never"`` (no times), under
-            a ``memory_limit`` or with ``schedule="gpipe"``. An integer gives every stage but the
-            last that many.
+            micro-batch instead of waiting for a gradient (0-4 % shorter steps on issue 14's skewed
+            stack, ``benchmarks/bench_pipeline_warmup.py``), at the cost of one more micro-batch's
+            activations on it and on the stages before it; nothing changes on balanced stages, with
+            ``rebalance="never"`` (no times), under a ``memory_limit`` or with ``schedule="gpipe"``. An
+            integer gives every stage but the last that many.
     """
 
     _runtime_state = {
