@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
-from lightning_hier.pipeline.warmup import choose_extra_warmup, simulate_step, warmup_counts
+from lightning_hier.pipeline.warmup import choose_extra_warmup, fits_in_memory, simulate_step, warmup_counts
 
 
 def test_warmup_counts_add_each_stages_extra_to_the_stages_before_it_and_cap_at_the_micro_batches() -> None:
@@ -48,3 +50,17 @@ def test_no_extra_forwards_where_they_buy_nothing() -> None:
 def test_a_stage_running_ahead_of_what_it_was_sent_is_a_deadlock() -> None:
     with pytest.raises(ValueError, match="deadlock"):
         simulate_step([1.0, 1.0], [2.0, 2.0], 4, [1, 2])
+
+
+def test_on_a_gpu_extra_forwards_stop_where_a_stage_would_outgrow_its_memory() -> None:
+    forward, backward = [5.3, 4.6], [8.4, 7.3]  # one extra forward on stage 0 pays (above)
+    # stage 0 peaked at 40 of 100 GB holding 2 micro-batches: 3 would need 60 GB, within 90 % of it
+    assert fits_in_memory([40, 10], [100, 100], [2, 1], [3, 1])
+    # at 70 GB with 2, 3 would need 105 GB: more than the device
+    assert not fits_in_memory([70, 10], [100, 100], [2, 1], [3, 1])
+    assert fits_in_memory([70, 10], [None, None], [2, 1], [3, 1])  # host memory: not limited here
+    assert fits_in_memory([70, 95], [100, 100], [2, 1], [2, 1])  # no stage holds more than it did
+    tight = partial(fits_in_memory, [70, 10], [100, 100], [2, 1])
+    roomy = partial(fits_in_memory, [40, 10], [100, 100], [2, 1])
+    assert choose_extra_warmup(forward, backward, 4, fits=tight) == [0, 0]
+    assert choose_extra_warmup(forward, backward, 4, fits=roomy) == [1, 0]

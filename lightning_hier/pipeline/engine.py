@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from time import perf_counter
@@ -59,7 +59,7 @@ from lightning_hier.pipeline.tied_parameters import (
     start_replicas_equal,
     sum_tied_gradients,
 )
-from lightning_hier.pipeline.warmup import choose_extra_warmup
+from lightning_hier.pipeline.warmup import choose_extra_warmup, fits_in_memory
 from lightning_hier.topology import control_group, host_capable_backend
 
 log = logging.getLogger(__name__)
@@ -424,15 +424,33 @@ class PipelineEngine:
             times = [layers.get(i, (0.0, 0.0)) for i in range(first, last)]
             forward.append(math.fsum(f for f, _ in times))
             backward.append(math.fsum(b for _, b in times))
+        fits = self._memory_fits()
         extra = [0] * (self.num_stages - 1)
         if all(t > 0 for t in forward) and all(t > 0 for t in backward):
-            extra = choose_extra_warmup(forward, backward, settings.micro_batches)[:-1]
+            extra = choose_extra_warmup(forward, backward, settings.micro_batches, fits=fits)[:-1]
         if extra != self.schedule.extra_warmup:
             log.info(
                 "hier_pipeline: extra warm-up forwards per stage %s -> %s", self.schedule.extra_warmup, extra
             )
         self.schedule.extra_warmup = extra
         return list(extra)
+
+    def _memory_fits(self) -> Callable[[list[int]], bool] | None:
+        """On a GPU: whether warm-up counts leave every stage's peak memory within its device (each stage's
+        peak so far, scaled by the micro-batches it would hold; gathered, so every stage decides alike).
+        ``None`` on the host, where the counts are not limited by memory."""
+        if self.device.type != "cuda":
+            return None
+        mine = (
+            self.stage,
+            torch.cuda.max_memory_allocated(self.device),
+            torch.cuda.get_device_properties(self.device).total_memory,
+        )
+        gathered: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(gathered, mine, group=self.group)
+        _, peaks, capacities = zip(*sorted(gathered))
+        current = self.schedule.warmups(self.settings.micro_batches)
+        return lambda counts: fits_in_memory(peaks, capacities, current, counts)
 
     def after_optimizer_step(self, steps: int, epoch_ends: bool) -> None:
         """The plans that follow optimizer step number ``steps`` (1-based; ``epoch_ends`` when it was the

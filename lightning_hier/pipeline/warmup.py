@@ -16,7 +16,7 @@ each extra forward holds one more micro-batch's activations on the stages up to 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def warmup_counts(num_stages: int, num_micro: int, extra: Sequence[int] = ()) -> list[int]:
@@ -82,12 +82,16 @@ def _stage_order(num_micro: int, warmup: int) -> list[tuple[str, int]]:
 
 
 def choose_extra_warmup(
-    forward: Sequence[float], backward: Sequence[float], num_micro: int, min_gain: float = 0.01
+    forward: Sequence[float],
+    backward: Sequence[float],
+    num_micro: int,
+    min_gain: float = 0.01,
+    fits: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """Extra warm-up forwards per stage that shorten the simulated step: one at a time, where it saves
     the most, as long as each saves at least ``min_gain`` of the step (every one holds one more
-    micro-batch's activations). All zeros where stages after a stage are as slow as it (1F1B's own
-    counts are then already the best)."""
+    micro-batch's activations) and ``fits`` accepts the warm-up counts it leads to (memory). All zeros
+    where stages after a stage are as slow as it (1F1B's own counts are then already the best)."""
     stages = len(forward)
     extra = [0] * stages
     best = simulate_step(forward, backward, num_micro, warmup_counts(stages, num_micro, extra))
@@ -99,6 +103,8 @@ def choose_extra_warmup(
             counts = warmup_counts(stages, num_micro, tried)
             if counts == warmup_counts(stages, num_micro, extra):
                 continue  # capped at the micro-batch count: nothing changes
+            if fits is not None and not fits(counts):
+                continue
             trials.append((simulate_step(forward, backward, num_micro, counts), s, tried))
         if not trials:
             return extra
@@ -106,3 +112,20 @@ def choose_extra_warmup(
         if time > best * (1.0 - min_gain):
             return extra
         best, extra = time, tried
+
+
+MEMORY_SHARE = 0.9  # of a device's memory that extra warm-up forwards may bring a stage's peak up to
+
+
+def fits_in_memory(
+    peaks: Sequence[int], capacities: Sequence[int | None], current: Sequence[int], proposed: Sequence[int]
+) -> bool:
+    """Whether every stage's memory holds the micro-batches ``proposed`` keeps in flight: a stage's peak
+    (``peaks``, measured while it held ``current`` of them) grows at most in proportion to its count, and
+    must stay within ``MEMORY_SHARE`` of its device's ``capacities`` (``None``: host memory, not checked)."""
+    for peak, capacity, held, more in zip(peaks, capacities, current, proposed):
+        if capacity is None or more <= held:
+            continue
+        if peak * more / max(held, 1) > MEMORY_SHARE * capacity:
+            return False
+    return True

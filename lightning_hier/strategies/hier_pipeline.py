@@ -156,9 +156,10 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             stage is slower than the stages after it, one more warm-up forward lets it run the next
             micro-batch instead of waiting for a gradient (0-4 % shorter steps on issue 14's skewed
             stack, ``benchmarks/bench_pipeline_warmup.py``), at the cost of one more micro-batch's
-            activations on it and on the stages before it; nothing changes on balanced stages, with
-            ``rebalance="never"`` (no times), under a ``memory_limit`` or with ``schedule="gpipe"``. An
-            integer gives every stage but the last that many.
+            activations on it and on the stages before it (on a GPU only where every stage's peak memory,
+            scaled by what it would hold, stays within 90 % of its device); nothing changes on balanced
+            stages, with ``rebalance="never"`` (no times), under a ``memory_limit`` or with
+            ``schedule="gpipe"``. An integer gives every stage but the last that many.
     """
 
     _runtime_state = {
