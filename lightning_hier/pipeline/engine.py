@@ -10,7 +10,6 @@ repartitions, is rank 0, where Lightning logs and saves.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,8 +44,8 @@ from lightning_hier.pipeline.migration import (
     state_on_host,
 )
 from lightning_hier.pipeline.object_wire import from_wire, to_wire
-from lightning_hier.pipeline.partition import StagePartition
-from lightning_hier.pipeline.rebalance import RebalanceDecision, decide_rebalance
+from lightning_hier.pipeline.partition import StagePartition, stage_costs
+from lightning_hier.pipeline.rebalance import RebalanceDecision, cluster_costs, decide_rebalance
 from lightning_hier.pipeline.schedule import PipelineSchedule, StageLink
 from lightning_hier.pipeline.settings import PipelineSettings
 from lightning_hier.pipeline.stage import StageExecutor
@@ -418,15 +417,14 @@ class PipelineEngine:
         ):
             return list(self.schedule.extra_warmup)
         layers = self.layer_table["layers"]
-        forward, backward = [], []
-        for start, end in partition.stage_ranges():
-            first, last = self.graph.clusters[start].start, self.graph.clusters[end - 1].end
-            times = [layers.get(i, (0.0, 0.0)) for i in range(first, last)]
-            forward.append(math.fsum(f for f, _ in times))
-            backward.append(math.fsum(b for _, b in times))
-        fits = self._memory_fits()
+        # per stage, its layers' forward and backward apart (the rebalancer's sums add the two)
+        only_forward = {i: (f, 0.0) for i, (f, _) in layers.items()}
+        only_backward = {i: (b, 0.0) for i, (_, b) in layers.items()}
+        forward = stage_costs(partition, cluster_costs(self.graph, only_forward))
+        backward = stage_costs(partition, cluster_costs(self.graph, only_backward))
         extra = [0] * (self.num_stages - 1)
-        if all(t > 0 for t in forward) and all(t > 0 for t in backward):
+        if all(t > 0 for t in forward) and all(t > 0 for t in backward):  # the same on every stage
+            fits = self._memory_fits()
             extra = choose_extra_warmup(forward, backward, settings.micro_batches, fits=fits)[:-1]
         if extra != self.schedule.extra_warmup:
             log.info(

@@ -425,10 +425,8 @@ class PipelineSchedule:
         stash: dict[int, _InFlight] = {}
         counts = self.warmups(num_micro)
         warmup = counts[self.link.stage]
-        # the previous stage sends activation b + lead together with its receive of gradient b (the first
-        # stage receives none)
-        lead = counts[self.link.stage - 1] - 1 if not self.is_first else num_micro
-        self._recv_next = 0 if not self.is_first else num_micro
+        # the previous stage sends activation b + lead together with its receive of gradient b
+        lead = counts[self.link.stage - 1] - 1 if not self.is_first else 0
         fwd = bwd = 0
         forward_sends: list[dist.P2POp] = []
         for i in range(warmup):
@@ -448,19 +446,29 @@ class PipelineSchedule:
             paired = bwd + lead
             bwd += 1
             if fwd < num_micro:
-                while self._recv_next < min(paired, num_micro):  # the previous stage's surplus warm-up
-                    self._receive_ahead(self._recv_next)
                 recv_ops, posted = [], []
-                if paired < num_micro and self._recv_next == paired:
-                    recv_ops, value, posted = self._recv_activation_ops(paired)
-                    self._inbox[paired] = (value, [])  # the exchange waits for it
+                if not self.is_first:
+                    recv_ops, posted = self._receive_paired(paired, num_micro)
                 self.link.exchange(backward_sends + recv_ops, posted)
                 backward_sends = []
                 received, waits = self._inbox.pop(fwd) if fwd in self._inbox else (None, [])
-                self.link.exchange([], waits)
+                if waits:
+                    self.link.exchange([], waits)
                 forward_sends = self._compute_forward(fwd, received, forward, stash)
                 fwd += 1
         self.link.post_sends(forward_sends + backward_sends)
+
+    def _receive_paired(self, paired: int, num_micro: int) -> tuple[list[dist.P2POp], list[dist.Work]]:
+        """The receive of activation ``paired``, to post with this stage's gradient send (the previous stage
+        posts its send with its receive of that gradient); the previous stage's surplus warm-up
+        activations before it are received ahead, without waiting. Each lands in the inbox."""
+        while self._recv_next < min(paired, num_micro):
+            self._receive_ahead(self._recv_next)
+        if paired >= num_micro or self._recv_next != paired:
+            return [], []
+        recv_ops, value, posted = self._recv_activation_ops(paired)
+        self._inbox[paired] = (value, [])  # the exchange waits for it
+        return recv_ops, posted
 
     def _receive_ahead(self, m: int) -> None:
         """Post activation ``m``'s receive now and wait for it when its forward runs."""
