@@ -284,9 +284,18 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
         inside = part["per_micro_batch"]
         inside["layers"] = layers_s * 1e3
         inside["engine_own"] = inside["engine_step"] - inside["waiting"] - inside["layers"]
+    # the step boundary on the first stage lies on every 1F1B or GPipe step's critical path: its last
+    # backward ends the step and its first forward starts the next, with its optimizer step and Lightning's
+    # loop in between; the last stage's boundary overlaps the first stage's last backward
+    first = parts[0]
+    boundary_s = (first["optimizer_step"] + first["between_steps"]) / 1e3
+    # balanced: the same stage times summed, shared evenly (no split at block granularity does better)
+    balanced_s = (micro + len(stage_times) - 1) * sum(stage_times) / len(stage_times) if stage_times else NAN
     return {
         **window,
         "ideal_step_s": ideal_s,
+        "first_stage_boundary_s": boundary_s,
+        "balanced_ideal_step_s": balanced_s,
         "engine_overhead_ms_per_micro_batch": (window["window_s"] / steps - ideal_s) / micro * 1e3,
         # the engine's own work per micro-batch on its busiest stage: its step less waits and layers
         "engine_own_ms_per_micro_batch": max(part["per_micro_batch"]["engine_own"] for part in parts),

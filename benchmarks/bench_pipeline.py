@@ -161,7 +161,7 @@ def verdict(met: bool) -> str:
     return "met" if met else "NOT met"
 
 
-def summary(stages: int, done: list[Job], all_jobs: list[Job]) -> dict[str, Any]:
+def summary(stages: int, done: list[Job], all_jobs: list[Job], batch_size: int) -> dict[str, Any]:
     """One P: mean samples/s, the ratios, the stage balance and migration pause, the targets (``verdict``)."""
     rate = {c: mean([j.samples_per_s for j in done if j.contender == c]) for c in LABELS}
     reb = [j.worker for j in done if j.ok and j.contender == CONTENDER]
@@ -177,6 +177,11 @@ def summary(stages: int, done: list[Job], all_jobs: list[Job]) -> dict[str, Any]
     overhead = mean([w["engine_overhead_ms_per_micro_batch"] for w in reb])
     own = mean([w.get("engine_own_ms_per_micro_batch", NAN) for w in reb])
     net = mean([w["engine_overhead_without_optimizer_ms_per_micro_batch"] for w in reb])
+    # what these stage times allow against one process, whatever the engine does (issue 14's 1.4x)
+    single_step_s = batch_size / single
+    bound = mean([single_step_s / w["ideal_step_s"] for w in reb])
+    floor = mean([single_step_s / (w["ideal_step_s"] + w["first_stage_boundary_s"]) for w in reb])
+    balanced = mean([single_step_s / w["balanced_ideal_step_s"] for w in reb])
     note = "" if stages <= CORES else " (the targets are for one stage per core)"
     text = (
         f"{label}: samples/s "
@@ -198,6 +203,10 @@ def summary(stages: int, done: list[Job], all_jobs: list[Job]) -> dict[str, Any]
         f"\n  the engine's own work per micro-batch on its busiest stage (its step less the time blocked "
         f"on a neighbour and its layers' own times): {fmt(own)} ms (target <= {TARGET_OVERHEAD_MS}: "
         f"{verdict(own <= TARGET_OVERHEAD_MS)})"
+        f"\n  the most a pipeline of the rebalanced stages' own layer times could reach against one process "
+        f"(no engine, no messages): {fmt(bound)}x with a free step boundary, {fmt(floor)}x with the first "
+        f"stage's optimizer step and Lightning's loop between its last backward and next forward (on every "
+        f"step's critical path); {fmt(balanced)}x with the same layer times split perfectly evenly"
     )
     return {
         "stages": stages,
@@ -210,6 +219,9 @@ def summary(stages: int, done: list[Job], all_jobs: list[Job]) -> dict[str, Any]
         "engine_overhead_ms_per_micro_batch": overhead,
         "engine_overhead_without_optimizer_ms_per_micro_batch": net,
         "engine_own_ms_per_micro_batch": own,
+        "bound_vs_single": bound,
+        "bound_with_boundary_vs_single": floor,
+        "balanced_bound_vs_single": balanced,
         "verdict": text,
     }
 
@@ -257,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: reporting what ran", flush=True)
-    summaries = [summary(p, [j for j in done if j.stages == p], done) for p in stage_counts]
+    summaries = [summary(p, [j for j in done if j.stages == p], done, args.batch_size) for p in stage_counts]
     print("\n" + "\n".join(s["verdict"] for s in summaries))
     report.print_failures([(f"P={j.stages} {j.contender}", j.error) for j in done if not j.ok])
     host = {"cores": CORES, "platform": platform.platform(), "python": platform.python_version()}
