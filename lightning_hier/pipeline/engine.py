@@ -3,8 +3,9 @@
 Every process holds the whole model object, but only its stage's parameters, buffers and
 optimizer state have storage; the rest are empty tensors that stay registered, so the module,
 its ``state_dict`` names and the optimizer's parameter groups keep their structure. Stage ``s``
-runs on global rank ``num_stages - 1 - s``: the last stage, which computes the loss and decides
-repartitions, is rank 0, where Lightning logs and saves.
+runs on global rank ``num_stages - 1 - s``: the last stage, which computes the loss, is rank 0, where
+Lightning logs and saves. Repartitions are decided on every stage alike, from the times all of them
+gathered.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from lightning_hier.pipeline.tied_parameters import (
     start_replicas_equal,
     sum_tied_gradients,
 )
+from lightning_hier.pipeline.time_table import GatheredTimes, merge_stage_times, pack_stage_times
 from lightning_hier.pipeline.warmup import choose_extra_warmup, fits_in_memory
 from lightning_hier.topology import control_group, host_capable_backend
 
@@ -356,23 +358,20 @@ class PipelineEngine:
     def rebalance(
         self, threshold: float, tolerance: float = 0.02, force: bool = False, min_gain: float = 0.05
     ) -> RebalanceDecision:
-        """Gather per-layer times on the last stage, decide, broadcast, migrate (collective)."""
-        gathered = self._gather_on_last(self.local_times())
-        payload: list[Any] = [None]
-        if self.is_last:
-            table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
-            exit_bytes = [0] * self.graph.num_clusters
-            for item in gathered:
-                for key in table:
-                    table[key].update(item[key])
-                for c, b in item["exit_bytes"].items():
-                    exit_bytes[c] = b
-            decision = decide_rebalance(
-                self.graph, self.partition, table["layers"], exit_bytes, threshold, tolerance, force, min_gain
-            )
-            payload = [(decision, table)]
-        dist.broadcast_object_list(payload, src=self._last_rank, group=self.group)
-        decision, self.layer_table = payload[0]
+        """Gather every stage's per-layer times on every stage, decide (each stage alike, from the same
+        table), migrate (collective)."""
+        gathered = self._gather_times()
+        self.layer_table = gathered.table
+        decision = decide_rebalance(
+            self.graph,
+            self.partition,
+            gathered.table["layers"],
+            gathered.exit_bytes,
+            threshold,
+            tolerance,
+            force,
+            min_gain,
+        )
         self.last_decision = decision
         self.checks.append(
             {
@@ -380,7 +379,7 @@ class PipelineEngine:
                 "reason": decision.reason,
                 "changed": decision.new is not None,
                 "stage_times": list(decision.stage_times),
-                "extra_warmup": self._choose_extra_warmup(decision.new or self.partition),
+                "extra_warmup": self._choose_extra_warmup(decision.new or self.partition, gathered.memory),
             }
         )
         if decision.new is None:
@@ -404,7 +403,22 @@ class PipelineEngine:
         )
         return decision
 
-    def _choose_extra_warmup(self, partition: StagePartition) -> list[int]:
+    def _gather_times(self) -> GatheredTimes:
+        """Every stage's :meth:`local_times` and device memory on every stage, in one collective of fixed-size
+        host rows (pipeline/time_table.py)."""
+        num_layers, num_clusters = len(self.graph.layers), self.graph.num_clusters
+        memory = (0, 0)
+        if self.device.type == "cuda":
+            capacity = torch.cuda.get_device_properties(self.device).total_memory
+            memory = (torch.cuda.max_memory_allocated(self.device), capacity)
+        row = pack_stage_times(self.local_times(), num_layers, num_clusters, memory)
+        rows = [row]
+        if self.num_stages > 1:
+            rows = [torch.empty_like(row) for _ in range(self.num_stages)]
+            dist.all_gather(rows, row, group=self.group)
+        return merge_stage_times(rows, num_layers, num_clusters)
+
+    def _choose_extra_warmup(self, partition: StagePartition, memory: Sequence[tuple[int, int]]) -> list[int]:
         """``extra_warmup="auto"``: the extra 1F1B warm-up forwards per stage that shorten the step simulated
         from the measured layer times on ``partition`` (pipeline/warmup.py). Every stage decides from the
         same broadcast table, so all agree. Not under a ``memory_limit`` (each extra forward holds one
@@ -424,7 +438,7 @@ class PipelineEngine:
         backward = stage_costs(partition, cluster_costs(self.graph, only_backward))
         extra = [0] * (self.num_stages - 1)
         if all(t > 0 for t in forward) and all(t > 0 for t in backward):  # the same on every stage
-            fits = self._memory_fits()
+            fits = self._memory_fits(memory)
             extra = choose_extra_warmup(forward, backward, settings.micro_batches, fits=fits)[:-1]
         if extra != self.schedule.extra_warmup:
             log.info(
@@ -433,20 +447,15 @@ class PipelineEngine:
         self.schedule.extra_warmup = extra
         return list(extra)
 
-    def _memory_fits(self) -> Callable[[list[int]], bool] | None:
+    def _memory_fits(self, memory: Sequence[tuple[int, int]]) -> Callable[[list[int]], bool] | None:
         """On a GPU: whether warm-up counts leave every stage's peak memory within its device (each stage's
-        peak so far, scaled by the micro-batches it would hold; gathered, so every stage decides alike).
-        ``None`` on the host, where the counts are not limited by memory."""
+        peak so far, scaled by the micro-batches it would hold; ``memory``: (peak, capacity) per rank, as
+        gathered with the times, so every stage decides alike). ``None`` on the host, where the counts are
+        not limited by memory."""
         if self.device.type != "cuda":
             return None
-        mine = (
-            self.stage,
-            torch.cuda.max_memory_allocated(self.device),
-            torch.cuda.get_device_properties(self.device).total_memory,
-        )
-        gathered: list[Any] = [None] * self.num_stages
-        dist.all_gather_object(gathered, mine, group=self.group)
-        _, peaks, capacities = zip(*sorted(gathered))
+        by_stage = [memory[self._rank_of_stage(stage)] for stage in range(self.num_stages)]
+        peaks, capacities = zip(*by_stage)
         current = self.schedule.warmups(self.settings.micro_batches)
         return lambda counts: fits_in_memory(peaks, capacities, current, counts)
 

@@ -1,4 +1,4 @@
-"""The imbalance test and the new partition, decided on the last stage from every stage's times."""
+"""The imbalance test and the new partition, decided on every stage alike from the gathered times."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def cluster_costs(graph: LayerGraph, layer_times: Mapping[int, tuple[float, floa
 
 @dataclass(frozen=True)
 class RebalanceDecision:
-    """What the last stage concluded at one check; ``new`` is ``None`` when nothing changes."""
+    """What every stage concluded at one check (the same table, so the same conclusion); ``new`` is
+    ``None`` when nothing changes."""
 
     old: StagePartition
     new: StagePartition | None
