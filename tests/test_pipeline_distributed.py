@@ -587,10 +587,6 @@ def test_should_stop_set_in_the_last_stages_training_step_stops_every_stage(
     assert len(expected_losses) == StoppingNet.stop_after_step + 1  # one per step, the epoch has 8
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=StoppingNet)
-    # on the host (gloo) the first stage (rank 1) posts the receive of each step's loss and flags before
-    # its schedule runs, so it lands during the step; not where the flag travels apart (the GPU's path)
-    steps, ahead = len(expected_losses), not scenario.endswith("host_flag")
-    assert result["loss_receive_posted_by_rank"] == [[False] * steps, [ahead] * steps]
 
 
 def test_compiled_blocks_run_as_layers_and_migrate_matching_one_process(tmp_path: Path) -> None:

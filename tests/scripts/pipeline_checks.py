@@ -391,17 +391,6 @@ class RunProbe(pl.Callback):
         self.guard_mismatches: list[dict] = []
         self.guarded_counts: list[int] = []
         self.hooked_after_fit: list[str] | None = None
-        self.loss_receive_posted: list[bool] = []  # per step: posted before the engine's step ran
-
-    def on_train_start(self, trainer, pl_module):  # noqa: ANN001
-        strategy = trainer.strategy
-        engine_step = strategy.engine.train_step
-
-        def watched(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            self.loss_receive_posted.append(strategy._loss_receive is not None)
-            return engine_step(*args, **kwargs)
-
-        strategy.engine.train_step = watched
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
         for tied in trainer.strategy.engine.tied:
@@ -675,7 +664,6 @@ def main() -> None:
         "tied_all_reduces": tied_all_reduces[0],
         "guard": [probe.guard_mismatches, probe.guarded_counts, probe.hooked_after_fit],
         "example_input_after_fit": getattr(model, "example_input_array", None) is not None,
-        "loss_receive_posted": probe.loss_receive_posted,
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
@@ -695,7 +683,6 @@ def main() -> None:
     result["callbacks_as_before_by_rank"] = [g["callbacks_as_before"] for g in gathered]
     result["guard_by_rank"] = [g["guard"] for g in gathered]
     result["example_input_after_fit_by_rank"] = [g["example_input_after_fit"] for g in gathered]
-    result["loss_receive_posted_by_rank"] = [g["loss_receive_posted"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     result["gathered"] = getattr(model, "gathered", None)
     if trainer.is_global_zero:
