@@ -75,7 +75,7 @@ def test_nothing_is_timed_when_no_decision_reads_the_times() -> None:
 
 @pytest.mark.usefixtures("one_process_group")
 def test_rebalancing_times_the_first_micro_batches_then_one_per_step_rotating() -> None:
-    engine = _engine(rebalance=100, partition="uniform")
+    engine = _engine(rebalance=16, partition="uniform")
     micro, steps = 4, 6
     flags = _train(engine, steps=steps, micro=micro)
     full_steps = FULLY_TIMED_MICRO_BATCHES // micro
@@ -89,8 +89,34 @@ def test_rebalancing_times_the_first_micro_batches_then_one_per_step_rotating() 
 
 
 @pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize(("settings", "steps_per_check", "stride"), [
+    ({"rebalance": 64}, None, 4),  # 64 // TIMED_STEPS_PER_CHECK
+    ({"rebalance": 31}, None, 1),  # under 32 steps per check: every step
+    ({"rebalance": "epoch"}, 48, 3),  # the epoch's length, set by the strategy
+    ({"rebalance": "epoch"}, None, 1),  # an epoch of unknown length
+    ({"rebalance": 64, "partition": "time", "profile_steps": 1000}, None, 1),  # a profile reads every step
+])  # fmt: skip
+def test_rebalancing_alone_times_one_step_in_every_few_on_long_check_intervals(
+    settings: dict[str, Any], steps_per_check: int | None, stride: int
+) -> None:
+    """After the first micro-batches, about 16 steps per check interval carry one timed micro-batch each
+    (rotating through the step's positions), instead of every step: rebalance="epoch" over hundreds of steps
+    paid a timed micro-batch (0.64 ms on the benchmark's 48-layer stage) in every step."""
+    engine = _engine(**{"partition": "uniform", **settings})
+    engine.steps_per_check = steps_per_check
+    micro, steps = 4, 16
+    flags = _train(engine, steps=steps, micro=micro)
+    full_steps = FULLY_TIMED_MICRO_BATCHES // micro
+    for step in range(full_steps, steps):
+        expected = [step % stride == 0 and m == (step // stride) % micro for m in range(micro)]
+        assert flags[step] == expected, (step, flags[step])
+    timed_steps = sum(1 for step in range(full_steps, steps) if step % stride == 0)
+    assert _counted(engine) == FULLY_TIMED_MICRO_BATCHES + timed_steps
+
+
+@pytest.mark.usefixtures("one_process_group")
 def test_a_check_that_moves_nothing_keeps_the_times_at_half_weight_and_times_no_burst() -> None:
-    engine = _engine(rebalance=100, partition="uniform")
+    engine = _engine(rebalance=16, partition="uniform")
     micro = 4
     _train(engine, steps=3, micro=micro)  # the burst of FULLY_TIMED_MICRO_BATCHES, then one
     before = _counted(engine)
@@ -204,6 +230,7 @@ def test_validation_forwards_stay_out_of_the_training_layer_times(tmp_path: Path
         if dist.is_initialized():
             dist.destroy_process_group()
     assert _counted(strategy.engine) == 3 * 2  # 3 steps x 2 micro-batches; 4 validation forwards left out
+    assert strategy.engine.steps_per_check == 3  # the epoch's steps, for rebalance="epoch"
 
 
 def test_static_shapes_keys_and_a_broken_assumption_named() -> None:

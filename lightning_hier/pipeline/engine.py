@@ -71,8 +71,12 @@ def rank_of_stage(num_stages: int, stage: int) -> int:
 
 
 # after a check that moved layers (and at the start), this many training micro-batches are all
-# timed; then one per step (see PipelineEngine.times_micro_batch)
+# timed; then one micro-batch per timed step (see PipelineEngine.times_micro_batch)
 FULLY_TIMED_MICRO_BATCHES = 8
+# with rebalancing alone, after the first micro-batches about this many steps between two checks time one
+# micro-batch each: samples enough for a check (a quiet check carries them on, aged), while on a long interval
+# (rebalance="epoch" over hundreds of steps) timing costs a fraction of a timed micro-batch per step
+TIMED_STEPS_PER_CHECK = 16
 # a check that moved nothing keeps the stage's layer times at this weight against each new sample:
 # the next check reads mostly its own window, so a drift shows within a check or two, yet needs no
 # burst of full timing to have enough samples
@@ -160,6 +164,9 @@ class PipelineEngine:
         self.layer_table: dict[str, Any] = {"layers": {}, "input_bytes": {}, "saved_bytes": {}}
         self._measured_bandwidth: float | None = None
         self.layer_timing = "auto"  # one of LAYER_TIMING_MODES, see times_micro_batch
+        # training steps between two rebalance checks where the settings do not say (rebalance="epoch": the
+        # strategy sets the epoch's length); None: unknown, one timed micro-batch per step
+        self.steps_per_check: int | None = None
         self._held_by_no_layer = self._state_no_layer_holds()
         # read while every tensor is whole: which names are one tensor, and each parameter's shape
         self._canonical = canonical_names(self.root)
@@ -309,11 +316,13 @@ class PipelineEngine:
         once the device has passed them), so it runs only where a decision reads it (``"auto"``):
         while ``partition="time"`` profiles, before the first memory plan, and with rebalancing on.
         Then the first ``FULLY_TIMED_MICRO_BATCHES`` micro-batches (at the start and after a check
-        that moved layers) are all timed and afterwards one per step, its position rotating through
-        the step, which keeps the means representative at a fraction of the cost; a check that moved
-        nothing keeps the times, aged (``TIMES_KEPT_AFTER_A_QUIET_CHECK``), instead of timing
-        afresh. ``layer_timing="sampled"`` samples so even when
-        nothing reads the times, ``"all"`` times every micro-batch, ``"off"`` none.
+        that moved layers) are all timed and afterwards one per timed step, its position rotating
+        through the step, which keeps the means representative at a fraction of the cost; a check that
+        moved nothing keeps the times, aged (``TIMES_KEPT_AFTER_A_QUIET_CHECK``), instead of timing
+        afresh. Every step is a timed step while a profile reads the times; with rebalancing alone,
+        every ``interval // TIMED_STEPS_PER_CHECK``-th step is (about 16 per check interval; every step
+        for intervals under 32 steps). ``layer_timing="sampled"`` times one micro-batch per step even
+        when nothing reads the times, ``"all"`` every micro-batch, ``"off"`` none.
         """
         mode = self.layer_timing
         if mode not in LAYER_TIMING_MODES:
@@ -322,7 +331,23 @@ class PipelineEngine:
             return False
         if mode == "all" or self.executor.timed_forwards < FULLY_TIMED_MICRO_BATCHES:
             return True
-        return micro == self.steps % num_micro
+        stride = self._timing_stride() if mode == "auto" else 1
+        if self.steps % stride:
+            return False
+        return micro == (self.steps // stride) % num_micro
+
+    def _timing_stride(self) -> int:
+        """Every how many steps one micro-batch is timed after the first ones (``times_micro_batch``)."""
+        settings = self.settings
+        profiling = (settings.partition == "time" and not self._time_split_done) or (
+            settings.memory_limit is not None and self.steps < settings.profile_steps
+        )
+        interval = self.steps_per_check
+        if settings.rebalance not in ("epoch", "never"):
+            interval = int(settings.rebalance)
+        if profiling or not interval:
+            return 1
+        return max(1, interval // TIMED_STEPS_PER_CHECK)
 
     def _times_needed(self) -> bool:
         settings = self.settings

@@ -8,6 +8,7 @@ for the contract a LightningModule follows.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -717,6 +718,9 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         trainer = self.lightning_module.trainer
         loop = trainer.fit_loop.epoch_loop
         epoch_ends = loop.batch_progress.is_last_batch or loop.batch_idx + 1 >= trainer.num_training_batches
+        # rebalance="epoch": a check per epoch's steps (an iterable loader without a length: unknown)
+        batches = trainer.num_training_batches
+        self.engine.steps_per_check = int(batches) if math.isfinite(batches) and batches > 0 else None
         # global_step is incremented after optimizer_step returns
         self.engine.after_optimizer_step(trainer.global_step + 1, epoch_ends)
 
