@@ -587,6 +587,11 @@ def test_should_stop_set_in_the_last_stages_training_step_stops_every_stage(
     assert len(expected_losses) == StoppingNet.stop_after_step + 1  # one per step, the epoch has 8
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=StoppingNet)
+    # on the host (gloo) the first stage (rank 1) posts the receive of each step's loss and flags once its
+    # last message is out, before the last of its 2 backwards, so it lands during that backward; not where
+    # the flag travels apart (the GPU's path); the last stage (rank 0) sends it
+    steps, ahead = len(expected_losses), not scenario.endswith("host_flag")
+    assert result["loss_receive_posted_by_rank"] == [[None] * steps, [1 if ahead else None] * steps]
 
 
 def test_compiled_blocks_run_as_layers_and_migrate_matching_one_process(tmp_path: Path) -> None:

@@ -289,6 +289,10 @@ class PipelineSchedule:
         # activations whose receive is posted, by micro-batch: (buffer, works still to wait for)
         self._inbox: dict[int, tuple[torch.Tensor | None, list[dist.Work]]] = {}
         self._recv_next = 0  # the next activation whose receive is not posted yet (they go in order)
+        # called once per training step, right after this stage issued its last message of the step (the
+        # first stage: its last gradient's receive, before its last backward; the others: their last
+        # sends): what goes out after every message of the step keeps the ranks' one issuing order
+        self.after_messages: Callable[[], None] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -410,7 +414,11 @@ class PipelineSchedule:
         for m in range(num_micro):
             recv_ops, grad = self._recv_grad_ops(m, stash)
             self.link.exchange(recv_ops)
+            if m == num_micro - 1 and self.is_first:
+                self._messages_done()
             self.link.post_sends(self._compute_backward(m, grad, stash))
+        if not self.is_first:
+            self._messages_done()
 
     def _one_f_one_b(self, num_micro: int, forward: ForwardFn) -> None:
         """Warm-up forwards, then backward/forward pairs with paired exchanges, then backwards.
@@ -442,6 +450,8 @@ class PipelineSchedule:
             recv_ops, grad = self._recv_grad_ops(bwd, stash)
             self.link.exchange(forward_sends + backward_sends + recv_ops)
             forward_sends = []
+            if bwd == num_micro - 1 and self.is_first:  # nothing left to send: every forward ran
+                self._messages_done()
             backward_sends = self._compute_backward(bwd, grad, stash)
             paired = bwd + lead
             bwd += 1
@@ -457,6 +467,12 @@ class PipelineSchedule:
                 forward_sends = self._compute_forward(fwd, received, forward, stash)
                 fwd += 1
         self.link.post_sends(forward_sends + backward_sends)
+        if not self.is_first:
+            self._messages_done()
+
+    def _messages_done(self) -> None:
+        if self.after_messages is not None:
+            self.after_messages()
 
     def _receive_paired(self, paired: int, num_micro: int) -> tuple[list[dist.P2POp], list[dist.Work]]:
         """The receive of activation ``paired``, to post with this stage's gradient send (the previous stage

@@ -232,6 +232,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         self.skip_flag_on_host: bool | None = None
         self._failed = False
         self._loss_broadcasts = PostedBroadcasts()  # the last stage's step losses and flags
+        self._loss_receive: tuple[dist.Work, torch.Tensor] | None = None  # see _receive_loss_ahead
         self._sigterm_broadcast = SigtermBroadcast()
         self._hidden_example_input: tuple[pl.LightningModule, Any] | None = None  # set aside while running
         self._batch_checked_in_epoch: int | None = None  # the epoch whose first batch the stages compared
@@ -356,6 +357,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         self.precision_plugin.convert_module(self.model)
         self._failed = False
         self._loss_broadcasts.forget()
+        self._loss_receive = None
         self._batch_checked_in_epoch = None
         if self.engine is not None and self.engine.root is not module:
             self.engine = None  # another module than the last run's: its own graph and split
@@ -537,6 +539,8 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             rng_step = int(trainer.fit_loop.total_batch_idx)
             forward = self._step_forward("training_step", micro, total, tuple(rest), scale, rng_step)
             self.engine.schedule.loss_backward = self._loss_backward()
+            # the loss's receive goes out once this stage's last message of the step is issued
+            self.engine.schedule.after_messages = self._receive_loss_ahead
             # the user's step runs on the last stage only: its on_step values become the batch's
             with step_values_over_micro_batches(trainer._results if self.engine.is_last else None):
                 self.engine.train_step(len(micro), forward, self._spec_keys("train", micro))
@@ -593,15 +597,37 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 loss = torch.stack(self._losses).sum().to(torch.float64)
             self._broadcast_from_last(loss, last)
             return loss
-        result = torch.zeros(3, dtype=torch.float64, device=self.root_device)
-        if self._losses:
-            result[0] = torch.stack(self._losses).sum()
-        result[1] = float(all_skipped)
-        result[2] = float(trainer.should_stop)
-        self._broadcast_from_last(result, last)
+        if self._loss_receive is not None:  # posted as the step began (gloo)
+            work, result = self._loss_receive
+            self._loss_receive = None
+            work.wait()
+        else:
+            result = torch.zeros(3, dtype=torch.float64, device=self.root_device)
+            if self._losses:
+                result[0] = torch.stack(self._losses).sum()
+            result[1] = float(all_skipped)
+            result[2] = float(trainer.should_stop)
+            self._broadcast_from_last(result, last)
         skipped, stop = result[1:].tolist()
         trainer.should_stop = trainer.should_stop or bool(stop)
         return None if skipped else result[0]
+
+    def _receive_loss_ahead(self) -> None:
+        """On the host (gloo), a stage other than the last posts the receive of the step's loss and flags as
+        soon as it has issued its last message of the step (the schedule calls this): on the first stage
+        before its last backward, so the loss lands while that backward runs. Posted after the backward,
+        as before, the receive waited for the last stage's communication thread: 0.35 ms per step on the
+        first stage, whose last backward and next forward bound every step. Every stage issues it after
+        all its point-to-point messages, as the last stage issues the broadcast after its own, so the
+        ranks keep one issuing order (DESIGN principle 7; ``tests/test_device_rule.py``); posted as the
+        step began it was out of that order. Not on a GPU: there the loss travels on the device."""
+        assert self.engine is not None
+        if self.num_stages == 1 or self.engine.is_last or self._skip_flag_on_host():
+            return
+        result = torch.zeros(3, dtype=torch.float64, device=self.root_device)
+        last = rank_of_stage(self.num_stages, self.num_stages - 1)
+        work = dist.broadcast(result, src=last, group=self.engine.group, async_op=True)
+        self._loss_receive = (work, result)
 
     def _broadcast_from_last(self, tensor: torch.Tensor, last: int) -> None:
         """Broadcast the step's loss or flags from the last stage. The other stages wait for the values;

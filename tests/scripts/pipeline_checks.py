@@ -391,6 +391,32 @@ class RunProbe(pl.Callback):
         self.guard_mismatches: list[dict] = []
         self.guarded_counts: list[int] = []
         self.hooked_after_fit: list[str] | None = None
+        # per step: how many of the step's backwards had run when the loss's receive was posted (None: not)
+        self.loss_receive_posted: list[int | None] = []
+
+    def on_train_start(self, trainer, pl_module):  # noqa: ANN001
+        strategy, schedule = trainer.strategy, trainer.strategy.engine.schedule
+        engine_step, backward, receive = strategy.engine.train_step, schedule._compute_backward, None
+        backwards = [0]
+
+        def counted_backward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            backwards[0] += 1
+            return backward(*args, **kwargs)
+
+        def watched_receive() -> None:
+            receive()
+            if strategy._loss_receive is not None:
+                self.loss_receive_posted[-1] = backwards[0]
+
+        def watched(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            nonlocal receive
+            receive, backwards[0] = schedule.after_messages, 0
+            schedule.after_messages = watched_receive
+            self.loss_receive_posted.append(None)
+            return engine_step(*args, **kwargs)
+
+        schedule._compute_backward = counted_backward
+        strategy.engine.train_step = watched
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
         for tied in trainer.strategy.engine.tied:
@@ -664,6 +690,7 @@ def main() -> None:
         "tied_all_reduces": tied_all_reduces[0],
         "guard": [probe.guard_mismatches, probe.guarded_counts, probe.hooked_after_fit],
         "example_input_after_fit": getattr(model, "example_input_array", None) is not None,
+        "loss_receive_posted": probe.loss_receive_posted,
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
@@ -683,6 +710,7 @@ def main() -> None:
     result["callbacks_as_before_by_rank"] = [g["callbacks_as_before"] for g in gathered]
     result["guard_by_rank"] = [g["guard"] for g in gathered]
     result["example_input_after_fit_by_rank"] = [g["example_input_after_fit"] for g in gathered]
+    result["loss_receive_posted_by_rank"] = [g["loss_receive_posted"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     result["gathered"] = getattr(model, "gathered", None)
     if trainer.is_global_zero:
