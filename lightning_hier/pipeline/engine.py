@@ -339,22 +339,22 @@ class PipelineEngine:
     def _timing_stride(self) -> int:
         """Every how many steps one micro-batch is timed after the first ones (``times_micro_batch``)."""
         settings = self.settings
-        profiling = (settings.partition == "time" and not self._time_split_done) or (
-            settings.memory_limit is not None and self.steps < settings.profile_steps
-        )
         interval = self.steps_per_check
         if settings.rebalance not in ("epoch", "never"):
             interval = int(settings.rebalance)
-        if profiling or not interval:
+        if self._profiling() or not interval:
             return 1
         return max(1, interval // TIMED_STEPS_PER_CHECK)
 
     def _times_needed(self) -> bool:
+        return self.settings.rebalance != "never" or self._profiling()
+
+    def _profiling(self) -> bool:
+        """Whether a profile reads the layer times: ``partition="time"`` before its split, or the memory
+        plan's first ``profile_steps``."""
         settings = self.settings
-        return (
-            settings.rebalance != "never"
-            or (settings.partition == "time" and not self._time_split_done)
-            or (settings.memory_limit is not None and self.steps < settings.profile_steps)
+        return (settings.partition == "time" and not self._time_split_done) or (
+            settings.memory_limit is not None and self.steps < settings.profile_steps
         )
 
     def train_step(self, num_micro: int, forward: Any, keys: Sequence[Hashable] | None = None) -> None:
@@ -446,7 +446,7 @@ class PipelineEngine:
     def _choose_extra_warmup(self, partition: StagePartition, memory: Sequence[tuple[int, int]]) -> list[int]:
         """``extra_warmup="auto"``: the extra 1F1B warm-up forwards per stage that shorten the step simulated
         from the measured layer times on ``partition`` (pipeline/warmup.py). Every stage decides from the
-        same broadcast table, so all agree. Not under a ``memory_limit`` (each extra forward holds one
+        same gathered table, so all agree. Not under a ``memory_limit`` (each extra forward holds one
         more micro-batch's activations, which the memory plan does not trade against time) nor GPipe."""
         settings = self.settings
         if (

@@ -597,7 +597,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 loss = torch.stack(self._losses).sum().to(torch.float64)
             self._broadcast_from_last(loss, last)
             return loss
-        if self._loss_receive is not None:  # posted as the step began (gloo)
+        if self._loss_receive is not None:  # posted after this stage's last message (gloo)
             work, result = self._loss_receive
             self._loss_receive = None
             work.wait()
