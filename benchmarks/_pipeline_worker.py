@@ -162,22 +162,39 @@ class StepParts:
 class EngineParts:
     """Inside the engine's step of one stage: the time blocked on a neighbour (exchanges, header reads,
     the step's final send completion) and the rest. The rest, less the stage's layers' own measured
-    times, is the engine's own work (schedule, interpreter, messages' Python, timing)."""
+    times, is the engine's own work (schedule, interpreter, messages' Python, timing). A split backward's
+    weights' passes run inside exchanges while messages are in flight: they count as layers, not waiting."""
 
     def __init__(self, engine: Any) -> None:
-        self.step_s = self.wait_s = 0.0
+        self.step_s = self.wait_s = self.filled_s = 0.0
         self.counting = False
         link = engine.link
         engine.train_step = self._timed(engine.train_step, "step_s")
         for name in ("exchange", "recv_header", "wait"):
             setattr(link, name, self._timed(getattr(link, name), "wait_s"))
+        split = engine.executor.weight_grads
+        if split is not None:
+            run_oldest = split.run_oldest
+
+            def timed_run_oldest() -> None:
+                start = time.perf_counter()
+                try:
+                    run_oldest()
+                finally:
+                    if self.counting and self.waiting:
+                        self.filled_s += time.perf_counter() - start
+
+            split.run_oldest = timed_run_oldest
+        self.waiting = False
 
     def _timed(self, fn: Callable[..., Any], into: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            self.waiting = into == "wait_s"
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.waiting = False
                 if self.counting:
                     setattr(self, into, getattr(self, into) + time.perf_counter() - start)
 
@@ -185,7 +202,7 @@ class EngineParts:
 
     def per_micro_batch_ms(self, steps: int, micro: int) -> dict[str, float]:
         """Per micro-batch of the window: the engine's step and the time it was blocked on a neighbour."""
-        step, wait = (value / (steps * micro) * 1e3 for value in (self.step_s, self.wait_s))
+        step, wait = (value / (steps * micro) * 1e3 for value in (self.step_s, self.wait_s - self.filled_s))
         return {"engine_step": step, "waiting": wait}
 
 
@@ -252,6 +269,7 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
         partition="uniform",
         rebalance=every,
         static_shapes=c.get("static_shapes", False),
+        split_backward=c.get("split_backward", "auto"),
     )
     timer = HierWindow(strategy, c, Window(steps, job_dir))
     max_steps = c["max_settle_steps"] + steps + c["warmup"] + 10

@@ -170,6 +170,15 @@ def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: P
     assert_checkpoint_matches(result["checkpoint"], expected_state)
     assert_every_rank_holds(result["module_after_fit"], 4, expected_state)
     assert_every_rank_optimizer_holds(result["optimizer_after_fit"], 4, expected_optimizer)
+    # every stage but the first split every micro-batch's backward (8 steps x 4), checked it against a
+    # plain backward after each split it ran on (the start and every move), and never fell back
+    split = sorted(result["split_by_rank"], key=lambda counts: counts["stage"])
+    assert split[0]["input"] is None
+    moves = len(result["history"])
+    for counts in split[1:]:
+        assert counts["input"] == counts["weight"] == 32, split
+        assert 1 <= counts["checked"] <= 1 + moves and counts["fell_back"] == 0, split
+    assert split[-1]["linear"] > 0  # the last stage's linear layers took the one-matmul weights' pass
     history = result["history"]
     assert history, "the lopsided start [1, 1, 1, 17] must be rebalanced"
     first = history[0]
@@ -443,6 +452,9 @@ def test_memory_limit_picks_swap_and_recompute_and_stays_under_it(tmp_path: Path
     assert logged[0]["step"] == 2 and len(logged[0]["plans"]) == 2
     swapped = sum(plan["counts"]["swap"] + plan["counts"]["recompute"] for plan in logged[0]["plans"])
     assert swapped == sum(p != "keep" for p in policies)
+    # a memory policy stashes activations its own way: the later stage ran plain backward passes
+    later = [counts for counts in result["split_by_rank"] if counts["stage"] > 0]
+    assert later and all(counts["input"] == 0 for counts in later), result["split_by_rank"]
 
 
 def test_recomputing_every_layer_matches_and_survives_migration(tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ from lightning_hier.pipeline.tied_parameters import (
 )
 from lightning_hier.pipeline.time_table import GatheredTimes, merge_stage_times, pack_stage_times
 from lightning_hier.pipeline.warmup import choose_extra_warmup, fits_in_memory
+from lightning_hier.pipeline.weight_grad import WeightGradients
 from lightning_hier.topology import control_group, host_capable_backend
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,26 @@ class PipelineEngine:
         self.foreign_layers = ForeignLayerGuard(self.root, self.stage, self.num_stages, delegate)
         self.release_foreign_state()
         self._enable_memory_policy()
+        if self._splits_backward():
+            executor = self.executor
+            split = WeightGradients(executor.clock.mark, executor.is_timing)
+            executor.weight_grads = self.schedule.weight_grads = split
+            self._watch_weight_grads()
+
+    def _splits_backward(self) -> bool:
+        """Whether this stage may split its backward (``split_backward``; ``"auto"``: on the host)."""
+        wanted = self.settings.split_backward
+        if wanted == "auto":
+            wanted = self.device.type == "cpu"
+        return bool(wanted) and self.num_stages > 1 and self.stage > 0
+
+    def _watch_weight_grads(self) -> None:
+        """Point the split backward at this stage's layers and parameters (after every partition change)."""
+        split = self.executor.weight_grads
+        if split is None:
+            return
+        owned = [self._params[name] for name in self.owned_state_names() if name in self._params]
+        split.watch(self.executor.stage_modules(), owned, self.executor.functional_parameters())
 
     def _rank_of_stage(self, stage: int) -> int:
         return rank_of_stage(self.num_stages, stage)
@@ -359,6 +380,8 @@ class PipelineEngine:
 
     def train_step(self, num_micro: int, forward: Any, keys: Sequence[Hashable] | None = None) -> None:
         """One step's micro-batches through this stage; ``keys`` see :meth:`PipelineSchedule.train_step`."""
+        # a memory policy stashes activations its own way (swap, recompute): no split backward with it
+        self.schedule.split_backward = self.executor.layer_run is None
         self.schedule.train_step(num_micro, forward, keys)
         self.executor.resolve(wait=False)  # on a GPU: what the device has finished, without waiting
         self.steps += 1
@@ -521,6 +544,7 @@ class PipelineEngine:
         self.foreign_layers.refresh(self._foreign_state_names())
         self._find_tied()
         self.executor.set_partition(new)
+        self._watch_weight_grads()
         self.link.forget_specs()  # the cuts moved
         self._apply_fixed_policy()
         return report
@@ -538,6 +562,7 @@ class PipelineEngine:
         self.foreign_layers.refresh(self._foreign_state_names())
         self._find_tied()
         self.executor.set_partition(new)
+        self._watch_weight_grads()
         self.link.forget_specs()  # the cuts moved
         self._apply_fixed_policy()
 

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_hier.pipeline.activation_store import ActivationMeter
 from lightning_hier.pipeline.warmup import warmup_counts
+
+if TYPE_CHECKING:
+    from lightning_hier.pipeline.weight_grad import WeightGradients
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -215,13 +218,22 @@ class StageLink:
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return dist.P2POp(dist.isend, tensor, self._peer(stage), self.group)
 
-    def exchange(self, ops: list[dist.P2POp], posted: Sequence[dist.Work] = ()) -> None:
+    def exchange(
+        self,
+        ops: list[dist.P2POp],
+        posted: Sequence[dist.Work] = (),
+        idle: Callable[[Callable[[], bool]], None] | None = None,
+    ) -> None:
         """Post ``ops`` as one batch and wait for them and for the ``posted`` receives (on CUDA the
-        stream waits, not the host)."""
+        stream waits, not the host). ``idle(done)``, if given, runs between posting and waiting and may
+        work until ``done()`` says every message has completed."""
         self._release_finished_sends()
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        works = list(dist.batch_isend_irecv(ops)) if ops else []
+        if idle is not None:
+            waiting = [*works, *posted]
+            idle(lambda: all(work.is_completed() for work in waiting))
+        for work in works:
+            work.wait()
         for work in posted:
             work.wait()
 
@@ -293,6 +305,12 @@ class PipelineSchedule:
         # first stage: its last gradient's receive, before its last backward; the others: their last
         # sends): what goes out after every message of the step keeps the ranks' one issuing order
         self.after_messages: Callable[[], None] | None = None
+        # a split backward (pipeline/weight_grad.py): the engine sets both; ``split_backward`` per step
+        self.weight_grads: WeightGradients | None = None
+        self.split_backward = False
+        # micro-batches whose weights' pass may wait (each holds its autograd graph until then)
+        self.max_deferred = 1
+        self._split: WeightGradients | None = None  # of the step running
 
     @property
     def is_first(self) -> bool:
@@ -354,7 +372,12 @@ class PipelineSchedule:
     ) -> list[dist.P2POp]:
         """Forward of micro-batch ``m``; returns the send of its activation (empty on the last stage)."""
         self._expect_next(m)
-        output = forward(m, received)
+        split = self._split
+        if split is not None and received is not None and received.requires_grad:
+            with split.recording(m):
+                output = forward(m, received)
+        else:
+            output = forward(m, received)
         sends: list[dist.P2POp] = []
         wants_grad = False
         if not self.is_last:
@@ -380,6 +403,9 @@ class PipelineSchedule:
     ) -> list[dist.P2POp]:
         """Backward of micro-batch ``m``; returns the send of its input gradient (if any)."""
         item = stash.pop(m)
+        split = self._split
+        if split is not None and split.has_record(m):
+            return self._split_backward(m, grad, item, split)
         if self.is_last:
             if item.output.requires_grad:
                 self.loss_backward(item.output)
@@ -393,15 +419,75 @@ class PipelineSchedule:
         grad_in = received.grad if received.grad is not None else torch.zeros_like(received)
         return [self.link.send_grad_op(grad_in)]
 
+    def _split_backward(
+        self, m: int, grad: torch.Tensor | None, item: _InFlight, split: WeightGradients
+    ) -> list[dist.P2POp]:
+        """The input pass of micro-batch ``m`` only: its weights' pass waits (:meth:`_fill`)."""
+        received = item.received
+        assert received is not None
+        output = item.output
+        differentiable = isinstance(output, torch.Tensor) and output.requires_grad  # may be ``received``
+        if differentiable and (self.is_last or grad is not None):
+            grad_in = split.input_backward(m, output, grad if not self.is_last else None, received)
+        else:  # nothing to backpropagate (a skipped micro-batch's loss, an output no stage needs)
+            split.drop(m)
+            grad_in = torch.zeros_like(received)
+        if self.on_backward_done is not None:
+            self.on_backward_done()
+        return [self.link.send_grad_op(grad_in)]
+
+    def _exchange(self, ops: list[dist.P2POp], posted: Sequence[dist.Work] = ()) -> None:
+        """:meth:`StageLink.exchange`, running deferred weights' passes while it waits (split backward)."""
+        if self._split is None:
+            self.link.exchange(ops, posted)
+        else:
+            self.link.exchange(ops, posted, idle=self._fill)
+
+    def _fill(self, done: Callable[[], bool]) -> None:
+        """While this stage's messages are in flight: the weights' passes beyond ``max_deferred`` first,
+        then more of them until the messages complete."""
+        split = self._split
+        if split is None:
+            return
+        while len(split.pending) > self.max_deferred:
+            split.run_oldest()
+        while split.pending and not done():
+            split.run_oldest()
+
+    def _splits(self) -> WeightGradients | None:
+        """The split backward for this step, where it applies: a stage that receives activations (the
+        first one has no input gradient to send), the last stage's loss through plain autograd (a user's
+        ``backward`` runs as written), grad mode, no user hook on a parameter."""
+        split = self.weight_grads
+        if (
+            split is None
+            or not self.split_backward
+            or not split.usable
+            or self.is_first
+            or not torch.is_grad_enabled()
+            or (self.is_last and self.loss_backward is not torch.autograd.backward)
+            or split.hooks_on_parameters()
+        ):
+            return None
+        return split
+
     # ------------------------------------------------------------------ train
     def train_step(self, num_micro: int, forward: ForwardFn, keys: Sequence[Hashable] | None = None) -> None:
         """Forward and backward of ``num_micro`` micro-batches; gradients accumulate in ``.grad``.
         ``keys``: per micro-batch, what its activations' specs depend on (``static_shapes``)."""
         self._start(num_micro, keys)
-        if self.kind == "gpipe":
-            self._gpipe(num_micro, forward)
-        else:
-            self._one_f_one_b(num_micro, forward)
+        self._split = self._splits()
+        try:
+            if self.kind == "gpipe":
+                self._gpipe(num_micro, forward)
+            else:
+                self._one_f_one_b(num_micro, forward)
+            if self._split is not None:
+                self._split.run_all()  # the optimizer step reads every gradient
+        finally:
+            if self._split is not None:
+                self._split.discard()
+            self._split = None
         self.link.wait()
 
     def _gpipe(self, num_micro: int, forward: ForwardFn) -> None:
@@ -413,7 +499,7 @@ class PipelineSchedule:
             self.link.post_sends(self._compute_forward(m, received, forward, stash))
         for m in range(num_micro):
             recv_ops, grad = self._recv_grad_ops(m, stash)
-            self.link.exchange(recv_ops)
+            self._exchange(recv_ops)
             if m == num_micro - 1 and self.is_first:
                 self._messages_done()
             self.link.post_sends(self._compute_backward(m, grad, stash))
@@ -448,7 +534,7 @@ class PipelineSchedule:
         backward_sends: list[dist.P2POp] = []
         while bwd < num_micro:
             recv_ops, grad = self._recv_grad_ops(bwd, stash)
-            self.link.exchange(forward_sends + backward_sends + recv_ops)
+            self._exchange(forward_sends + backward_sends + recv_ops)
             forward_sends = []
             if bwd == num_micro - 1 and self.is_first:  # nothing left to send: every forward ran
                 self._messages_done()
@@ -459,11 +545,11 @@ class PipelineSchedule:
                 recv_ops, posted = [], []
                 if not self.is_first:
                     recv_ops, posted = self._receive_paired(paired, num_micro)
-                self.link.exchange(backward_sends + recv_ops, posted)
+                self._exchange(backward_sends + recv_ops, posted)
                 backward_sends = []
                 received, waits = self._inbox.pop(fwd) if fwd in self._inbox else (None, [])
                 if waits:
-                    self.link.exchange([], waits)
+                    self._exchange([], waits)
                 forward_sends = self._compute_forward(fwd, received, forward, stash)
                 fwd += 1
         self.link.post_sends(forward_sends + backward_sends)

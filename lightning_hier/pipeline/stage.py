@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -25,6 +25,9 @@ from lightning_hier.pipeline.layer_rng import (
     seeded,
 )
 from lightning_hier.pipeline.partition import StagePartition
+
+if TYPE_CHECKING:
+    from lightning_hier.pipeline.weight_grad import WeightGradients
 
 KEEP = "keep"
 _NEVER, _ALWAYS, _ASK = 0, 1, 2  # whether a node may draw random numbers (layer_rng.py)
@@ -165,6 +168,7 @@ class StageExecutor:
         self._pending_forward: list[tuple[range, list[Any]]] = []  # (layers, marks) per forward
         self._module_cache: dict[int, torch.nn.Module] = {}
         self._pending_backward: list[tuple[list[tuple[Any, int]], Any]] = []
+        self._pending_weight: list[list[tuple[int, Any, Any]]] = []
         self.stage = stage
         self.times = LayerTimes(len(graph.layers), graph.num_clusters)
         self.policies: dict[str, str] = {}
@@ -175,6 +179,8 @@ class StageExecutor:
         self.device = device
         self.rng_base: int | None = None  # set by the engine: every stage the same (layer_rng.py)
         self.rng_position = (0, 0)  # (step, micro-batch) of the forward about to run
+        # set by the engine where this stage splits its backward (pipeline/weight_grad.py)
+        self.weight_grads: WeightGradients | None = None
         self.set_partition(partition)
 
     # ------------------------------------------------------------------ placement
@@ -210,6 +216,24 @@ class StageExecutor:
         read = {arg.name for i in self.layer_range for arg in self.graph.nodes[i].all_input_nodes}
         self.reads_inputs = [] if self.is_first else sorted(read & self.graph.further_inputs)
         self._plan = [self._plan_node(i) for i in self.layer_range]
+
+    def is_timing(self) -> bool:
+        """Whether the forward running (or the last one) records per-layer times."""
+        return self.timing
+
+    def stage_modules(self) -> list[torch.nn.Module]:
+        """The modules this stage's layers call."""
+        return [step.fn for step in self._plan if step.op == "call_module"]
+
+    def functional_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters this stage's graph reads directly (``get_attr``), outside any module call."""
+        found = []
+        for step in self._plan:
+            if step.op == "get_attr":
+                value = self.graph.fetch_attr(str(step.node.target))
+                if isinstance(value, torch.nn.Parameter):
+                    found.append(value)
+        return found
 
     def _plan_node(self, i: int) -> _NodePlan:
         """What running node ``i`` needs, read once per partition instead of at every call (the loop over
@@ -323,9 +347,14 @@ class StageExecutor:
         timing = self.timing
         # one clock mark per node boundary: node k ran from marks[k] to marks[k + 1]
         marks = [self.clock.mark()] if timing else None
+        recording = self.weight_grads
+        if recording is not None and not recording.is_recording:
+            recording = None
         hookable: tuple[int, torch.Tensor] | None = None  # the cluster's last differentiable output
         to_hook: list[tuple[int, torch.Tensor]] = []  # hooked after the loop, outside the layers' marks
         for step in self._plan:
+            if recording is not None:
+                recording.layer = step.index
             value = self._run_node(step, env)
             if marks is not None:
                 marks.append(self.clock.mark())
@@ -413,8 +442,11 @@ class StageExecutor:
     # ------------------------------------------------------------------ backward timing
     def _backward_hook(self, layer: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            # autograd runs a device's backward on one thread, so hooks fire in time order
-            self._events.append((self.clock.mark(), layer))
+            # autograd runs a device's backward on one thread, so hooks fire in time order; a split
+            # backward's weights' pass times itself (pipeline/weight_grad.py)
+            split = self.weight_grads
+            if split is None or not split.in_weight_pass:
+                self._events.append((self.clock.mark(), layer))
 
         return hook
 
@@ -448,21 +480,29 @@ class StageExecutor:
         leave the GPU idle while the host runs Lightning's loop). Whatever reads the times (a rebalance
         check, the memory plan) resolves with ``wait`` first.
         """
-        if not (self._pending_forward or self._pending_backward):
+        split = self.weight_grads
+        if split is not None and split.weight_times:
+            self._pending_weight.extend(split.weight_times)
+            split.weight_times = []
+        if not (self._pending_forward or self._pending_backward or self._pending_weight):
             return
         if wait or not self.clock.cuda:
             self.clock.synchronize()
             forwards, backwards = self._pending_forward, self._pending_backward
-            self._pending_forward, self._pending_backward = [], []
+            weights = self._pending_weight
+            self._pending_forward, self._pending_backward, self._pending_weight = [], [], []
         else:
             ready = self.clock.ready
-            forwards, backwards = [], []
-            pending_forward, pending_backward = [], []
+            forwards, backwards, weights = [], [], []
+            pending_forward, pending_backward, pending_weight = [], [], []
             for entry in self._pending_forward:
                 (forwards if ready(entry[1][-1]) else pending_forward).append(entry)
             for entry in self._pending_backward:
                 (backwards if ready(entry[1]) else pending_backward).append(entry)
+            for passes in self._pending_weight:
+                (weights if ready(passes[-1][2]) else pending_weight).append(passes)
             self._pending_forward, self._pending_backward = pending_forward, pending_backward
+            self._pending_weight = pending_weight
         forward, forward_count = self.times.forward, self.times.forward_count
         seconds = self.clock.seconds
         for layers, marks in forwards:
@@ -473,6 +513,12 @@ class StageExecutor:
         for events, end in backwards:
             for (mark, layer), (next_mark, below) in zip(events, events[1:] + [(end, first)]):
                 self._share_backward(layer, below, seconds(mark, next_mark))
+        # a split backward's weights' pass: its layer's share of the micro-batch's backward, counted with
+        # the input pass above (the mean stays per micro-batch)
+        backward = self.times.backward
+        for passes in weights:
+            for layer, start, end in passes:
+                backward[layer] += seconds(start, end)
 
     def age_times(self, keep: float) -> None:
         """Carry the measurements on at weight ``keep``: the layers and their device did not change."""
@@ -482,5 +528,6 @@ class StageExecutor:
     def reset_times(self) -> None:
         self._pending_forward.clear()
         self._pending_backward.clear()
+        self._pending_weight.clear()
         self.timed_forwards = 0
         self.times = LayerTimes(len(self.graph.layers), self.graph.num_clusters)

@@ -161,6 +161,16 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             scaled by what it would hold, stays within 90 % of its device); nothing changes on balanced
             stages, with ``rebalance="never"`` (no times), under a ``memory_limit`` or with
             ``schedule="gpipe"``. An integer gives every stage but the last that many.
+        split_backward: every stage but the first computes a micro-batch's input gradient first, sends
+            it, and computes its weight gradients afterwards, while it waits for its next activation or
+            at the step's end (zero-bubble pipelines' B/W split, ``pipeline/weight_grad.py``): the
+            previous stage's wait for that gradient no longer includes the weight pass. Gradients are
+            those of a plain backward (the first split pass after each partition change is checked
+            against one; a model whose module reads a parameter outside its own call falls back to plain
+            passes with a warning). It holds one more micro-batch's autograd graph until its weights'
+            pass. ``"auto"`` (default) splits on CPU and not on a GPU (where the graph held longer costs
+            device memory; not yet measured there) or under a memory policy (``memory_limit``,
+            ``activation_policy``), which it never combines with.
     """
 
     _runtime_state = {
@@ -190,6 +200,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         static_shapes: bool = False,
         split_tied_parameters: bool = True,
         extra_warmup: int | Literal["auto"] = "auto",
+        split_backward: bool | Literal["auto"] = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -216,6 +227,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             static_shapes=static_shapes,
             split_tied_parameters=split_tied_parameters,
             extra_warmup=extra_warmup,
+            split_backward=split_backward,
         )
         super().__init__(
             accelerator=accelerator,

@@ -550,6 +550,22 @@ def _special_loader(kind: str) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=32)
 
 
+def split_backward_counts(engine) -> dict | None:  # noqa: ANN001
+    """This stage's split backward (pipeline/weight_grad.py): its stage and what it did, or None."""
+    split = engine.executor.weight_grads
+    if split is None:
+        return {"stage": engine.stage, "input": None}
+    counts = split.counts
+    return {
+        "stage": engine.stage,
+        "input": counts.input_passes,
+        "weight": counts.weight_passes,
+        "checked": counts.checked,
+        "fell_back": counts.fell_back,
+        "linear": counts.linear_calls,
+    }
+
+
 def main() -> None:
     name, out, workdir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     spec = SCENARIOS[name]
@@ -691,6 +707,7 @@ def main() -> None:
         "guard": [probe.guard_mismatches, probe.guarded_counts, probe.hooked_after_fit],
         "example_input_after_fit": getattr(model, "example_input_array", None) is not None,
         "loss_receive_posted": probe.loss_receive_posted,
+        "split": split_backward_counts(engine),
     }
     gathered: list = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
@@ -711,6 +728,7 @@ def main() -> None:
     result["guard_by_rank"] = [g["guard"] for g in gathered]
     result["example_input_after_fit_by_rank"] = [g["example_input_after_fit"] for g in gathered]
     result["loss_receive_posted_by_rank"] = [g["loss_receive_posted"] for g in gathered]
+    result["split_by_rank"] = [g["split"] for g in gathered]
     result["memory_limit"] = spec["strategy"].get("memory_limit")
     result["gathered"] = getattr(model, "gathered", None)
     if trainer.is_global_zero:
