@@ -231,3 +231,20 @@ def test_a_released_call_leaves_no_reference_cycle_holding_the_graph() -> None:
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_a_pruned_linear_layer_takes_autograd_and_matches() -> None:
+    """``torch.nn.utils.prune`` (Lightning's ``ModelPruning``) makes ``weight`` a tensor computed from
+    ``weight_orig`` in a forward pre-hook: the one-matmul pass would write the wrong tensor's ``.grad``."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    xs, upstream = _inputs(3, (4, 6), seed=8), _inputs(3, (4, 3), seed=9)
+    plain_in, plain = _plain(model, xs, upstream)
+    split_in, got, split = _split(model, xs, upstream)
+    assert split.counts.linear_calls == 3 and split.counts.module_calls == 3  # model[2], model[0]
+    assert split.counts.fell_back == 0
+    for name, value in plain.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=name)

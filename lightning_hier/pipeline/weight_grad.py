@@ -175,7 +175,7 @@ class WeightGradients:
         if not params:
             return
         linear_input = None
-        if type(module) is nn.Linear and args and isinstance(args[0], torch.Tensor):
+        if _plain_linear(module) and args and isinstance(args[0], torch.Tensor):
             x = args[0]
             if x.dtype == output.dtype == module.weight.dtype and x.layout == torch.strided:
                 linear_input = x
@@ -352,6 +352,16 @@ class _Recording:
         calls, owner._recording = owner._recording, None
         if exc[0] is None and calls is not None:
             owner._recorded[self.micro] = _Deferred(calls, timed=owner._is_timed())
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose ``weight`` and ``bias`` are its own parameters: pruned (``weight`` computed
+    from ``weight_orig`` in a pre-hook) or parametrized (a subclass), autograd takes its pass."""
+    if type(module) is not nn.Linear:
+        return False
+    own = module._parameters
+    weight, bias = own.get("weight"), own.get("bias")
+    return weight is not None and weight is module.weight and (bias is None or bias is module.bias)
 
 
 def _catch(call: _ModuleCall) -> Callable[[torch.Tensor], None]:
