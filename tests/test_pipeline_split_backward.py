@@ -248,3 +248,41 @@ def test_a_pruned_linear_layer_takes_autograd_and_matches() -> None:
     assert split.counts.fell_back == 0
     for name, value in plain.items():
         torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_float32_gradients_equal_a_plain_backward_to_the_bit() -> None:
+    """The one-matmul pass computes what autograd computes, in the same order: no drift at all."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(64, 128), nn.Linear(128, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(torch.tanh(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    xs = [t.float() for t in _inputs(4, (32, 64), seed=10)]
+    upstream = [t.float() for t in _inputs(4, (32, 64), seed=11)]
+    plain_in, plain = _plain(model, xs, upstream)
+    split_in, got, split = _split(model, xs, upstream)
+    assert split.counts.linear_calls == 4 * 6
+    assert all(torch.equal(got[name], value) for name, value in plain.items())
+    assert all(torch.equal(a, b) for a, b in zip(plain_in, split_in))
+    assert all(p.grad.is_contiguous() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("stages", "micro", "split"),
+    [(2, 4, [0, 1, 2, 3]), (2, 16, [15]), (4, 8, list(range(8))), (4, 16, [13, 14, 15]), (2, 5, [4])],
+)
+def test_which_micro_batches_split(stages: int, micro: int, split: list[int]) -> None:
+    """All of a short step's (M <= 2 S: fill and drain are much of it); else the drain's last S - 1."""
+    from types import SimpleNamespace
+
+    from lightning_hier.pipeline.schedule import PipelineSchedule
+
+    schedule = PipelineSchedule(SimpleNamespace(stage=1, num_stages=stages))  # type: ignore[arg-type]
+    schedule.num_micro = micro
+    assert [m for m in range(micro) if schedule._splits_micro(m)] == split

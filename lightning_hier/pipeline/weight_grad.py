@@ -382,11 +382,14 @@ def _accumulate(param: nn.Parameter, value: torch.Tensor, fresh: bool) -> None:
 
 
 def _accumulate_mm(param: nn.Parameter, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
-    """``param.grad += grad_out.T @ inputs`` (an ``nn.Linear``'s weight gradient)."""
+    """``param.grad += grad_out.T @ inputs`` (an ``nn.Linear``'s weight gradient), computed as autograd
+    computes it (``(inputs.T @ grad_out).T``, then added), so the result is a plain backward's to the bit
+    (a fused ``addmm_`` rounded differently: float32 losses drifted apart by 1e-6 within a benchmark run)."""
+    value = torch.mm(inputs.t(), grad_out).t()
     if param.grad is None:
-        param.grad = torch.mm(grad_out.t(), inputs)
+        param.grad = value.contiguous()  # the parameter's layout, as autograd's accumulator gives it
     else:
-        param.grad.addmm_(grad_out.t(), inputs)
+        param.grad.add_(value)
 
 
 def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
