@@ -269,7 +269,7 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
         partition="uniform",
         rebalance=every,
         static_shapes=c.get("static_shapes", False),
-        split_backward=c.get("split_backward", "auto"),
+        split_backward=c.get("split_backward", False),
     )
     timer = HierWindow(strategy, c, Window(steps, job_dir))
     max_steps = c["max_settle_steps"] + steps + c["warmup"] + 10

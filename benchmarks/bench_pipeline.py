@@ -21,7 +21,7 @@ LABELS = {
     "single": "one process, no pipeline (Lightning)",
     "uniform": "hier_pipeline, uniform split",
     "rebalanced": "hier_pipeline, rebalanced",
-    "rebalanced_plain": "hier_pipeline, rebalanced, plain backward (split_backward=False)",
+    "rebalanced_split": "hier_pipeline, rebalanced, split backward (split_backward=True)",
     "pipelining": "torch pipelining, uniform split",
     "pipelining_hier_split": "torch pipelining, hier's final split",
 }
@@ -42,7 +42,7 @@ OPTIONS = """
 --repeats          int  2     jobs per contender (interleaved); mean reported
 --quick            flag -     smoke run: P=2 only, one repeat, 8 steps
 --static-shapes    flag -     hier contenders: HierPipelineStrategy(static_shapes=True)
---compare-split    flag -     also run rebalanced with split_backward=False (the split's gain, in-run)
+--compare-split    flag -     also run rebalanced with split_backward=True (the split's gain, in-run)
 --model {heavy-first,narrow-first} heavy-first 8 wide then 8 narrow blocks, or 9 narrow then 7 wide
 """
 
@@ -82,11 +82,11 @@ def run_job(
     config = {
         **jobs.pick(args, "micro_batches", "batch_size", "warmup", "steps", "max_settle_steps", "model"),
         "static_shapes": args.static_shapes,
-        "mode": {"uniform": "hier", "rebalanced": "hier", "rebalanced_plain": "hier", "single": "single"}.get(
+        "mode": {"uniform": "hier", "rebalanced": "hier", "rebalanced_split": "hier", "single": "single"}.get(
             contender, "pipelining"
         ),
         "rebalance": args.rebalance_every if contender.startswith("rebalanced") else "never",
-        "split_backward": False if contender == "rebalanced_plain" else "auto",
+        "split_backward": contender == "rebalanced_split",
         "split": split,
         "pin": stages <= CORES,  # rank r (all its threads) on core r mod cores
     }
@@ -146,7 +146,7 @@ def run_setup(args: argparse.Namespace, stages: int, repeat: int, done: list[Job
     for contender, name in LABELS.items():
         if contender == "single" and stages != int(cli.comma_list(args.stages)[0]):
             continue  # one process: the same at every P
-        if contender == "rebalanced_plain" and not args.compare_split:
+        if contender == "rebalanced_split" and not args.compare_split:
             continue
         if contender == "pipelining_hier_split" and splits[contender] is None:
             print(f"[P={stages}] {name}: skipped (no rebalanced split)")
@@ -179,14 +179,13 @@ def summary(stages: int, done: list[Job], all_jobs: list[Job], batch_size: int) 
     uniform = {j.repeat: j.samples_per_s for j in done if j.contender == REFERENCE}
     per_repeat = [j.samples_per_s / uniform.get(j.repeat, NAN) for j in done if j.contender == CONTENDER]
     same = "the same in every job" if len(losses) == 1 else "DIFFERS between jobs"
-    plain = {j.repeat: j.samples_per_s for j in done if j.contender == "rebalanced_plain"}
-    vs_plain = [
-        j.samples_per_s / plain[j.repeat] for j in done if j.contender == CONTENDER and j.repeat in plain
-    ]
+    plain = {j.repeat: j.samples_per_s for j in done if j.contender == CONTENDER}
+    split_jobs = [j for j in done if j.contender == "rebalanced_split" and j.repeat in plain]
+    split_gain = [j.samples_per_s / plain[j.repeat] for j in split_jobs]
     split_line = (
-        f"\n  split backward: {CONTENDER} / the same with split_backward=False = "
-        f"{fmt(rate[CONTENDER] / rate['rebalanced_plain'])} [per repeat: {', '.join(map(fmt, vs_plain))}]"
-        if vs_plain
+        f"\n  split backward: the same rebalanced job with split_backward=True / {CONTENDER} = "
+        f"{fmt(rate['rebalanced_split'] / rate[CONTENDER])} [per repeat: {', '.join(map(fmt, split_gain))}]"
+        if split_gain
         else ""
     )
     single = mean([j.samples_per_s for j in all_jobs if j.contender == "single"])
@@ -233,7 +232,7 @@ def summary(stages: int, done: list[Job], all_jobs: list[Job], batch_size: int) 
         "rebalanced_vs_uniform": speedup,
         "rebalanced_vs_pipelining": rate[CONTENDER] / rate["pipelining"],
         "rebalanced_vs_single": vs_single,
-        "split_vs_plain_backward": rate[CONTENDER] / rate["rebalanced_plain"] if vs_plain else None,
+        "split_vs_plain_backward": rate["rebalanced_split"] / rate[CONTENDER] if split_gain else None,
         "rebalanced_vs_pipelining_same_split": vs_torch,
         "engine_overhead_ms_per_micro_batch": overhead,
         "engine_overhead_without_optimizer_ms_per_micro_batch": net,

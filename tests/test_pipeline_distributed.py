@@ -212,6 +212,15 @@ def test_four_stages_rebalance_and_migrate_live_matching_one_process(tmp_path: P
     assert_only_layers_held_elsewhere_refuse_calls(result)
 
 
+def assert_later_stages_split(result: dict) -> None:
+    """``split_backward=True``: every stage but the first split (input and weights' passes in pairs), none
+    fell back; the first stage has no split."""
+    split = sorted(result["split_by_rank"], key=lambda counts: counts["stage"])
+    assert split[0]["input"] is None, split
+    for counts in split[1:]:
+        assert counts["input"] == counts["weight"] > 0 and counts["fell_back"] == 0, split
+
+
 def assert_only_layers_held_elsewhere_refuse_calls(result: dict) -> None:
     """At every step, through the migrations, the modules that raise when called on a stage are exactly those
     whose own weights that stage released (empty here); after fit every rank holds the whole model and none
@@ -245,6 +254,7 @@ def test_parameters_tied_across_stages_are_replicated_and_match_one_process(tmp_
     assert any(len(stages) > 1 for _, stages in result["tied_seen"]), result["tied_seen"]
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state, model_class=TwiceNet)
+    assert_later_stages_split(result)  # split_backward=True with the replicas' gradients summed after
 
 
 def test_tied_replicas_start_from_rank_0s_values(tmp_path: Path) -> None:
@@ -295,6 +305,8 @@ def test_gpipe_sgd_with_global_norm_clipping_and_accumulation(tmp_path: Path) ->
     )
     assert_losses_match(result["losses"], expected_losses)
     assert_checkpoint_matches(result["checkpoint"], expected_state)
+    assert_later_stages_split(result)  # GPipe with split_backward=True: 8 batches x 3 micro-batches
+    assert [c["input"] for c in result["split_by_rank"] if c["stage"] == 1] == [24]
 
 
 def test_a_model_with_an_example_input_and_the_model_summary_on_matches_one_process(tmp_path: Path) -> None:
@@ -452,7 +464,8 @@ def test_memory_limit_picks_swap_and_recompute_and_stays_under_it(tmp_path: Path
     assert logged[0]["step"] == 2 and len(logged[0]["plans"]) == 2
     swapped = sum(plan["counts"]["swap"] + plan["counts"]["recompute"] for plan in logged[0]["plans"])
     assert swapped == sum(p != "keep" for p in policies)
-    # a memory policy stashes activations its own way: the later stage ran plain backward passes
+    # a memory policy stashes activations its own way: with split_backward=True the later stage still ran
+    # plain backward passes
     later = [counts for counts in result["split_by_rank"] if counts["stage"] > 0]
     assert later and all(counts["input"] == 0 for counts in later), result["split_by_rank"]
 

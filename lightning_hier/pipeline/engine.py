@@ -191,11 +191,8 @@ class PipelineEngine:
             self._watch_weight_grads()
 
     def _splits_backward(self) -> bool:
-        """Whether this stage may split its backward (``split_backward``; ``"auto"``: on the host)."""
-        wanted = self.settings.split_backward
-        if wanted == "auto":
-            wanted = self.device.type == "cpu"
-        return bool(wanted) and self.num_stages > 1 and self.stage > 0
+        """Whether this stage may split its backward (``split_backward``; never the first stage)."""
+        return self.settings.split_backward and self.num_stages > 1 and self.stage > 0
 
     def _watch_weight_grads(self) -> None:
         """Point the split backward at this stage's layers and parameters (after every partition change)."""

@@ -34,7 +34,7 @@ class PipelineSettings:
     static_shapes: bool = False
     split_tied_parameters: bool = True
     extra_warmup: int | str = "auto"
-    split_backward: bool | str = "auto"
+    split_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
@@ -102,8 +102,8 @@ class PipelineSettings:
                 f"extra_warmup must be 'auto' or an integer >= 0 (extra forwards per stage before its first "
                 f"backward), got {self.extra_warmup!r}."
             )
-        if self.split_backward != "auto" and not isinstance(self.split_backward, bool):
-            raise ValueError(f"split_backward must be 'auto', True or False, got {self.split_backward!r}.")
+        if not isinstance(self.split_backward, bool):
+            raise ValueError(f"split_backward must be True or False, got {self.split_backward!r}.")
         if not isinstance(self.profile_steps, int) or self.profile_steps < 1:
             raise ValueError(f"profile_steps must be a positive integer, got {self.profile_steps!r}.")
 

@@ -12,7 +12,8 @@ the autograd graph in Python for every micro-batch and issue one ``autograd.grad
 which on this project's CPU benchmark cost 1.1 ms per micro-batch on a 5-block stage (a weight pass is
 2.8 ms). Here the weights' pass works per module call instead: each parameter-holding module's output
 gradient is caught by a tensor hook during the input pass, and an ``nn.Linear``'s weight gradient is one
-``addmm_`` from it (a weight pass of 2.6 ms on that stage, against 4.6 ms through ``autograd.grad``);
+matmul from it, then added, as autograd adds it (the same bits; that stage's weights' pass through
+per-module ``autograd.grad`` calls took 4.6 ms, a fused ``addmm_`` 2.6 ms, but rounded differently);
 other modules take ``autograd.grad`` from their output's gradient edge to their own parameters, which
 re-runs nothing outside the module. Parameters no captured call covers (used by the stage's own
 functional code, or by a module whose output the input gradient does not pass through) get theirs from
@@ -382,12 +383,14 @@ def _accumulate(param: nn.Parameter, value: torch.Tensor, fresh: bool) -> None:
 
 
 def _accumulate_mm(param: nn.Parameter, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
-    """``param.grad += grad_out.T @ inputs`` (an ``nn.Linear``'s weight gradient), computed as autograd
-    computes it (``(inputs.T @ grad_out).T``, then added), so the result is a plain backward's to the bit
-    (a fused ``addmm_`` rounded differently: float32 losses drifted apart by 1e-6 within a benchmark run)."""
-    value = torch.mm(inputs.t(), grad_out).t()
+    """``param.grad += grad_out.T @ inputs`` (an ``nn.Linear``'s weight gradient), the product computed
+    whole and then added, as autograd's accumulator adds it: the result is a plain backward's to the bit (a
+    fused ``addmm_`` rounded differently: float32 losses drifted apart by 1e-6 within a benchmark run).
+    ``grad_out.T @ inputs`` has the weight's layout; the transposed product of the same bits,
+    ``(inputs.T @ grad_out).T``, made the add strided and the step 0.90x a plain backward's."""
+    value = torch.mm(grad_out.t(), inputs)
     if param.grad is None:
-        param.grad = value.contiguous()  # the parameter's layout, as autograd's accumulator gives it
+        param.grad = value
     else:
         param.grad.add_(value)
 

@@ -39,7 +39,7 @@ SCENARIOS: dict[str, dict] = {
     # 4 stages, a deliberately lopsided start (3 tiny stages, everything else on the last one)
     "rebalance_adam_1f1b": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(partition=[1, 1, 1, 17], rebalance=2, micro_batches=4),
+        strategy=dict(partition=[1, 1, 1, 17], rebalance=2, micro_batches=4, split_backward=True),
         # float64: Adam turns float32 summation-order noise (micro-batches vs one batch) into
         # 1e-4-relative differences on a few elements on some CPUs; in float64 that noise is gone and
         # any real error in migration still shows at full size
@@ -57,7 +57,7 @@ SCENARIOS: dict[str, dict] = {
     "tied_split_migrate": dict(
         model=dict(optimizer="adam"),
         model_class="twice",
-        strategy=dict(partition=[1, 1, 1, 28], rebalance=2, micro_batches=4),
+        strategy=dict(partition=[1, 1, 1, 28], rebalance=2, micro_batches=4, split_backward=True),
         trainer=dict(max_steps=8, precision="64-true", gradient_clip_val=0.5),
     ),
     # dropout on every stage, layers migrating every 2 steps, against the same pipeline on one stage
@@ -100,7 +100,9 @@ SCENARIOS: dict[str, dict] = {
     ),
     "gpipe_sgd_clip_accumulate": dict(
         model=dict(optimizer="sgd"),
-        strategy=dict(partition="uniform", schedule="gpipe", rebalance=3, micro_batches=3),
+        strategy=dict(
+            partition="uniform", schedule="gpipe", rebalance=3, micro_batches=3, split_backward=True
+        ),
         trainer=dict(max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=2),
     ),
     "resume_first_2_stages": dict(
@@ -137,7 +139,9 @@ SCENARIOS: dict[str, dict] = {
     ),
     "memory_cap": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(partition="uniform", rebalance="never", micro_batches=4, profile_steps=2),
+        strategy=dict(
+            partition="uniform", rebalance="never", micro_batches=4, profile_steps=2, split_backward=True
+        ),
         trainer=dict(max_steps=5, precision="64-true"),  # float64: see rebalance_adam_1f1b
         memory_probe=True,
         rebalancer=True,
