@@ -286,3 +286,36 @@ def test_which_micro_batches_split(stages: int, micro: int, split: list[int]) ->
     schedule = PipelineSchedule(SimpleNamespace(stage=1, num_stages=stages))  # type: ignore[arg-type]
     schedule.num_micro = micro
     assert [m for m in range(micro) if schedule._splits_micro(m)] == split
+
+
+def test_a_forward_that_raises_records_nothing_and_leaves_no_hook() -> None:
+    import gc
+    import weakref
+
+    from torch.nn.modules import module as module_globals
+
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.out = self.fc(x)
+            self.calls = [weakref.ref(call) for call in split._recording or ()]
+            raise RuntimeError("a step that fails")
+
+    model = Fails()
+    split = WeightGradients()
+    split.watch([model], list(model.parameters()))
+    hooks_before = len(module_globals._global_forward_hooks)
+    with pytest.raises(RuntimeError, match="fails"), split.recording(0):
+        model(torch.randn(2, 4, requires_grad=True))
+    assert not split.has_record(0) and not split.is_recording
+    assert len(module_globals._global_forward_hooks) == hooks_before
+    assert len(model.calls) == 1
+    del model.out
+    gc.disable()
+    try:
+        assert model.calls[0]() is None  # freed by reference counting: no cycle through the caught call
+    finally:
+        gc.enable()

@@ -351,8 +351,13 @@ class _Recording:
         owner._hook.remove()
         owner._hook = None
         calls, owner._recording = owner._recording, None
-        if exc[0] is None and calls is not None:
+        if calls is None:
+            return
+        if exc[0] is None:
             owner._recorded[self.micro] = _Deferred(calls, timed=owner._is_timed())
+        else:  # the forward raised: break each call's cycle through its output's node now
+            for call in calls:
+                call.release()
 
 
 def _plain_linear(module: nn.Module) -> bool:
