@@ -96,10 +96,11 @@ class SplitCounts:
 class WeightGradients:
     """Records a stage's module calls during a forward and computes its backward in two passes.
 
-    ``watch(modules, functional_params)`` names the stage's layers and the parameters its graph reads
-    outside module calls; ``recording(m)`` wraps micro-batch ``m``'s forward; ``input_backward`` runs
-    the input pass and returns the input gradient; ``run_oldest`` / ``run_all`` compute the deferred
-    weight gradients, accumulated into ``.grad`` as a plain backward would.
+    ``watch(modules, stage_params, functional_params)`` names the stage's layers, the parameters it
+    updates and those its graph reads outside module calls; ``recording(m)`` wraps micro-batch ``m``'s
+    forward; ``input_backward`` runs the input pass and returns the input gradient; ``run_oldest`` /
+    ``run_all`` compute the deferred weight gradients, accumulated into ``.grad`` as a plain backward
+    would.
     """
 
     def __init__(
@@ -233,8 +234,7 @@ class WeightGradients:
             self.in_weight_pass = False
 
     def _weights_of(self, micro: int, entry: _Deferred) -> None:
-        check = not self.checked
-        before = _grads(self._stage_params) if check else None
+        before = _grads(self._stage_params) if not self.checked else None
         mark = self._mark if entry.timed else None
         times: list[tuple[int, Any, Any]] = []
         # a parameter of a call the input pass did not reach (a module called twice, once off that path)
@@ -261,7 +261,7 @@ class WeightGradients:
         self.counts.weight_passes += 1
         if self.counts.keep_order:
             self.counts.order.append(("weight", micro))
-        if check and before is not None:
+        if before is not None:  # the first pass after watch()
             self._check(entry, before)
         entry.release()
 
@@ -282,9 +282,7 @@ class WeightGradients:
         self.counts.module_calls += 1
         edge = GradientEdge(call.node, call.output_nr)
         grads = torch.autograd.grad((edge,), call.params, (grad,), retain_graph=True, allow_unused=True)
-        for param, value in zip(call.params, grads):
-            if value is not None:
-                _accumulate(param, value, fresh=False)
+        _accumulate_all(call.params, grads)
 
     def _stage_output_weights(self, entry: _Deferred, params: Sequence[nn.Parameter]) -> None:
         """Gradients of ``params`` from the stage's output: functional reads and calls the input pass
@@ -293,9 +291,7 @@ class WeightGradients:
         grads = torch.autograd.grad(
             entry.output, params, entry.output_grad, retain_graph=True, allow_unused=True
         )
-        for param, value in zip(params, grads):
-            if value is not None:
-                _accumulate(param, value, fresh=False)
+        _accumulate_all(params, grads)
 
     def _check(self, entry: _Deferred, before: list[torch.Tensor | None]) -> None:
         """Compare the split pass's gradients with a plain pass's; on a mismatch keep the plain ones and
@@ -385,6 +381,13 @@ def _accumulate(param: nn.Parameter, value: torch.Tensor, fresh: bool) -> None:
         param.grad = value if fresh else value.detach().clone()
     else:
         param.grad.add_(value)
+
+
+def _accumulate_all(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    """What ``autograd.grad`` returned for ``params``, added to their ``.grad`` (``None``: unused)."""
+    for param, value in zip(params, grads):
+        if value is not None:
+            _accumulate(param, value, fresh=False)
 
 
 def _accumulate_mm(param: nn.Parameter, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
