@@ -275,10 +275,10 @@ def test_float32_gradients_equal_a_plain_backward_to_the_bit() -> None:
 
 @pytest.mark.parametrize(
     ("stages", "micro", "split"),
-    [(2, 4, [0, 1, 2, 3]), (2, 16, [15]), (4, 8, list(range(8))), (4, 16, [13, 14, 15]), (2, 5, [4])],
+    [(2, 4, [3]), (2, 16, [15]), (4, 8, [5, 6, 7]), (4, 16, [13, 14, 15]), (2, 5, [4]), (4, 2, [0, 1])],
 )
 def test_which_micro_batches_split(stages: int, micro: int, split: list[int]) -> None:
-    """All of a short step's (M <= 2 S: fill and drain are much of it); else the drain's last S - 1."""
+    """The drain's last S - 1 (all of a step with fewer micro-batches than that)."""
     from types import SimpleNamespace
 
     from lightning_hier.pipeline.schedule import PipelineSchedule
@@ -319,3 +319,57 @@ def test_a_forward_that_raises_records_nothing_and_leaves_no_hook() -> None:
         assert model.calls[0]() is None  # freed by reference counting: no cycle through the caught call
     finally:
         gc.enable()
+
+
+class Checkpointed(nn.Module):
+    """A reentrant ``torch.utils.checkpoint`` region, which refuses ``torch.autograd.grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.tail = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.tail(checkpoint(self.inner, x, use_reentrant=True))
+
+
+def test_a_stage_whose_autograd_refuses_the_split_runs_a_plain_backward_with_a_warning() -> None:
+    """The first split pass hits a reentrant checkpoint: that micro-batch's backward is a plain one (the
+    gradients and the input gradient equal one's), the stage warns and splits no more; once a split pass
+    was checked, the same error is raised (it is not the split's)."""
+    from types import SimpleNamespace
+
+    from lightning_hier.pipeline.schedule import PipelineSchedule, _InFlight
+
+    torch.manual_seed(0)
+    model = Checkpointed().double()
+    x, upstream = _inputs(1, (5, 4), seed=3)[0], _inputs(1, (5, 4), seed=4)[0]
+    reference_x = x.clone().requires_grad_(True)
+    model(reference_x).backward(upstream)
+    reference = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    split = WeightGradients()
+    split.watch([model], list(model.parameters()))
+    link = SimpleNamespace(stage=1, num_stages=3, send_grad_op=lambda grad: grad)
+    schedule = PipelineSchedule(link)  # type: ignore[arg-type]
+    received = x.clone().requires_grad_(True)
+    with split.recording(0):
+        output = model(received)
+    with pytest.warns(UserWarning, match="refused"):
+        (grad_in,) = schedule._split_backward(0, upstream, _InFlight(received, output, True), split)
+    assert not split.usable and split.counts.fell_back == 1 and not split.pending
+    assert split.counts.input_passes == 0
+    torch.testing.assert_close(grad_in, reference_x.grad, rtol=0, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[name], rtol=0, atol=0, msg=name)
+
+    split.watch([model], list(model.parameters()))
+    split.checked = True  # as after a checked split pass: the error is the caller's
+    received = x.clone().requires_grad_(True)
+    with split.recording(1):
+        output = model(received)
+    with pytest.raises(RuntimeError, match="checkpoint"):
+        schedule._split_backward(1, upstream, _InFlight(received, output, True), split)

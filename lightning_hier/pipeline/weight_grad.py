@@ -202,6 +202,26 @@ class WeightGradients:
             self.counts.order.append(("input", micro))
         return grad_in
 
+    def refused(self, micro: int, error: RuntimeError) -> bool:
+        """The input pass of micro-batch ``micro`` raised ``error``. Before this stage's first split pass
+        was checked (the start, every migration) that means autograd refuses the split here (a reentrant
+        ``torch.utils.checkpoint`` region refuses ``torch.autograd.grad``): the micro-batch's calls are
+        forgotten, the stage goes back to plain backward passes with a warning, and the caller runs a
+        plain backward. Returns False (the caller re-raises) once a split pass was checked: then the
+        error is not the split's."""
+        if self.checked:
+            return False
+        self.drop(micro)
+        self.usable = False
+        self.counts.fell_back += 1
+        warnings.warn(
+            "hier_pipeline: autograd refused to split this stage's backward (input gradient first, weight "
+            f"gradients after): {str(error).splitlines()[0]} The stage runs plain backward passes "
+            "(split_backward=False silences this).",
+            stacklevel=2,
+        )
+        return True
+
     def has_record(self, micro: int) -> bool:
         return micro in self._recorded
 

@@ -164,15 +164,17 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         split_backward: every stage but the first computes a micro-batch's input gradient first, sends
             it, and computes its weight gradients afterwards, while it waits for its next activation or
             at the step's end (zero-bubble pipelines' B/W split, ``pipeline/weight_grad.py``): the
-            previous stage's wait for that gradient no longer includes the weight pass. A step of few
-            micro-batches (``micro_batches <= 2 x stages``) splits every one, a longer one only its last
-            ``stages - 1`` (the drain). Gradients are those of a plain backward, to the bit for
+            previous stage's wait for that gradient no longer includes the weight pass. Only the step's last
+            ``stages - 1`` micro-batches split (the drain, whose input gradients the previous stages
+            wait for with nothing else to do). Gradients are those of a plain backward, to the bit for
             ``nn.Linear`` layers (the first split pass after each partition change is checked against
-            one; a model whose module reads a parameter outside its own call falls back to plain passes
+            one; a model whose module reads a parameter outside its own call, or whose autograd refuses
+            ``torch.autograd.grad`` (a reentrant ``torch.utils.checkpoint``), falls back to plain passes
             with a warning). It holds one more micro-batch's autograd graph until its weights' pass, and
             recording the forward's module calls costs tens of microseconds per call: on the 2-core
-            benchmark host the split step ran 0.90-1.11x as fast as the plain one (docs/hier_pipeline.md),
-            so it is off by default. Never combined with a memory policy (``memory_limit``,
+            benchmark host the split made the step 1-5 % faster in runs switching it every 5 steps
+            (docs/hier_pipeline.md), within what separate runs vary, and it has not run on a GPU yet, so
+            it is off by default. Never combined with a memory policy (``memory_limit``,
             ``activation_policy``).
     """
 
