@@ -212,15 +212,17 @@ class WeightGradients:
         if self.checked:
             return False
         self.drop(micro)
-        self.usable = False
-        self.counts.fell_back += 1
-        warnings.warn(
-            "hier_pipeline: autograd refused to split this stage's backward (input gradient first, weight "
-            f"gradients after): {str(error).splitlines()[0]} The stage runs plain backward passes "
-            "(split_backward=False silences this).",
-            stacklevel=2,
+        self._stop_splitting(
+            "autograd refused to split this stage's backward (input gradient first, weight gradients "
+            f"after): {str(error).splitlines()[0]} The stage runs plain backward passes"
         )
         return True
+
+    def _stop_splitting(self, why: str) -> None:
+        """This stage runs plain backward passes until the next :meth:`watch`; a warning says ``why``."""
+        self.usable = False
+        self.counts.fell_back += 1
+        warnings.warn(f"hier_pipeline: {why} (split_backward=False silences this).", stacklevel=3)
 
     def has_record(self, micro: int) -> bool:
         return micro in self._recorded
@@ -335,16 +337,12 @@ class WeightGradients:
             else:
                 param.grad = ref.clone() if old is None else old + ref
         if mismatched:
-            self.usable = False
-            self.counts.fell_back += 1
             shapes = ", ".join(str(tuple(p.shape)) for p in mismatched[:3])
-            warnings.warn(
-                "hier_pipeline: splitting this stage's backward (input gradient first, weight gradients "
-                f"after) gave different gradients for {len(mismatched)} parameter(s) (shapes {shapes}) than "
-                "a plain backward: a module uses a parameter outside its own call. The stage's gradients "
-                "come from the plain backward, and its later steps run plain backward passes "
-                "(split_backward=False silences this).",
-                stacklevel=2,
+            self._stop_splitting(
+                "splitting this stage's backward (input gradient first, weight gradients after) gave "
+                f"different gradients for {len(mismatched)} parameter(s) (shapes {shapes}) than a plain "
+                "backward: a module uses a parameter outside its own call. The stage's gradients come from "
+                "the plain backward, and its later steps run plain backward passes"
             )
 
 
@@ -416,11 +414,7 @@ def _accumulate_mm(param: nn.Parameter, grad_out: torch.Tensor, inputs: torch.Te
     fused ``addmm_`` rounded differently: float32 losses drifted apart by 1e-6 within a benchmark run).
     ``grad_out.T @ inputs`` has the weight's layout; the transposed product of the same bits,
     ``(inputs.T @ grad_out).T``, made the add strided and the step 0.90x a plain backward's."""
-    value = torch.mm(grad_out.t(), inputs)
-    if param.grad is None:
-        param.grad = value
-    else:
-        param.grad.add_(value)
+    _accumulate(param, torch.mm(grad_out.t(), inputs), fresh=True)
 
 
 def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
