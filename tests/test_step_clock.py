@@ -77,3 +77,18 @@ def test_host_clock_resolves_the_same_step() -> None:
     clock.mark("x")
     resolved = clock.finish()
     assert resolved is not None and 0.009 < resolved["x"] < 1.0
+
+
+def test_a_late_step_comes_back_with_its_own_tag_and_a_foreign_event_counts_as_its_mark() -> None:
+    clock = StepClock(torch.device("cpu"), event_factory=FakeEvent)
+    FakeEvent.device_ms = 0.0
+    clock.start()
+    done = FakeEvent()  # recorded on another stream (the communication stream), 7 ms in
+    FakeEvent.device_ms = 7.0
+    done.record()
+    clock.mark_event(("done", 0), done)
+    assert clock.finish(tag=(0, "layout a")) is None
+    FakeEvent.device_ms = 20.0
+    clock.start()
+    assert clock.finish(tag=(1, "layout b")) == {("done", 0): 0.007}
+    assert clock.resolved_tag == (0, "layout a")  # the step the marks belong to, not the one just ended

@@ -249,3 +249,40 @@ def test_a_restored_plan_still_reprofiles_when_the_used_parameters_change() -> N
         controller.observe(timeline, used)
         controller.after_step(used)
     assert controller.profiling, "parameter 5 stopped producing gradients: the restored plan is stale"
+
+
+def test_with_timelines_one_step_late_the_cold_first_step_stays_out_of_the_plan() -> None:
+    """On CUDA a step's timeline arrives at the next step's end (events are read one step late). The cold
+    first step (lazy CUDA and NCCL set-up) must not be profiled, and the plan must wait for the last
+    profiled step to arrive: the plan equals the one made from the steady steps alone."""
+    infos = _infos(6)
+    config = TimeBucketingConfig(profile_steps=2, warmup_steps=1, min_bucket_mb=0)
+    controller = TimeBucketing(infos, 1 << 30, config, resolves_late=True)
+    steady_ready = [1e-3, 1.01e-3, 5e-3, 5.01e-3, 9e-3, 9.01e-3]
+    cold = StepTimeline(0.0, 40e-3, [1e-3, 30e-3, 31e-3, 32e-3, 39e-3, 39.5e-3])
+    steady = StepTimeline(0.0, 10e-3, steady_ready)
+    used = frozenset(range(6))
+    pending, decided = None, []
+    for step in range(5):
+        assert controller.step == step
+        if pending is not None:  # what the clock resolves at this step's end: the previous step
+            controller.observe(pending[1], used, step=pending[0])
+        pending = (step, cold if step == 0 else steady)
+        plan = controller.after_step(used)
+        if plan is not None:
+            decided.append((step, plan))
+    expected = plan_time_buckets(infos, steady_ready, 10e-3, 1 << 30, 0, config.gap_fraction)
+    assert [step for step, _ in decided] == [3], "decided before the last profiled step had arrived"
+    assert decided[0][1].plan == expected.plan
+    assert decided[0][1].time_points == pytest.approx(expected.time_points)
+
+
+def test_a_timeline_of_the_layout_before_a_rebuild_is_not_taken_for_drift() -> None:
+    infos = _infos(6)
+    controller = TimeBucketing(infos, 1 << 30, TimeBucketingConfig(min_bucket_mb=0), resolves_late=True)
+    controller.restore(_saved_plan(infos))
+    shifted = StepTimeline(0.0, 10e-3, [1e-3] * 6, bucket_launch=[8e-3, 8.5e-3, 9e-3])
+    controller.observe(shifted, frozenset(range(6)), step=5, same_layout=False)
+    assert controller.drift == 0.0
+    controller.observe(shifted, frozenset(range(6)), step=6, same_layout=True)
+    assert controller.drift > 0.1  # the same timeline on the plan's own layout is drift

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hier.bucketing.size_plan import BucketPlan
+from lightning_hier.single_rank import alone_in
 from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
 from lightning_hier.sliced.piece_sharding import PieceSharding
 from lightning_hier.sliced.reducer import all_gather_slices, reduce_scatter_into
@@ -96,7 +97,7 @@ class ShardedParameterServer:
                 grad.copy_(total[slice(*bucket.owned_range)])
             else:
                 reduce_scatter_into(grad, total, bucket.bounds, intra)
-            if dist.get_world_size(inter) > 1:
+            if not alone_in(inter):
                 dist.all_reduce(grad, group=inter)
             sent += _ring_bytes(total, dist.get_world_size(intra)) + _ring_bytes(
                 grad, dist.get_world_size(inter)

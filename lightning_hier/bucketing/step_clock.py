@@ -6,6 +6,12 @@ each mark instead and turns the events into seconds once per step. Resolving a s
 waits for that step's work, so on CUDA a step is resolved at the *next* step's resolve, when its
 events have long completed: no extra host-device synchronisation, and time bucketing sees each
 step's timeline one step late. On CPU marks are ``perf_counter()`` and resolve at once.
+
+Because of that lag a step's marks come back with the *tag* it was finished with
+(:attr:`StepClock.resolved_tag`): the caller names each step (its index, the bucket layout it ran
+with) so that a timeline is never taken for the step in which it happens to resolve.
+:meth:`StepClock.mark_event` takes an event recorded elsewhere, e.g. on the communication stream
+after a bucket's last collective, which is when that bucket is really done.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ class StepClock:
         self.event_factory = event_factory
         self._start: Any = None
         self._marks: dict[Hashable, Any] = {}
-        self._pending: tuple[Any, dict[Hashable, Any]] | None = None  # events of a finished step
+        # events of a finished step, and the tag it was finished with
+        self._pending: tuple[Any, dict[Hashable, Any], Hashable] | None = None
+        self.resolved_tag: Hashable = None  # the tag of the step the last finish() returned
 
     @property
     def uses_events(self) -> bool:
@@ -64,13 +72,23 @@ class StepClock:
             self.start()
         self._marks[key] = self._now()
 
+    def mark_event(self, key: Hashable, event: Any) -> None:
+        """Record ``key`` at an event already recorded (on another stream); ``None``: now, as :meth:`mark`."""
+        if event is None or self.event_factory is None:
+            self.mark(key)
+            return
+        if self._start is None:
+            self.start()
+        self._marks[key] = event
+
     def host_seconds(self) -> float:
         """Seconds on the host clock since the step started (CPU only)."""
         assert self.event_factory is None and self._start is not None
         return perf_counter() - self._start
 
-    def finish(self) -> dict[Hashable, float] | None:
-        """End the step and return the newest resolvable step's ``{key: seconds}``.
+    def finish(self, tag: Hashable = None) -> dict[Hashable, float] | None:
+        """End the step (named ``tag``) and return the newest resolvable step's ``{key: seconds}``;
+        :attr:`resolved_tag` is then that step's tag.
 
         On CPU that is this step. With events it is the previous step (``None`` on the first),
         and this step's events wait for the next call.
@@ -80,11 +98,13 @@ class StepClock:
         if start is None:
             return None
         if self.event_factory is None:
+            self.resolved_tag = tag
             return {key: value - start for key, value in marks.items()}
-        previous, self._pending = self._pending, (start, marks)
+        previous, self._pending = self._pending, (start, marks, tag)
         if previous is None:
             return None
-        return self._resolve_events(*previous)
+        start, marks, self.resolved_tag = previous
+        return self._resolve_events(start, marks)
 
     @staticmethod
     def _resolve_events(start: Any, marks: dict[Hashable, Any]) -> dict[Hashable, float]:

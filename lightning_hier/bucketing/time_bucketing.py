@@ -16,6 +16,12 @@ the same collectives in the same order:
   set of parameters producing gradients changed, profiling starts again;
 - :meth:`request_reprofile` (the ``GradientTimingProfiler`` callback's ``reprofile_every_n_epochs``)
   schedules a new profile at the next agreed check.
+
+On CUDA a step's timeline resolves one step late (:mod:`lightning_hier.bucketing.step_clock`), so
+:meth:`TimeBucketing.observe` takes the step each timeline belongs to and whether it ran on the current
+bucket layout: the cold first step (lazy CUDA and NCCL set-up) stays out of the profile, the plan is
+decided one step later, once the last profiled step has resolved, and a step that ran on the layout
+before a rebuild is not measured against the new plan.
 """
 
 from __future__ import annotations
@@ -145,8 +151,11 @@ class TimeBucketing:
         cap_bytes: int,
         config: TimeBucketingConfig | None = None,
         group: dist.ProcessGroup | None = None,
+        resolves_late: bool = False,
     ) -> None:
         config = config or TimeBucketingConfig()
+        # steps between a step's end and its timeline's arrival (CUDA events: the next step's end)
+        self.lag = 1 if resolves_late else 0
         self.group = group  # all ranks, with a CPU backend: the statistics and flags are host tensors
         self.config = config
         self.params = list(params)
@@ -168,8 +177,17 @@ class TimeBucketing:
         self._reprofile_requested = False
 
     @property
+    def step(self) -> int:
+        """The index of the step now running (synchronising steps since the start)."""
+        return self._steps_since_start
+
+    @property
     def profiling(self) -> bool:
+        """A profile is being taken: its steps are running, or the last of them has yet to resolve."""
         step = self._steps_since_start
+        return self._profile_start <= step < self._profile_start + self.profile_steps + self.lag
+
+    def _profiled(self, step: int) -> bool:
         return self._profile_start <= step < self._profile_start + self.profile_steps
 
     def request_reprofile(self) -> None:
@@ -185,16 +203,27 @@ class TimeBucketing:
         self._profile_start = -(10**9)
         self._used_at_plan = None
 
-    def observe(self, timeline: StepTimeline, globally_used: frozenset[int]) -> None:
-        """Record one synchronising step (called on every rank after the gradients are reduced)."""
-        if self.profiling:
+    def observe(
+        self,
+        timeline: StepTimeline,
+        globally_used: frozenset[int],
+        step: int | None = None,
+        same_layout: bool = True,
+    ) -> None:
+        """Record one synchronising step (called on every rank after the gradients are reduced).
+
+        ``timeline`` is the timeline of step ``step`` (default: the step now running), which ran on the
+        current bucket layout unless ``same_layout`` is False; ``globally_used`` is the current step's."""
+        step = self._steps_since_start if step is None else step
+        if self._profiled(step):
             self._ready.add(timeline.ready, timeline.backward_seconds)
-        elif self.plan is not None:
+        elif self.plan is not None and not self.profiling:
             if self._used_at_plan is None:
                 self._used_at_plan = globally_used
             elif globally_used != self._used_at_plan:
                 self._reprofile_requested = True  # every rank sees the same global set
-            self._update_drift(timeline)
+            if same_layout and step >= self._profile_start + self.profile_steps:
+                self._update_drift(timeline)
 
     def _update_drift(self, timeline: StepTimeline) -> None:
         assert self.plan is not None
@@ -214,7 +243,7 @@ class TimeBucketing:
         """Advance one step; returns a new plan when the engine should rebuild its buckets."""
         self._steps_since_start += 1
         step = self._steps_since_start
-        if step == self._profile_start + self.profile_steps:
+        if step == self._profile_start + self.profile_steps + self.lag:
             plan = self._decide_plan()
             self._used_at_plan = globally_used
             self.plan, self.drift = plan, 0.0

@@ -41,6 +41,7 @@ from lightning_hier.bucketing.time_bucketing import (
     validate_time_settings,
 )
 from lightning_hier.bucketing.time_plan import TimePlan, plan_misfit
+from lightning_hier.single_rank import alone
 from lightning_hier.sliced.flat_buckets import FlatBucket, adopt_gradient, build_flat_buckets, slot_locations
 from lightning_hier.sliced.reducer import ReduceJob, all_gather_slices, chunk_bytes_for, make_reducer
 from lightning_hier.sliced.replicated_optim import ReplicatedOptimizer
@@ -113,12 +114,17 @@ class HierSlicedEngine:
             for i, p in enumerate(self.params)
         ]
         self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.device = self.params[0].device
+        self.clock = StepClock(self.device, event_factory)
         self.time_bucketing: TimeBucketing | None = None
         if bucketing == "time":
             self.time_bucketing = TimeBucketing(
-                self.param_infos, self.cap_bytes, time_config, topology.world_group
+                self.param_infos,
+                self.cap_bytes,
+                time_config,
+                topology.world_group,
+                resolves_late=self.clock.uses_events,
             )
-        self.device = self.params[0].device
         self._reducer = make_reducer(
             topology.intra_group,
             topology.inter_group,
@@ -128,7 +134,7 @@ class HierSlicedEngine:
             inter_node_dtype,
         )
         self.inter_node_dtype = inter_node_dtype
-        self.clock = StepClock(self.device, event_factory)
+        self._layout_generation = -1  # which bucket layout a step ran on (its timeline is keyed by it)
         # host control data (the device rule): which parameters produced a gradient on this rank (a
         # bytearray: the hooks set it once per parameter per backward, where a tensor store costs ~4 us)
         self._used = bytearray(len(self.params))
@@ -166,6 +172,7 @@ class HierSlicedEngine:
     def _layout(self, plan: BucketPlan, optimizer_state: dict[str, Any] | None = None) -> None:
         """Lay parameters into flat buckets following ``plan`` and shard the optimizer over them."""
         self.bucket_plan = plan
+        self._layout_generation += 1
         self.buckets: list[FlatBucket] = build_flat_buckets(
             self.params, plan, self.slice_plan, self.topology.local_rank
         )
@@ -256,7 +263,7 @@ class HierSlicedEngine:
         Frozen parameters and parameters outside the optimizer are copied too: every rank must run
         the same model, whatever each rank's initialisation drew.
         """
-        if self.world_size == 1:
+        if alone(self.world_size):
             return
         for bucket in self.buckets:
             dist.broadcast(bucket.params, src=src, group=self.topology.world_group)
@@ -268,7 +275,7 @@ class HierSlicedEngine:
         self.broadcast_buffers(src)
 
     def broadcast_buffers(self, src: int = 0) -> None:
-        if self.world_size == 1:
+        if alone(self.world_size):
             return
         for buffer in self.module.buffers():
             dist.broadcast(buffer.data, src=src, group=self.topology.world_group)
@@ -383,12 +390,11 @@ class HierSlicedEngine:
         while self._next_to_launch < len(self.buckets):
             self._launch(self._next_to_launch)
         usage = self._start_usage_reduce()  # its latency hides behind the buckets' reductions
-        for b, job in enumerate(self._jobs):
-            assert job is not None
-            self._reducer.wait(job)
-            self.clock.mark(("done", b))
-            if self.world_size > 1:
-                self._slice_grads[b].div_(self.world_size)
+        jobs = [job for job in self._jobs if job is not None]
+        assert len(jobs) == len(self.buckets)
+        # on CUDA the compute stream waits here, once, for the communication stream; a bucket is done when
+        # the event after its last collective is (not when this thread got to it)
+        self._reducer.wait_all(jobs, then=self._average_slice)
         self._record_globally_unused(*usage)
         bucket_used = [any(s.index in self._globally_used for s in bucket.slots) for bucket in self.buckets]
         self._note_partly_used(bucket_used)
@@ -398,12 +404,25 @@ class HierSlicedEngine:
         if self.replicated:  # the optimizer steps whole parameters: the full averaged gradients, as ddp's
             self._expose(skip_unused=True)
         host_done = None if self.clock.uses_events else [self._host_done(job) for job in self._jobs]
-        resolved = self.clock.finish()
+        step = self.time_bucketing.step if self.time_bucketing is not None else None
+        resolved = self.clock.finish(tag=(step, self._layout_generation))
         if resolved is not None:
             self.last_timeline = self._timeline(resolved, host_done)
             if self.time_bucketing is not None:
-                self.time_bucketing.observe(self.last_timeline, self._globally_used)
+                ran_at, layout = self.clock.resolved_tag
+                self.time_bucketing.observe(
+                    self.last_timeline,
+                    self._globally_used,
+                    step=ran_at,
+                    same_layout=layout == self._layout_generation,
+                )
         self._reset_backward_state()
+
+    def _average_slice(self, b: int, job: ReduceJob) -> None:
+        """Bucket ``b`` is reduced (on CUDA: ordered before what the current stream does next): average it."""
+        self.clock.mark_event(("done", b), job.done_event)
+        if self.world_size > 1:
+            self._slice_grads[b].div_(self.world_size)
 
     def _host_done(self, job: ReduceJob | None) -> float:
         """CPU: when the thread saw the all-reduce finish (earlier than this thread's wait)."""

@@ -9,15 +9,23 @@ once its intra-node reduce-scatter has finished. Two implementations keep that o
 backend, behind the same ``submit`` / ``wait`` / ``close`` interface (:func:`make_reducer`):
 
 - :class:`InlineReducer` (CUDA, and CPU runs that emulate it): issues the chain from the thread
-  that submits (the backward hooks, as DDP's reducer does) with asynchronous work handles;
-  ``work.wait()`` on an NCCL handle makes the current stream wait, not the host, so the
-  all-reduce is queued behind the reduce-scatter on the device and backward keeps going. Every
-  rank issues the same collectives in the same order from one thread, which NCCL needs: kernels of
-  different communicators enqueued in different orders on different ranks can deadlock.
+  that submits (the backward hooks, as DDP's reducer does) with asynchronous work handles, on a
+  side stream of its own (:mod:`lightning_hier.sliced.comm_stream`): ``work.wait()`` on an NCCL
+  handle makes the *current* stream wait, so with the side stream current the all-reduce is queued
+  behind the reduce-scatter there while the compute stream goes on with backward, and the compute
+  stream waits once, in :meth:`~HierarchicalReducer.wait_all`, before the optimizer reads the
+  slices. Every rank issues the same collectives in the same order from one thread, which NCCL
+  needs: kernels of different communicators enqueued in different orders on different ranks can
+  deadlock.
 - :class:`ThreadedReducer` (gloo): ``wait()`` blocks the caller there, so a communication thread
   runs the chain bucket by bucket; while it waits for bucket ``i+1``'s reduce-scatter, bucket
   ``i``'s all-reduce is already in flight on the inter group. Gloo has no stream ordering to
-  break, and this overlaps more on CPU than blocking the backward pass would.
+  break, and this overlaps more on CPU than blocking the backward pass would. On CUDA
+  (``reducer="thread"``) the thread issues on the same side stream, after the event the submitting
+  hook recorded on the gradients' stream.
+
+A group of one rank skips its collectives unless ``LIGHTNING_HIER_FORCE_COLLECTIVES=1``
+(:mod:`lightning_hier.single_rank`), which a one-GPU check sets to run the whole chain on NCCL.
 
 Buckets larger than ``chunk_bytes`` are pipelined chunk by chunk, so the slow link starts after
 one chunk's reduce-scatter rather than a whole bucket's. Buckets are issued strictly in plan
@@ -32,10 +40,13 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_hier.single_rank import alone, alone_in
+from lightning_hier.sliced.comm_stream import HostStream, comm_stream_for
 from lightning_hier.topology import runs_as_cuda
 
 log = logging.getLogger(__name__)
@@ -58,7 +69,7 @@ def reduce_scatter_into(
     out: torch.Tensor, flat: torch.Tensor, bounds: Bounds, group: dist.ProcessGroup, async_op: bool = False
 ) -> dist.Work | None:
     """Sum ``flat`` over ``group`` and leave slice ``group_rank`` of the sum in ``out``."""
-    if dist.get_world_size(group) == 1:
+    if alone_in(group):
         source = flat[bounds[0][0] : bounds[0][1]]
         if out.data_ptr() != source.data_ptr() or out.numel() != source.numel():
             out.copy_(source)  # (with one device per node the slice is the bucket itself: nothing to copy)
@@ -73,7 +84,7 @@ def reduce_scatter_into(
 
 def all_gather_slices(flat: torch.Tensor, bounds: Bounds, group: dist.ProcessGroup) -> list[dist.Work]:
     """Fill every slice of ``flat`` from its owner in ``group`` (in place); returns works to wait on."""
-    if dist.get_world_size(group) == 1:
+    if alone_in(group):
         return []
     if _is_equal(bounds) and flat.numel() == bounds[-1][1]:
         mine = bounds[dist.get_rank(group)]
@@ -103,6 +114,10 @@ class ReduceJob:
     submitted_at: float = 0.0  # perf_counter() clock
     scatter_done_at: float = 0.0
     done_at: float = 0.0
+    # on CUDA: an event on the gradients' stream at submit (what the side stream waits for), and one on the
+    # side stream after the job's last operation (its completion, for timing and the compute stream's wait)
+    ready_event: Any = None
+    done_event: Any = None
 
     def mark_done(self) -> None:
         self.done_at = perf_counter()
@@ -127,11 +142,13 @@ class HierarchicalReducer:
         inter_group: dist.ProcessGroup,
         chunk_bytes: int = 4 << 20,
         inter_dtype: torch.dtype | None = None,
+        stream: HostStream | None = None,
     ) -> None:
         self.intra_group = intra_group
         self.inter_group = inter_group
         self.chunk_bytes = chunk_bytes
         self.inter_dtype = inter_dtype  # None: the inter-node hop in the gradients' own dtype
+        self.stream = stream if stream is not None else HostStream()
         self._intra_size = dist.get_world_size(intra_group)
         self._intra_rank = dist.get_rank(intra_group)
         self._inter_size = dist.get_world_size(inter_group)
@@ -143,8 +160,40 @@ class HierarchicalReducer:
         """Until ``job`` is fully reduced (on CUDA: until the current stream is ordered after it)."""
         raise NotImplementedError
 
+    def wait_all(
+        self, jobs: Sequence[ReduceJob], then: Callable[[int, ReduceJob], None] | None = None
+    ) -> None:
+        """Every job of a step reduced, then ``then(index, job)`` for each. On CUDA the current stream
+        waits once, for the last job: the side stream runs the jobs in submission order, so its last
+        event covers all of them. On the host ``then`` runs for each job as soon as it is done."""
+        for index, job in enumerate(jobs):
+            self._finish(job)
+            if then is not None and not self.stream.on_device:
+                then(index, job)
+        if jobs:
+            self.stream.join(jobs[-1].done_event)
+        if then is not None and self.stream.on_device:
+            for index, job in enumerate(jobs):
+                then(index, job)
+
+    def _finish(self, job: ReduceJob) -> None:
+        """What ``wait`` does short of the current stream's wait: the host side of the job."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release what the reducer holds (nothing to do unless it runs a thread)."""
+
+    def _settle_on_stream(self, job: ReduceJob) -> None:
+        """Inside :meth:`HostStream.issuing` on a device: order the side stream after the job's
+        collectives (``work.wait()`` there waits on the device, not the host), copy a narrowed sum back
+        on it, and mark the job done. On the host the works stay for ``wait`` to block on."""
+        if not self.stream.on_device:
+            return
+        for work in job.works:
+            work.wait()
+        job.works = []
+        job.widen()
+        job.done_event = self.stream.done_marker()
 
     def _pieces(self, job: ReduceJob) -> list[Piece]:
         """Cut a large bucket into chunks, each a piece of every slice, so chunk ``c``'s inter-node
@@ -155,7 +204,7 @@ class HierarchicalReducer:
         sizes = [end - start for start, end in job.bounds]
         chunk = max(1, self.chunk_bytes // job.flat.element_size())
         count = -(-max(sizes) // chunk) if max(sizes) > 0 else 1
-        if count <= 1 or self._intra_size == 1:
+        if count <= 1 or alone(self._intra_size):
             return [(None, (0, job.out.numel()))]
         pieces = []
         for c in range(count):
@@ -176,7 +225,7 @@ class HierarchicalReducer:
         return dist.reduce_scatter(out, inputs, group=self.intra_group, async_op=async_op)
 
     def _all_reduce_piece(self, job: ReduceJob, piece: Piece) -> dist.Work | None:
-        if self._inter_size == 1:
+        if alone(self._inter_size):
             return None
         lo, hi = piece[1]
         out = job.out[lo:hi]
@@ -193,31 +242,40 @@ class HierarchicalReducer:
 
 
 class InlineReducer(HierarchicalReducer):
-    """Issues each job's collectives at ``submit``, from the calling thread (CUDA's reducer)."""
+    """Issues each job's collectives at ``submit``, from the calling thread (CUDA's reducer), on the
+    reducer's side stream where there is one."""
 
     def submit(self, job: ReduceJob) -> ReduceJob:
         job.submitted_at = perf_counter()
-        for piece in self._pieces(job):
-            scatter = self._scatter_piece(job, piece, async_op=True)
-            reduce = None
-            if self._inter_size > 1:
-                if scatter is not None:
-                    scatter.wait()  # NCCL: the stream waits, the host goes on; gloo: blocks here
-                reduce = self._all_reduce_piece(job, piece)
-            work = reduce if reduce is not None else scatter
-            if work is not None:
-                job.works.append(work)
+        job.ready_event = self.stream.ready_marker()
+        with self.stream.issuing(job.ready_event):
+            self.stream.keep_alive(job.flat, job.out)
+            for piece in self._pieces(job):
+                scatter = self._scatter_piece(job, piece, async_op=True)
+                reduce = None
+                if not alone(self._inter_size):
+                    if scatter is not None:
+                        scatter.wait()  # NCCL: the side stream waits, backward goes on; gloo: blocks here
+                    reduce = self._all_reduce_piece(job, piece)
+                work = reduce if reduce is not None else scatter
+                if work is not None:
+                    job.works.append(work)
+            self._settle_on_stream(job)
         job.scatter_done_at = perf_counter()
         job.scatter_done.set()
         return job
 
     def wait(self, job: ReduceJob) -> torch.Tensor:
+        self._finish(job)
+        self.stream.join(job.done_event)
+        return job.out
+
+    def _finish(self, job: ReduceJob) -> None:
         for work in job.works:
             work.wait()
         job.works = []
         job.widen()
         job.done_at = perf_counter()
-        return job.out
 
 
 class _CommunicationThread(threading.Thread):
@@ -248,14 +306,16 @@ class ThreadedReducer(HierarchicalReducer):
         inter_group: dist.ProcessGroup,
         chunk_bytes: int = 4 << 20,
         inter_dtype: torch.dtype | None = None,
+        stream: HostStream | None = None,
     ) -> None:
-        super().__init__(intra_group, inter_group, chunk_bytes, inter_dtype)
+        super().__init__(intra_group, inter_group, chunk_bytes, inter_dtype, stream)
         self._jobs: queue.Queue[ReduceJob | None] = queue.Queue()
         self._thread: _CommunicationThread | None = None
         self._stopping: threading.Thread | None = None
 
     def submit(self, job: ReduceJob) -> ReduceJob:
         job.submitted_at = perf_counter()
+        job.ready_event = self.stream.ready_marker()  # on the gradients' stream, before the thread issues
         if self._thread is not None and not self._thread.is_alive():  # stopped from outside (stop())
             self._thread = None
         if self._thread is None:
@@ -269,7 +329,13 @@ class ThreadedReducer(HierarchicalReducer):
         return job
 
     def wait(self, job: ReduceJob) -> torch.Tensor:
-        """Block until ``job`` is fully reduced; re-raises a communication error from the thread."""
+        """Block until ``job`` is fully reduced (on CUDA: issued, and the current stream ordered after it);
+        re-raises a communication error from the thread."""
+        self._finish(job)
+        self.stream.join(job.done_event)
+        return job.out
+
+    def _finish(self, job: ReduceJob) -> None:
         job.scatter_done.wait()
         if job.error is not None:
             raise job.error
@@ -278,7 +344,6 @@ class ThreadedReducer(HierarchicalReducer):
         job.works = []
         job.widen()
         job.done_at = max(job.done_at, job.scatter_done_at)
-        return job.out
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread; one still busy after ``timeout`` seconds finishes in the background."""
@@ -296,25 +361,30 @@ class ThreadedReducer(HierarchicalReducer):
         self._thread = None
 
     def _run(self, jobs: queue.Queue[ReduceJob | None]) -> None:
+        self.stream.enter_thread()
         inter_running: dist.Work | None = None
         while True:
             job = jobs.get()
             if job is None:
                 return
             try:
-                for piece in self._pieces(job):
-                    self._scatter_piece(job, piece, async_op=False)
-                    job.scatter_done_at = job.done_at = perf_counter()
-                    # one inter-node all-reduce at a time: gloo runs a group's asynchronous collectives side
-                    # by side on its worker threads, where on the slow link they only share it and the
-                    # bucket ready first finishes later (the time-bucket benchmark's last two buckets, or all
-                    # of them when the host is busy); the next piece's reduce-scatter above still overlaps it
-                    if inter_running is not None:
-                        inter_running.wait()
-                    work = inter_running = self._all_reduce_piece(job, piece)
-                    if work is not None:
-                        work.get_future().add_done_callback(lambda _, job=job: job.mark_done())
-                        job.works.append(work)
+                with self.stream.issuing(job.ready_event):
+                    self.stream.keep_alive(job.flat, job.out)
+                    for piece in self._pieces(job):
+                        self._scatter_piece(job, piece, async_op=False)
+                        job.scatter_done_at = job.done_at = perf_counter()
+                        # one inter-node all-reduce at a time: gloo runs a group's asynchronous collectives
+                        # side by side on its worker threads, where on the slow link they only share it and
+                        # the bucket ready first finishes later (the time-bucket benchmark's last two buckets,
+                        # or all of them when the host is busy); the next piece's reduce-scatter above still
+                        # overlaps it
+                        if inter_running is not None:
+                            inter_running.wait()
+                        work = inter_running = self._all_reduce_piece(job, piece)
+                        if work is not None:
+                            work.get_future().add_done_callback(lambda _, job=job: job.mark_done())
+                            job.works.append(work)
+                    self._settle_on_stream(job)
             except BaseException as err:  # handed to the training thread in wait()
                 job.error = err
             finally:
@@ -352,4 +422,4 @@ def make_reducer(
     if kind == "auto":
         kind = "inline" if runs_as_cuda(device) else "thread"
     cls = InlineReducer if kind == "inline" else ThreadedReducer
-    return cls(intra_group, inter_group, chunk_bytes, inter_dtype)
+    return cls(intra_group, inter_group, chunk_bytes, inter_dtype, stream=comm_stream_for(device))
