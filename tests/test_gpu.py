@@ -37,6 +37,43 @@ def test_every_strategy_on_cuda_matches_lightning(tmp_path: Path) -> None:
     check_gpu_results(json.loads(out.read_text()), audit_dir)
 
 
+# one device standing for many: the collectives of one-rank groups forced on, host-device syncs in
+# steady-state steps raising, torch's stream sanitizer watching every kernel's accesses
+FORCED_CASES = (
+    "sliced_sgd_size,sliced_adam_time,sliced_adamw_none_clip,sliced_accumulate_thread_reducer,"
+    "sliced_bf16_mixed,pipeline_keep,pipeline_timed_static_shapes,hybrid_sgd_32,bsp_plain_sgd_early_push,"
+    "bsp_plain_time_buckets"
+)
+
+
+@needs_cuda
+def test_forced_collectives_on_one_device_under_the_stream_sanitizer_without_syncs(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_forced.json"
+    audit_dir = tmp_path / "audit"
+    env = {
+        "LIGHTNING_HIER_AUDIT_DIR": str(audit_dir),
+        "LIGHTNING_HIER_FORCE_COLLECTIVES": "1",
+        "LIGHTNING_HIER_SYNC_CHECK": "1",
+        "TORCH_CUDA_SANITIZER": "1",
+    }
+    # through torchrun itself: the sanitizer is switched on when torch is imported, which the test helpers'
+    # forking server did before this environment existed
+    run_torchrun(
+        "gpu_checks.py", 1, str(out), FORCED_CASES, env=env, timeout=900, launcher_args=("--max-restarts=0",)
+    )
+    results = json.loads(out.read_text())
+    failures = {case: r["trace"] for case, r in results.items() if "error" in r}
+    assert not failures, "\n".join(f"{case}:\n{trace}" for case, trace in failures.items())
+    for case, result in results.items():
+        tolerance = next((t for key, t in TOLERANCE.items() if key in case), 1e-5)
+        assert result["max_rel_diff"] < tolerance and result["reference_moved"] > 1e-3, (case, result)
+    report = analyze(audit_dir, require_main_thread=False)
+    report.raise_if_problems()
+    names = {r["op"] for r in report.records[0] if any(t[0] == "cuda" for t in r["tensors"])}
+    assert any("reduce_scatter" in name for name in names), names  # the one-rank groups really reduced
+    assert any("all_reduce" in name for name in names), names
+
+
 def check_gpu_results(results: dict, audit_dir: Path) -> None:
     """What ``gpu_checks.py`` wrote must match Lightning; the audit must find NCCL-legal collectives."""
     failures = {case: r["trace"] for case, r in results.items() if "error" in r}

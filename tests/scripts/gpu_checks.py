@@ -7,12 +7,22 @@ pipeline), and writes ``{case: {"max_rel_diff": ..., "reference_moved": ...}}`` 
 device the NCCL collectives are trivial, but they are real: NCCL refuses host tensors, the CUDA
 code paths (inline reducer, CUDA-event step clock, pinned swap, the sharded grad scaler) run, and
 ``LIGHTNING_HIER_AUDIT_DIR`` records what was issued.
+
+Two settings make the one device check more than a one-rank run can show by itself:
+``LIGHTNING_HIER_FORCE_COLLECTIVES=1`` issues the collectives of one-rank groups that training skips
+(every reduce-scatter, all-reduce and all-gather really runs on an NCCL communicator, with its stream
+waits and events), and ``LIGHTNING_HIER_SYNC_CHECK=1`` turns torch's sync debug mode to ``"error"`` from
+the third training batch to the end of every fit under the package's strategies, so a host-device
+synchronisation in a steady-state step raises where it happens (hier_bsp's module thread waits on its own
+stream by design and is left out). Run them under ``TORCH_CUDA_SANITIZER=1`` as well, which reports
+accesses to one tensor from two streams without synchronisation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from unittest import mock
@@ -100,7 +110,25 @@ PIPELINE_MODELS = {
 }
 
 
+class NoSyncInSteadySteps(pl.Callback):
+    """From the third training batch on, any host-device synchronisation raises (torch's sync debug mode);
+    validation, checkpoints and the fit's end are outside and may synchronise."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step >= 2:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        torch.cuda.set_sync_debug_mode("default")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:  # noqa: ANN001
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def trainer(strategy, steps: int, **kwargs) -> pl.Trainer:  # noqa: ANN001, ANN003
+    checked = isinstance(strategy, (HierSlicedStrategy, HierPipelineStrategy))
+    if checked and os.environ.get("LIGHTNING_HIER_SYNC_CHECK") == "1":
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), NoSyncInSteadySteps()]
     return pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
