@@ -77,6 +77,23 @@ def _follow_optimizer_steps(module: HybridEmbedding) -> None:
         _step_hook = register_optimizer_step_post_hook(_apply_unmanaged_updates)
 
 
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory (itself if it is there already).
+
+    The table and its gradient exchange live in host memory, so a step on a GPU copies its ids here
+    once in forward and its rows' gradient once in backward: each copy waits for the device to compute
+    what it copies, the only waits a step makes for it and unavoidable with a host table. They are made
+    with torch's sync debug mode off, which is there to find the waits that are not meant."""
+    if tensor.device.type != "cuda":
+        return tensor.to("cpu")
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return tensor.to("cpu")
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 def _match_file(
     path: str, num_embeddings: int | None, embedding_dim: int | None, dtype: torch.dtype | None
 ) -> tuple[int, int, torch.dtype]:
@@ -364,22 +381,24 @@ class HybridEmbedding(nn.Module):
             self.attach()
         self.wait_for_updates()  # the rows read below must hold the last step's update
         assert self._table is not None
-        unique, inverse = torch.unique(input.reshape(-1), return_inverse=True)
-        if (
-            self.index is None
-            and unique.numel()
-            and (int(unique.min()) < 0 or int(unique.max()) >= self.num_embeddings)
-        ):
-            low, high = int(unique.min()), int(unique.max())
-            raise IndexError(f"ids must be in [0, {self.num_embeddings}); got ids from {low} to {high}.")
-        unique = unique.cpu()  # the table lives in host memory; rows go to the input's device
-        # index_select copies whole rows; advanced indexing goes through the generic, slower kernel
-        rows = self._table.index_select(0, self._rows_of(unique)).to(device=input.device, dtype=torch.float32)
+        # the one copy of the step's ids to the host: everything below reads that copy (a unique on the
+        # device would wait for it too, for the size of its result)
+        ids = _to_host(input.reshape(-1))
+        unique, inverse = torch.unique(ids, return_inverse=True)  # sorted: the range is its two ends
+        if self.index is None and unique.numel():
+            low, high = int(unique[0]), int(unique[-1])
+            if low < 0 or high >= self.num_embeddings:
+                raise IndexError(f"ids must be in [0, {self.num_embeddings}); got ids from {low} to {high}.")
+        # index_select copies whole rows; advanced indexing goes through the generic, slower kernel.
+        # Host to device without waiting: the source is pageable memory, which the copy stages at once
+        rows = self._table.index_select(0, self._rows_of(unique)).to(
+            device=input.device, dtype=torch.float32, non_blocking=True
+        )
         if self.training and torch.is_grad_enabled():
             self._check_synchronised(input.device.type)
             rows.requires_grad_(True)
             rows.register_hook(lambda grad, ids=unique: self._record(ids, grad))
-        local = inverse.view(input.shape)
+        local = inverse.view(input.shape).to(input.device, non_blocking=True)
         if self.mode is None:
             return F.embedding(local, rows)
         return F.embedding_bag(local, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
@@ -412,7 +431,7 @@ class HybridEmbedding(nn.Module):
             )
 
     def _record(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        self._pending.append((ids, grad.detach().float().cpu()))
+        self._pending.append((ids, _to_host(grad.detach().float())))
 
     # ------------------------------------------------------------------ update
     def pending_gradient(self) -> tuple[torch.Tensor, torch.Tensor]:

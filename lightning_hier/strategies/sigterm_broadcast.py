@@ -7,7 +7,11 @@ Under ``hier_pipeline`` rank 0 holds the last stage, which finishes its step fir
 other stages' last backward in front of its next step (about 2.5 ms per step on the CPU benchmark's
 bottleneck stage). Here rank 0 issues the broadcast and goes on; it waits for it at the next step or
 when the fit ends. The flag reaches every rank at the same step as before, and a set flag ends the fit
-on every rank the way Lightning does it (a barrier, then ``SIGTERMException``)."""
+on every rank the way Lightning does it (a barrier, then ``SIGTERMException``).
+
+Lightning makes the flag on the root device, so on a GPU every receiver's read of it waited for the
+device to finish its queued work, every step. The flag here is a host tensor sent over the control group
+(:func:`lightning_hier.topology.control_group`, which has a CPU backend beside NCCL): no device work."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_hier.strategies.posted_broadcasts import PostedBroadcasts
+from lightning_hier.topology import control_group
 
 PATCHED = "_broadcast_sigterm_tensor"
 
@@ -45,15 +50,17 @@ class SigtermBroadcast:
         self._sent.wait()
         received = bool(getattr(trainer, "received_sigterm", False))
         try:
-            flag = torch.tensor([int(received)], device=trainer.strategy.root_device)
+            group = control_group()  # all ranks: global rank 0 is its rank 0
+            flag = torch.tensor([int(received)])  # on the host: reading it never waits for the device
             if dist.get_rank() == 0:
-                self._sent.post(flag, src=0)
+                self._sent.post(flag, src=0, group=group)
             else:
-                dist.broadcast(flag, src=0)
+                dist.broadcast(flag, src=0, group=group)
                 received = bool(flag.item())
         except Exception:  # as Lightning: a failed broadcast reads as "no SIGTERM"
             received = False
         if received:
             with contextlib.suppress(Exception):
-                dist.barrier()  # as Lightning: every rank meets before all of them exit
+                # as Lightning: every rank meets before all of them exit; on the host, as the flag came
+                dist.barrier(group=control_group())
             raise SIGTERMException()
