@@ -11,24 +11,43 @@ Three kinds of process groups are built from it, and nothing else in the package
 - ``intra``: the ranks of one node (reduce-scatter and all-gather go here, over the fast link);
 - ``inter``: the ranks with the same local index on every node (all-reduce goes here, over the slow link).
 
+Besides these, :func:`control_group` (all ranks, host data only) and :func:`subset_group` (the ranks of
+one set, such as the pipeline stages holding a tied parameter).
+
+**Built once per process.** Every group is kept in a registry keyed by what it is for (the shared set
+of the training thread, or a dedicated set named after the thread that issues on it, such as ``"bsp"``
+or ``"tables"``), its role, backend, timeout and member ranks. A second fit, a Tuner's fit or a
+validation run gets the groups the first one built; on a GPU each group is an NCCL communicator
+(memory, connections, start-up time), so a new one per fit would pile up. The registry belongs to the
+default group it was built on: once that is destroyed (``dist.destroy_process_group()`` destroys every
+group, by the user or at exit) the next request starts a fresh registry on the new default group.
+:mod:`lightning_hier.strategies.process_group_exit` empties it and destroys the default group, and with
+it every group here, at interpreter exit. A group built without a timeout gets the default group's, so
+the strategy's ``timeout`` reaches every group and a stuck NCCL collective is ended after it.
+
 **The device rule** (DESIGN principle 7). NCCL refuses CPU tensors, and some data here lives on the
 host by design (control flags and plans, node-shared embedding tables). So every group the package
-issues a collective on has a CPU backend beside the device one: on CUDA the strategies create the
-default group as ``"cuda:nccl,cpu:gloo"`` (:func:`resolve_backend`) and :meth:`Topology.build_groups`
-builds ``intra``/``inter`` with the same pair, adding ``cpu:gloo`` when a user-made default group
-lacks it (then ``world`` is a new all-rank group with the pair). Each tensor then travels where it
-lives: device tensors (gradients, parameters, activations) over NCCL, host tensors (control data,
-host-resident tables) over gloo, with no copies to satisfy a backend. Every package collective
-names one of these groups explicitly; none relies on the default group.
+issues a collective on has a CPU backend: on CUDA the strategies create the default group as
+``"cuda:nccl,cpu:gloo"`` (:func:`resolve_backend`) and :meth:`Topology.build_groups` builds
+``intra``/``inter`` with the same pair, adding ``cpu:gloo`` when a user-made default group lacks it
+(then ``world`` is a new all-rank group with the pair, :func:`all_ranks_group`). Each tensor then
+travels where it lives: device tensors (gradients, parameters, activations) over NCCL, host tensors
+(control data, host-resident tables) over gloo, with no copies to satisfy a backend. A group that only
+ever carries host data is built as ``"gloo"`` alone, with no NCCL communicator behind it:
+:func:`control_group` when the default group lacks a CPU backend, the BSP thread's ``world`` (its
+control rows and counts) and the ``HybridEmbedding`` tables' exchange groups (sparse gradients of host
+tables). Every package collective names one of these groups explicitly; none relies on the default
+group.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,12 +105,22 @@ class Topology:
         local_index = self.local_rank if local_index is None else local_index
         return [node * self.devices_per_node + local_index for node in range(self.num_nodes)]
 
-    def build_groups(self, timeout: timedelta | None = None, dedicated: bool = False) -> Topology:
-        """Create the world, intra- and inter-node groups (a collective call: every rank must make it).
+    def build_groups(
+        self,
+        timeout: timedelta | None = None,
+        dedicated: bool | str = False,
+        *,
+        host_only: Collection[str] = (),
+    ) -> Topology:
+        """The world, intra- and inter-node groups (a collective call the first time: every rank makes it).
 
         Returns a copy of this topology holding this rank's groups, each with a CPU backend beside
-        the device one (the device rule above). ``dedicated``: a world group of its own too, instead
-        of the shared control group (for a thread that issues collectives beside the main thread's).
+        the device one (the device rule above), built once per process and default group and reused
+        by later calls. ``timeout``: the groups' (``None``: the default group's). ``dedicated``: the
+        training thread's shared set when false; a name (``"bsp"``, ``"tables"``) for the set of its own
+        that a thread issuing collectives beside the main thread's uses, the same set for every call with
+        that name; ``True`` for a new unnamed set on every call. ``host_only``: the roles among
+        ``"world"``, ``"intra"``, ``"inter"`` that only ever carry host tensors, built as ``"gloo"`` alone.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Topology.build_groups needs torch.distributed to be initialised first.")
@@ -100,12 +129,31 @@ class Topology:
                 f"Topology was made for world_size={self.world_size} but the process group has "
                 f"{dist.get_world_size()} ranks."
             )
-        backend = host_capable_backend()
-        world = dist.new_group(timeout=timeout, backend=backend) if dedicated else control_group(timeout)
+        unknown = set(host_only) - {"world", "intra", "inter"}
+        if unknown:
+            raise ValueError(f"host_only names roles 'world', 'intra', 'inter'; got {sorted(unknown)}.")
+        if dedicated is True:
+            purpose: str | None = None  # a new set, kept by the caller only
+        elif dedicated is False:
+            purpose = SHARED
+        elif isinstance(dedicated, str) and dedicated and dedicated != SHARED:
+            purpose = dedicated
+        else:
+            raise ValueError(f"dedicated must be a bool or the name of a thread's groups, got {dedicated!r}.")
+
+        def backend(role: str) -> str | None:
+            return "gloo" if role in host_only else host_capable_backend()
+
+        if purpose == SHARED and "world" not in host_only:
+            world = all_ranks_group(timeout)
+        elif purpose == SHARED:
+            world = control_group(timeout)
+        else:
+            world = _registered_group(range(self.world_size), purpose, "world", backend("world"), timeout)
         intra_lists = [self.intra_ranks(node) for node in range(self.num_nodes)]
         inter_lists = [self.inter_ranks(index) for index in range(self.devices_per_node)]
-        intra, _ = dist.new_subgroups_by_enumeration(intra_lists, timeout=timeout, backend=backend)
-        inter, _ = dist.new_subgroups_by_enumeration(inter_lists, timeout=timeout, backend=backend)
+        intra = _subgroup_of(self.rank, intra_lists, purpose, "intra", backend("intra"), timeout)
+        inter = _subgroup_of(self.rank, inter_lists, purpose, "inter", backend("inter"), timeout)
         return Topology(
             self.world_size,
             self.rank,
@@ -242,18 +290,130 @@ def host_capable_backend(group: dist.ProcessGroup | None = None) -> str | None:
     return ",".join(f"{device}:{backend}" for device, backend in pairs.items())
 
 
-_CONTROL_GROUP: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, control group)
+# ---------------------------------------------------------------------- the package's groups
+SHARED = "shared"
+"""The purpose of the groups the training thread issues on (:meth:`Topology.build_groups` without
+``dedicated``, :func:`control_group`, :func:`all_ranks_group`, :func:`subset_group`)."""
+
+
+@dataclass
+class _GroupRegistry:
+    """The package's groups on one default group: ``(purpose, role, backend, timeout, ranks) -> group``
+    (``GroupMember.NON_GROUP_MEMBER`` where this rank is not a member, so every rank knows the same keys)."""
+
+    default: dist.ProcessGroup | None = None
+    groups: dict[tuple, Any] = field(default_factory=dict)
+
+
+_REGISTRY = _GroupRegistry()
+
+
+def _live_registry() -> dict[tuple, Any]:
+    """The registry of the current default group; a fresh one when the default group changed.
+
+    ``dist.destroy_process_group()`` destroys every group, so groups kept from an earlier default group
+    are dead: they are dropped (not destroyed again) once another default group is in use."""
+    if not dist.is_available() or not dist.is_initialized():
+        forget_groups()
+        raise RuntimeError("lightning_hier's process groups need torch.distributed to be initialised first.")
+    default = dist.group.WORLD
+    if _REGISTRY.default is not default:
+        _REGISTRY.groups.clear()
+        _REGISTRY.default = default
+    return _REGISTRY.groups
+
+
+def forget_groups() -> None:
+    """Empty the registry (at exit, where the default group and with it every group is destroyed)."""
+    _REGISTRY.groups.clear()
+    _REGISTRY.default = None
+
+
+def registered_groups() -> list[dist.ProcessGroup]:
+    """This rank's groups in the registry of the current default group (none when it is not initialised)."""
+    if not dist.is_available() or not dist.is_initialized() or _REGISTRY.default is not dist.group.WORLD:
+        return []
+    return [g for g in _REGISTRY.groups.values() if isinstance(g, dist.ProcessGroup)]
+
+
+def default_group_timeout() -> timedelta | None:
+    """The timeout the default group was created with (the strategy's ``timeout`` under Lightning)."""
+    # read from the backends' options: gloo's on CPU (tested); ProcessGroupNCCL's options carry the same
+    # ``_timeout``, which its watchdog uses, but a CPU run cannot show that (docs/gpu.md)
+    default = dist.group.WORLD
+    for device in getattr(default, "_device_types", ()):
+        try:
+            timeout = default._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options (a third-party one)
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def _registered_group(
+    ranks: Iterable[int], purpose: str | None, role: str, backend: str | None, timeout: timedelta | None
+) -> Any:
+    """The group of ``ranks`` for ``(purpose, role)``, built on the first request (``dist.new_group``: a
+    collective of all ranks, which all make the same requests in the same order); ``purpose=None``
+    builds a new group that is not kept. ``NON_GROUP_MEMBER`` on a rank outside ``ranks``."""
+    groups = _live_registry()
+    members = tuple(sorted(ranks))
+    timeout = timeout if timeout is not None else default_group_timeout()
+    key = (purpose, role, backend, timeout, members)
+    if purpose is not None and key in groups:
+        return groups[key]
+    description = f"lightning_hier:{purpose or 'unnamed'}:{role}"
+    group = dist.new_group(list(members), timeout=timeout, backend=backend, group_desc=description)
+    if purpose is not None:
+        groups[key] = group
+    return group
+
+
+def _subgroup_of(
+    rank: int,
+    rank_lists: Sequence[Sequence[int]],
+    purpose: str | None,
+    role: str,
+    backend: str | None,
+    timeout: timedelta | None,
+) -> dist.ProcessGroup:
+    """One group per list (every rank builds each, in list order), this rank's returned: as
+    ``dist.new_subgroups_by_enumeration`` does, with each group kept in the registry."""
+    mine = None
+    for ranks in rank_lists:
+        group = _registered_group(ranks, purpose, role, backend, timeout)
+        if rank in ranks:
+            mine = group
+    assert mine is not None, f"rank {rank} is in none of {rank_lists}"
+    return mine
 
 
 def control_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
-    """All ranks, with a CPU backend: the default group when it has one, else one made once per run.
+    """All ranks, for host data only: the default group when it has a CPU backend, else a ``"gloo"``
+    group built once per default group (a collective call then: every rank makes it).
 
-    A collective call the first time on a default group without a CPU backend (every rank must make it).
-    """
+    ``timeout``: of that group (``None``: the default group's)."""
     default = dist.group.WORLD
     assert default is not None, "torch.distributed is not initialised"
     if host_capable_backend() is None:
         return default
-    if not _CONTROL_GROUP or _CONTROL_GROUP[0][0] is not default:  # none yet, or a new default group
-        _CONTROL_GROUP[:] = [(default, dist.new_group(timeout=timeout, backend=host_capable_backend()))]
-    return _CONTROL_GROUP[0][1]
+    return _registered_group(range(dist.get_world_size()), SHARED, "control", "gloo", timeout)
+
+
+def all_ranks_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """All ranks, for device and host tensors: the default group when it has a CPU backend, else one with
+    its device backend and ``cpu:gloo`` built once per default group (a collective call then)."""
+    default = dist.group.WORLD
+    assert default is not None, "torch.distributed is not initialised"
+    backend = host_capable_backend()
+    if backend is None:
+        return default
+    return _registered_group(range(dist.get_world_size()), SHARED, "world", backend, timeout)
+
+
+def subset_group(ranks: Sequence[int], timeout: timedelta | None = None, role: str = "subset") -> Any:
+    """The training thread's group of ``ranks`` with a CPU backend beside the device one, built once per
+    default group, ``role`` and set of ranks (a collective of all ranks the first time, members or not;
+    ``GroupMember.NON_GROUP_MEMBER`` on the others)."""
+    return _registered_group(ranks, SHARED, role, host_capable_backend(), timeout)

@@ -62,7 +62,7 @@ from lightning_hier.pipeline.tied_parameters import (
 from lightning_hier.pipeline.time_table import GatheredTimes, merge_stage_times, pack_stage_times
 from lightning_hier.pipeline.warmup import choose_extra_warmup, fits_in_memory
 from lightning_hier.pipeline.weight_grad import WeightGradients
-from lightning_hier.topology import control_group, host_capable_backend
+from lightning_hier.topology import all_ranks_group, subset_group
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class PipelineEngine:
         device: where this stage computes.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         group: all stage processes, with a CPU backend beside the device one (the device rule of
-            :mod:`lightning_hier.topology`); default :func:`~lightning_hier.topology.control_group`.
+            :mod:`lightning_hier.topology`); default :func:`~lightning_hier.topology.all_ranks_group`.
     """
 
     def __init__(
@@ -138,7 +138,7 @@ class PipelineEngine:
     ) -> None:
         self.settings = settings or PipelineSettings(schedule=schedule)
         self.timeout = timeout  # of the groups this engine makes (the stages holding a tied parameter)
-        self.group = group if group is not None else control_group()
+        self.group = group if group is not None else all_ranks_group(timeout)
         self.graph = graph
         self.root = graph.root
         self.partition = partition
@@ -251,8 +251,9 @@ class PipelineEngine:
 
     def _find_tied(self) -> None:
         """The parameters tied across stages under the current split, and a process group of the stages
-        holding each (every rank calls this at the same points, the same list: ``new_group`` is a
-        collective of all ranks; groups are made once per set of stages and kept)."""
+        holding each (every rank calls this at the same points, the same list: building a group is a
+        collective of all ranks; :func:`~lightning_hier.topology.subset_group` builds one per set of
+        stages and process, later fits reuse it)."""
         self.tied = find_tied(self.graph, self.partition, self._canonical, self._shapes)
         for tied in self.tied:
             if tied.stages in self._tied_groups:
@@ -261,8 +262,7 @@ class PipelineEngine:
                 self._tied_groups[tied.stages] = self.group
             else:
                 ranks = sorted(self._rank_of_stage(stage) for stage in tied.stages)
-                backend = host_capable_backend()
-                self._tied_groups[tied.stages] = dist.new_group(ranks, timeout=self.timeout, backend=backend)
+                self._tied_groups[tied.stages] = subset_group(ranks, self.timeout, role="tied")
 
     def sum_tied_gradients(self) -> None:
         """Before the optimizer step: every replica of a parameter tied across stages gets the sum of the

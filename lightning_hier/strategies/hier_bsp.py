@@ -315,7 +315,9 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         _sync_module_states(self.lightning_module)  # every worker and every shard start from rank 0's model
         if self.engine is not None:
             self.engine.close()
-        groups = self.topology.build_groups(self._timeout, dedicated=True)  # the BSP thread's own
+        # the BSP thread's own groups (built once per process); its world carries host control rows,
+        # counts and settings only, so gloo alone
+        groups = self.topology.build_groups(self._timeout, dedicated="bsp", host_only=("world",))
         early_push = self._early_push_wanted()
         profile = None
         if self.bucketing == "time" and early_push:

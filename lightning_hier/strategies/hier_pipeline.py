@@ -51,7 +51,7 @@ from lightning_hier.strategies.process_group_exit import destroy_process_group_a
 from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
 from lightning_hier.strategies.sigterm_broadcast import SigtermBroadcast
 from lightning_hier.strategies.stage_metrics_sync import StageMetricsSync
-from lightning_hier.topology import control_group, resolve_backend
+from lightning_hier.topology import all_ranks_group, control_group, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +419,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 decided = [(initial_partition(graph, self.settings, self.num_stages), torch.initial_seed())]
             except ValueError as exc:  # every stage raises it, none waits for the others
                 decided = [str(exc)]
-        group = control_group(self._timeout)
+        group = all_ranks_group(self._timeout)  # the stages' activations too: device and host tensors
         dist.broadcast_object_list(decided, src=0, group=group)
         if isinstance(decided[0], str):
             raise ValueError(decided[0])

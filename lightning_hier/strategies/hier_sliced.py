@@ -328,9 +328,12 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             )
         if self.tables:
             topology = self._groups()
-            # the tables' exchanges run on a thread of their own, so on groups of their own
+            # the tables' exchanges run on a thread of their own, so on groups of their own; they carry
+            # the host tables' sparse gradients only, so gloo alone (no NCCL communicator behind them)
             if self._table_exchange is None:
-                self._table_exchange = topology.build_groups(self._timeout, dedicated=True)
+                self._table_exchange = topology.build_groups(
+                    self._timeout, dedicated="tables", host_only=("world", "intra", "inter")
+                )
             exchange = self._table_exchange
             self.tables.attach(
                 topology.intra_group,

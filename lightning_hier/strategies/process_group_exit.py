@@ -1,10 +1,12 @@
-"""Destroy the default process group before the interpreter shuts down.
+"""Destroy the default process group, and with it the package's groups, before the interpreter shuts down.
 
 Gloo's worker threads can still hold asynchronous work (and the tensors of point-to-point sends
 or of a communication thread's collectives) when Python finalizes; destroying that state during
 finalization aborts the process ("terminate called without an active exception", SIGABRT) even
 though training finished. Lightning leaves the group alive after ``fit`` (a Trainer may be used
-again), so the strategies register this once per process.
+again), so the strategies register this once per process. Destroying the default group destroys
+every other group too; the package's registry of groups (:mod:`lightning_hier.topology`, where each is
+built once per process) is emptied with it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import atexit
 import time
 
 import torch.distributed as dist
+
+from lightning_hier.topology import forget_groups
 
 _registered = False
 
@@ -29,7 +33,8 @@ _GRACE_SECONDS = 0.2
 def _destroy_process_group_at_exit() -> None:
     if dist.is_available() and dist.is_initialized():
         time.sleep(_GRACE_SECONDS)
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the package's included
+    forget_groups()
 
 
 def destroy_process_group_at_exit() -> None:
