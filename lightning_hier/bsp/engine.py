@@ -13,6 +13,7 @@ parameters (epoch ends, validation, checkpoints, exit: the same model on every r
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -21,10 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hier.bsp.liveness import PeerWatch, describe_stall, peer_check_seconds
 from lightning_hier.bsp.local_module import LocalBSPModule, SuperstepRecord
 from lightning_hier.bsp.server import ShardedParameterServer
 from lightning_hier.bsp.settings import BSPSettings
-from lightning_hier.bsp.shared_memory import SharedModelMemory
+from lightning_hier.bsp.shared_memory import BSPStopped, SharedModelMemory
 from lightning_hier.bucketing.size_plan import BucketPlan, ParamInfo, plan_size_buckets
 from lightning_hier.bucketing.step_clock import StepClock
 from lightning_hier.bucketing.time_bucketing import ReadyTimes
@@ -38,6 +40,8 @@ from lightning_hier.sliced.sharded_optim import (
 )
 from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.topology import Topology
+
+log = logging.getLogger(__name__)
 
 
 class BSPEngine:
@@ -117,6 +121,7 @@ class BSPEngine:
         self._profile_warmup, self._profile_steps = profile if profile is not None else (0, 0)
         self._ready = ReadyTimes(len(self.params))
         self.module = LocalBSPModule(self.memory, self.server, topology, settings, timeout_s)
+        self._peers = PeerWatch(self.module.run_key, topology.world_size, peer_check_seconds(timeout_s))
         self.module.start()
 
     def _mark_used(self, index: int, param: torch.Tensor) -> None:
@@ -181,7 +186,7 @@ class BSPEngine:
                 # own tests run the training loop's step by hand) computes without waiting
                 if not memory.blocked() or not self.module.is_alive():
                     break
-                memory.wait(self.timeout_s, "new model from the parameter server")
+                self._wait("new model from the parameter server")
             memory.in_flight = memory.picked_up
             memory.started_since_pickup += 1
             memory.cycle_starts(time.monotonic())
@@ -281,8 +286,34 @@ class BSPEngine:
                 memory.fit_ended = fit_end
                 memory.notify()
                 while not memory.paused:
-                    memory.wait(self.timeout_s, "drain of every worker")
+                    self._wait("drain of every worker")
             self._pick_up()
+
+    def _wait(self, what: str) -> None:
+        """Wait (lock held) for news from the local BSP module, as ``memory.wait`` does, up to the timeout;
+        after each ``every_s`` of the :class:`PeerWatch` without news, compare the ranks' heartbeats and
+        stop with an error naming a lost rank.
+
+        Under NCCL a collective whose peer died need not fail: the module's thread waits on the device
+        until NCCL's watchdog ends the process at the groups' timeout (the same as this one) with a
+        message that names no rank. This names the rank after two such periods, at most a third of the
+        timeout. (Over gloo a dead peer's collective fails at once, and the module names the rank; a CPU
+        test stands in a push that never returns for the NCCL wait, which only a GPU run can show.)"""
+        memory, started = self.memory, time.monotonic()
+        while True:
+            left = self.timeout_s - (time.monotonic() - started)
+            if left <= 0:
+                raise BSPStopped(f"hier_bsp: no {what} after {time.monotonic() - started:.0f} s (timeout).")
+            if memory.cond.wait(min(left, self._peers.every_s)):
+                memory.raise_if_failed()
+                return
+            memory.raise_if_failed()
+            lost = self._peers.check()  # a few reads of the job's store, no sleep
+            if lost is None or lost:
+                message = describe_stall(lost, time.monotonic() - started, what)
+                log.error("hier_bsp: %s", message)  # at once: NCCL's watchdog may end the process soon
+                memory.fail(RuntimeError(message))
+                memory.raise_if_failed()
 
     def _pick_up(self) -> None:
         memory = self.memory
@@ -312,7 +343,7 @@ class BSPEngine:
                 and not (memory.paused or memory.draining or memory.aborted)
                 and self.module.is_alive()
             ):
-                memory.wait(self.timeout_s, "new model from the parameter server")
+                self._wait("new model from the parameter server")
             self._pick_up()
 
     @property

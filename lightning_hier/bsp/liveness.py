@@ -6,6 +6,12 @@ bumps a counter in the job's key-value store once a second from a thread of its 
 in a collective still beats); after a failure, the counters that did not move for a few seconds
 name the lost ranks. A rank that stops beating because its run ended (it saw the failure too and tore
 down) says so in the store first, so a peer still watching does not take it for lost.
+
+Under NCCL a collective whose peer died need not fail at all: the BSP thread waits on the device until
+NCCL's watchdog ends the process at the groups' timeout, with a message that names no rank.
+:class:`PeerWatch` covers that case from the worker's side: while the worker waits on its local BSP
+module, it compares the counters every few seconds and names a rank whose beat stopped, well before
+that timeout.
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ import contextlib
 import itertools
 import threading
 import time
+from typing import Any
 
 import torch.distributed as dist
 
 BEAT_SECONDS = 1.0
 WATCH_SECONDS = 2.5
+# a waiting worker's check for stopped beats: this often, and at most a sixth of the groups' timeout, so
+# that two checks (what naming a rank takes) fit well inside it
+PEER_CHECK_SECONDS = 10.0
 _runs = itertools.count()
 
 
@@ -62,14 +72,66 @@ def lost_ranks(run_key: str, world_size: int, watch_s: float = WATCH_SECONDS) ->
     the store is unreachable, which means the process hosting it, normally global rank 0's, is gone)."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        keys = [f"{run_key}/beat/{rank}" for rank in range(world_size)]
-        before = [store.add(key, 0) for key in keys]
+        before = _beats(store, run_key, world_size)
         time.sleep(watch_s)
-        after = [store.add(key, 0) for key in keys]
-        stopped = [rank for rank, (a, b) in enumerate(zip(before, after)) if a == b]
-        return [rank for rank in stopped if not store.check([f"{run_key}/left/{rank}"])]
+        return _stopped(store, run_key, before, _beats(store, run_key, world_size))
     except Exception:  # noqa: BLE001 - any store failure means its host is unreachable
         return None
+
+
+def peer_check_seconds(timeout_s: float) -> float:
+    """How often a waiting worker compares the counters: :data:`PEER_CHECK_SECONDS`, at most a sixth of
+    the groups' ``timeout_s``, and never under three beats (a live rank beats at least twice between)."""
+    return max(3 * BEAT_SECONDS, min(PEER_CHECK_SECONDS, timeout_s / 6))
+
+
+class PeerWatch:
+    """The lost ranks, for a worker waiting on its local BSP module (main thread, no sleeping).
+
+    Each :meth:`check` samples every rank's counter; a rank whose counter did not move since the previous
+    sample, taken about ``every_s`` (up to three times that) before, and that did not leave in order, is
+    lost. The worker calls it after each ``every_s`` of waiting without news, so it costs nothing while
+    the local module keeps up, and two silent periods name a dead peer."""
+
+    def __init__(self, run_key: str, world_size: int, every_s: float) -> None:
+        self.run_key = run_key
+        self.world_size = world_size
+        self.every_s = every_s
+        self._sample: tuple[float, list[int]] | None = None
+
+    def check(self) -> list[int] | None:
+        """Ranks found lost (``[]``: none, or no earlier sample to compare with yet); ``None`` when the
+        store is unreachable (the process hosting it, normally global rank 0's, is gone)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            now, beats = time.monotonic(), _beats(store, self.run_key, self.world_size)
+            previous, self._sample = self._sample, (now, beats)
+            if previous is None or not 0.9 * self.every_s <= now - previous[0] <= 3 * self.every_s:
+                return []  # too close to tell a live rank from a lost one, or from an earlier wait
+            return _stopped(store, self.run_key, previous[1], beats)
+        except Exception:  # noqa: BLE001 - any store failure means its host is unreachable
+            return None
+
+
+def _beats(store: Any, run_key: str, world_size: int) -> list[int]:
+    return [store.add(f"{run_key}/beat/{rank}", 0) for rank in range(world_size)]
+
+
+def _stopped(store: Any, run_key: str, before: list[int], after: list[int]) -> list[int]:
+    """The ranks whose counter did not move and that did not leave in order."""
+    stopped = [rank for rank, (a, b) in enumerate(zip(before, after)) if a == b]
+    return [rank for rank in stopped if not store.check([f"{run_key}/left/{rank}"])]
+
+
+def describe_stall(lost: list[int] | None, waited_s: float, what: str) -> str:
+    """What a worker that waited ``waited_s`` for ``what`` found: lost ranks, or an unreachable store."""
+    waiting = f"while this worker waited {waited_s:.0f} s for the {what}"
+    if lost is None:
+        return f"the job's key-value store is unreachable (global rank 0's host is likely gone) {waiting}"
+    return (
+        f"lost rank(s) {lost}: their heartbeats stopped {waiting} (the local BSP module's collectives "
+        "wait for them; under NCCL they do not fail before the groups' timeout)"
+    )
 
 
 def describe_loss(error: BaseException, lost: list[int] | None) -> str:

@@ -45,7 +45,7 @@ from lightning_hier.strategies.optimizer_routing import route_zero_grad, without
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
-from lightning_hier.topology import Topology, emulating_cuda, resolve_backend, validate_layout
+from lightning_hier.topology import Topology, control_group, emulating_cuda, resolve_backend, validate_layout
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,9 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         Topology.from_world(world_size, 0, self.devices_per_node, self.num_processes)
         super().setup_distributed()
         destroy_process_group_at_exit()
+        # every rank here, with the strategy's timeout: the host collectives between drains go over it,
+        # and a default group without a CPU backend (process_group_backend="nccl") gets one beside it
+        control_group(self._timeout)
         self.topology = Topology.from_world(
             world_size, self.global_rank, self.devices_per_node, self.num_processes
         )
@@ -648,14 +651,14 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         """While workers run free (between drains, not in lockstep) a collective would pair different steps
         of different workers: values logged with ``sync_dist=True`` then stay this worker's own. In lockstep
         they are reduced as under ddp: every worker takes the same steps, so the n-th collective of one
-        worker's training steps pairs with the n-th of every other's."""
-        if self._keeps_own:
+        worker's training steps pairs with the n-th of every other's. There, and for host tensors anywhere,
+        the value is reduced on the host (:func:`_reduce_on_host`); device tensors between drains go over
+        ddp's device collectives."""
+        if self._keeps_own or not isinstance(tensor, torch.Tensor):
             return tensor
-        if not self._running_free:
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        return _on_host(
-            lambda host: super(HierBSPStrategy, self).reduce(host, group=group, reduce_op=reduce_op), tensor
-        )
+        if self._running_free or tensor.device.type == "cpu":
+            return _reduce_on_host(tensor, group, reduce_op)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Where workers keep their own values (:meth:`reduce`), a decision is the worker's own too: ddp's sum
@@ -668,27 +671,30 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
 
     def barrier(self, name: str | None = None) -> None:
         """Where workers keep their own values a barrier would pair different steps (and wait for a step a
-        peer never takes): it returns at once. Between drains in lockstep it meets on the host group, since
-        the BSP thread issues the device's collectives (ddp's barrier on NCCL is a device collective)."""
+        peer never takes): it returns at once. Between drains in lockstep it meets on the host, over the
+        control group (``lightning_hier.topology.control_group``), since the BSP thread issues the device's
+        collectives (ddp's barrier on NCCL is a device collective)."""
         if self._keeps_own:
             return None
         if not self._running_free:
             return super().barrier(name)
-        if self.world_size > 1:
-            super().reduce(torch.zeros(()), reduce_op="sum")  # a CPU tensor: the host backend
+        if self.world_size > 1 and dist.is_initialized():
+            # a host tensor, so gloo: dist.barrier would go to the group's bound device on CUDA (which a
+            # CPU run cannot show; its test counts dist.barrier calls instead)
+            dist.all_reduce(torch.zeros(1), group=control_group())
         return None
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Where workers keep their own values the object stays the worker's own (a broadcast would pair
         different steps: Lightning's learning-rate finder broadcasts ``should_stop`` after every batch and
-        hung there); between drains in lockstep it goes over the host backend, beside the BSP thread's
-        device collectives."""
+        hung there); between drains in lockstep it goes over the host, on the control group, beside the BSP
+        thread's device collectives."""
         if self._keeps_own:
             return obj
         if not self._running_free or not dist.is_initialized():
             return super().broadcast(obj, src)
         objects = [obj]
-        dist.broadcast_object_list(objects, src=src, device=torch.device("cpu"))
+        dist.broadcast_object_list(objects, src=src, group=control_group(), device=torch.device("cpu"))
         return objects[0]
 
     def all_gather(
@@ -697,7 +703,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         """Between drains workers that are not in lockstep run free, so a gather would pair different steps
         of different workers (and, with ``max_staleness >= 1``, one worker's last gather would wait for a
         step its peers never take): refused with the hooks where it works. In lockstep it gathers as ddp's
-        does, on the host group beside the BSP thread's device collectives."""
+        does, on a host copy over the control group, beside the BSP thread's device collectives."""
         if self._keeps_own:
             raise RuntimeError(
                 "all_gather while hier_bsp's workers run free (in training_step or a per-batch training "
@@ -706,8 +712,9 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
                 "same model; a value logged with sync_dist=True inside training stays the worker's own."
             )
         if self._running_free:
+            host_group = control_group() if group is None else group
             return _on_host(
-                lambda host: super(HierBSPStrategy, self).all_gather(host, group, sync_grads), tensor
+                lambda host: super(HierBSPStrategy, self).all_gather(host, host_group, sync_grads), tensor
             )
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
@@ -916,7 +923,69 @@ _PER_BATCH_HOOKS = frozenset(
 def _on_host(collective: Callable[[Any], Any], tensor: Any) -> Any:
     """``collective`` on a host copy of a device tensor, the result moved back: between drains the local BSP
     module issues the device's collectives from its own thread, and the device rule (one issuing order
-    per device) leaves the worker's thread the host group only (gloo; "cuda:nccl,cpu:gloo" on CUDA)."""
+    per device) leaves the worker's thread the host backend only (gloo, on the control group)."""
     if not isinstance(tensor, torch.Tensor) or tensor.device.type == "cpu":
         return collective(tensor)
     return collective(tensor.cpu()).to(tensor.device)
+
+
+# Lightning's reduce_op spellings (a ReduceOp, or its name in any case) that a host backend takes;
+# "mean"/"avg" is a sum divided by the world size
+_HOST_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+
+
+def _host_reduce_op(reduce_op: Any) -> tuple[Any, bool]:
+    """``(op, divide by the world size)`` for ``reduce_op``: ``None`` is a sum (as Lightning's
+    ``_sync_ddp``), ``"mean"``/``"avg"``/``ReduceOp.AVG`` a sum then divided. ``ValueError`` otherwise."""
+    if reduce_op is None:
+        return dist.ReduceOp.SUM, False
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+        if name in ("mean", "avg"):
+            return dist.ReduceOp.SUM, True
+        if name in _HOST_REDUCE_OPS:
+            return _HOST_REDUCE_OPS[name], False
+    elif isinstance(reduce_op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):  # not a plain int, equal to one
+        if reduce_op == dist.ReduceOp.AVG:
+            return dist.ReduceOp.SUM, True
+        for op in _HOST_REDUCE_OPS.values():
+            if reduce_op == op:
+                return op, False
+    raise ValueError(
+        f"hier_bsp reduces host values with reduce_op None, 'mean', 'avg', {sorted(_HOST_REDUCE_OPS)} or "
+        f"the ReduceOp of one of them; got {reduce_op!r}."
+    )
+
+
+def _reduce_on_host(tensor: torch.Tensor, group: Any | None, reduce_op: Any) -> torch.Tensor:
+    """Lightning's ``_sync_ddp`` on the host, without its barrier: a host copy (the tensor itself if it is
+    one, reduced in place as ddp does) all-reduced over the control group (or ``group``), a mean as a sum
+    divided by the group's size (an integer tensor keeps its dtype, truncated as Lightning does on gloo),
+    the result moved back to the tensor's device with one copy.
+
+    Lightning's own passes ``ReduceOp.AVG`` to any group whose backend is not plain ``"gloo"``, which gloo,
+    the host backend of ``"cuda:nccl,cpu:gloo"``, refuses (torch 2.13's on integer tensors only), and its
+    barrier is a device collective on CUDA (the group's bound device) from this thread, beside the BSP
+    thread's; a CPU run shows the first, and only that the barrier is called. The device-to-host copy of a
+    device tensor (a logged loss) waits for the device: what ``sync_dist=True`` costs here."""
+    op, mean = _host_reduce_op(reduce_op)
+    if not dist.is_initialized():
+        return tensor
+    group = control_group() if group is None else group
+    host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+    dist.all_reduce(host, op=op, group=group)
+    if mean:
+        size = dist.get_world_size(group)
+        if torch.is_floating_point(host):
+            host.div_(size)
+        else:
+            host.copy_(host / size)
+    return host if host is tensor else host.to(tensor.device)
