@@ -652,8 +652,8 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         of different workers: values logged with ``sync_dist=True`` then stay this worker's own. In lockstep
         they are reduced as under ddp: every worker takes the same steps, so the n-th collective of one
         worker's training steps pairs with the n-th of every other's. There, and for host tensors anywhere,
-        the value is reduced on the host (:func:`_reduce_on_host`); device tensors between drains go over
-        ddp's device collectives."""
+        the value is reduced on the host (:func:`_reduce_on_host`); device tensors while the workers are
+        drained (validation, epoch ends, after fit) go over ddp's device collectives."""
         if self._keeps_own or not isinstance(tensor, torch.Tensor):
             return tensor
         if self._running_free or tensor.device.type == "cpu":
