@@ -148,6 +148,7 @@ class PipelineEngine:
         self.optimizers: list[Optimizer] = []
         self.executor = StageExecutor(graph, partition, stage, device)
         self.link = StageLink(stage, self.num_stages, self._rank_of_stage, device, group=self.group)
+        self.link.open_device_channel()  # before any step: the first exchange involves two stages only
         self.schedule = PipelineSchedule(self.link, schedule, on_backward_done=self.executor.finish_backward)
         if isinstance(self.settings.extra_warmup, int):
             self.schedule.extra_warmup = [self.settings.extra_warmup] * (self.num_stages - 1)

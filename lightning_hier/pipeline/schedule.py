@@ -97,6 +97,20 @@ class StageLink:
     def _peer(self, stage: int) -> int:
         return self.rank_of_stage(stage)
 
+    def open_device_channel(self) -> None:
+        """One collective of a device tensor over the whole group, so that its device communicator exists
+        before any exchange (every rank calls this, at setup; nothing with one stage).
+
+        NCCL makes a group's communicator at its first device operation, unless the process group was
+        initialised with a ``device_id``, and torch requires every rank of the group to take part when
+        that first operation is a ``batch_isend_irecv``. The schedules' first exchange is between two
+        stages only, and with three or more the others are waiting for a header that comes after it
+        (stage 2 for the one stage 1 sends once its activation from stage 0 has arrived): without the
+        communicator, stages 0 and 1 would wait in that exchange for stage 2, and stage 2 for stage 1.
+        """
+        if self.num_stages > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+
     # ------------------------------------------------------------------ headers (host, CPU backend)
     def forget_specs(self) -> None:
         """Drop the remembered activation specs (the cut moved: what crosses it is something else)."""
