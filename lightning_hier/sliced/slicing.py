@@ -10,6 +10,11 @@ updates the matching parameter slice. Sizes follow per-device weights:
 - ``"memory+compute"``: free memory times a short matmul-throughput probe;
 - an explicit list of ``L`` positive numbers.
 
+Measured weights are cut in whole quanta of 1/64 of a bucket (:func:`quantise_weights`): equal GPUs
+report free memory a few MB apart, and slices cut exactly to that would differ by as little, which
+costs the reducer its flat reduce-scatter and all-gather (those need equal slices). Devices whose
+weights are within a quantum of each other get equal slices.
+
 Measurements differ per rank and per node, but every node must cut buckets identically (slice
 ``k`` on node A is all-reduced with slice ``k`` on node B). Rank 0 therefore gathers every rank's
 measurement, takes for each local index the smallest value over nodes (the weakest device of that
@@ -18,6 +23,7 @@ index bounds what it can hold), and broadcasts the resulting plan.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 WEIGHT_MODES = ("equal", "memory", "memory+compute")
+SLICE_QUANTA = 64  # measured weights are cut in whole 64ths of a bucket (more where a node has more devices)
 
 
 @dataclass(frozen=True)
@@ -171,4 +178,69 @@ def combine_measurements(values: Sequence[float], devices_per_node: int) -> Slic
     """Per local index, the smallest measurement over nodes (rank ``r`` has index ``r % L``)."""
     per_index = [min(values[i::devices_per_node]) for i in range(devices_per_node)]
     floor = max(per_index) * 1e-3  # never give a device a zero-size share
-    return SlicePlan(tuple(max(v, floor) for v in per_index))
+    return SlicePlan(quantise_weights([max(v, floor) for v in per_index]))
+
+
+def quantise_weights(weights: Sequence[float]) -> tuple[float, ...]:
+    """``weights`` as whole quanta of a bucket (1/64 of it; 1/128 for 65 to 128 devices, and so on).
+
+    Weights all within one quantum of each other come out equal: an equal plan, whose buckets are padded
+    so that every slice has the same size. Otherwise every device gets at least one quantum and is within
+    one quantum of its share, all the quanta in all, so slice edges fall on whole quanta; devices within a
+    quantum of the smallest of their run get the same number of quanta wherever the total allows it.
+    """
+    count = len(weights)
+    quanta = SLICE_QUANTA * -(-count // SLICE_QUANTA)
+    total = float(sum(weights))
+    shares = [w / total * quanta for w in weights]
+    if max(shares) - min(shares) < 1.0:
+        return (1.0,) * count
+    runs: list[list[int]] = []
+    for k in sorted(range(count), key=lambda k: (shares[k], k)):
+        if runs and shares[k] - shares[runs[-1][0]] < 1.0:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    given = _quanta_by_runs(shares, runs, quanta) or _quanta_by_largest_remainder(shares, quanta)
+    return tuple(float(q) for q in given)
+
+
+def _quanta_by_runs(shares: list[float], runs: list[list[int]], quanta: int) -> list[int] | None:
+    """One count of quanta per run, within one quantum of every member's share, ``quanta`` in all; ``None``
+    where no such choice exists. A run spans less than a quantum, so one or two counts fit all its members
+    (``low`` and ``low + 1``); which runs take the higher one is a subset sum, solved for the largest
+    remainder given out."""
+    low = [max(1, math.floor(max(shares[k] for k in run))) for run in runs]
+    high = [math.ceil(min(shares[k] for k in run)) for run in runs]  # the largest count below min + 1
+    short = quanta - sum(len(run) * q for run, q in zip(runs, low))
+    # best[t]: (remainder given out, the runs raised) for the choices raising exactly t devices
+    best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    for r, run in enumerate(runs):
+        if high[r] <= low[r]:
+            continue
+        gain = sum(shares[k] - low[r] for k in run)
+        for t, (value, raised) in sorted(best.items(), reverse=True):
+            u = t + len(run)
+            if u <= short and (u not in best or value + gain > best[u][0]):
+                best[u] = (value + gain, (*raised, r))
+    if short < 0 or short not in best:
+        return None
+    given = [0] * len(shares)
+    for r, run in enumerate(runs):
+        for k in run:
+            given[k] = low[r] + (r in best[short][1])
+    return given
+
+
+def _quanta_by_largest_remainder(shares: list[float], quanta: int) -> list[int]:
+    """Each share rounded down (at least one quantum), then one more to the largest remainders until the
+    total is ``quanta`` (ties: the lower index); over it (the one-quantum minimum), taken back where a
+    device holds most above its share."""
+    given = [max(1, math.floor(share)) for share in shares]
+    left = quanta - sum(given)
+    for k in sorted(range(len(shares)), key=lambda k: (given[k] - shares[k], k))[: max(left, 0)]:
+        given[k] += 1
+    for _ in range(-left):
+        k = max((k for k in range(len(shares)) if given[k] > 1), key=lambda k: (given[k] - shares[k], -k))
+        given[k] -= 1
+    return given
