@@ -14,7 +14,7 @@ operation, not the broadcasts it is made of). Every operation becomes a :class:`
 - **active interval**: from the call to completion. A blocking call completes when it returns; an
   asynchronous one (``async_op=True``, ``isend``, ``batch_isend_irecv``) when its future completes
   (host clock) or, for CUDA tensors, when the training thread waits on it (CUDA events on the
-  current stream, DESIGN principle 7).
+  current stream of the tensors' device, DESIGN principle 7).
 - **blocked intervals** of the training thread (the thread that called :meth:`start`): inside a
   blocking call, inside ``Work.wait``, inside a method registered with :meth:`watch`, or a span
   given to :meth:`mark_blocked` (DDP's wait at the end of backward, which happens in C++).
@@ -123,43 +123,67 @@ def sent_bytes(name: str, bound: dict[str, Any], size: int, root: bool) -> tuple
 
 # ---------------------------------------------------------------------- clocks
 class _Clock:
-    """Host clock for host tensors; CUDA events (on the current stream) for CUDA tensors.
+    """Host clock for host tensors; CUDA events for CUDA tensors, recorded on the tensors' device.
 
-    A stamp is a float (``perf_counter()``) or a recorded ``torch.cuda.Event``;
-    :meth:`seconds` places either on one timeline (seconds since :meth:`reset`).
+    A stamp is a float (``perf_counter()``) or a recorded ``torch.cuda.Event``; :meth:`seconds` places
+    either on one timeline (seconds since :meth:`reset`). CUDA times two events only if both were
+    recorded on one device, and the thread that stamps need not have the tensors' device current (a
+    communication thread that never called ``torch.cuda.set_device`` has GPU 0 current on every rank):
+    so each event is recorded on the current stream of the operation's device, each device has an origin
+    event of its own, and each origin keeps the host moment it was recorded at.
     """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
         self._origin_host = perf_counter()
-        self._origin_event: Any = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self._origin_event = torch.cuda.Event(enable_timing=True)
-            self._origin_event.record()
+        # device index -> (origin event, its host moment in seconds since _origin_host)
+        self._origins: dict[int, tuple[Any, float]] = {}
+        self._events = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._events:  # the training thread's device now; any other at its first stamp
+            self._origin(torch.cuda.current_device())
+
+    def _origin(self, device: int) -> tuple[Any, float]:
+        with self._lock:  # communication threads may stamp a device's first event at once
+            origin = self._origins.get(device)
+            if origin is None:
+                origin = self._origins[device] = (_event_on(device), perf_counter() - self._origin_host)
+        return origin
 
     @staticmethod
     def host() -> float:
         return perf_counter()
 
-    def stamp(self, cuda: bool) -> Any:
-        if cuda and self._origin_event is not None:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return perf_counter()
+    def stamp(self, device: int | None) -> Any:
+        """Now: a CUDA event on ``device`` (the index of the operation's tensors' device), or the host
+        clock for ``None`` (host tensors) and where CUDA was not in use at :meth:`reset`."""
+        if device is None or not self._events:
+            return perf_counter()
+        if device not in self._origins:
+            self._origin(device)
+        return _event_on(device)
 
     def seconds(self, stamp: Any) -> float:
         if isinstance(stamp, float):
             return stamp - self._origin_host
         stamp.synchronize()
-        return self._origin_event.elapsed_time(stamp) / 1000.0
+        origin, at = self._origins[stamp.device.index]
+        return at + origin.elapsed_time(stamp) / 1000.0
 
     @staticmethod
     def ready(stamp: Any) -> bool:
         """Whether :meth:`seconds` can read ``stamp`` without waiting for the device."""
         return isinstance(stamp, float) or stamp.query()
+
+
+def _event_on(device: int) -> Any:
+    """A timing event recorded on this thread's current stream of ``device``, whatever device the thread
+    has current (the event takes the stream's device)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 # ---------------------------------------------------------------------- records
@@ -175,6 +199,7 @@ class CommEvent:
     cuda: bool
     issued: Any
     done: Any = None  # completion stamp; None while in flight
+    device: int | None = None  # the CUDA device of the tensors, which the stamps are recorded on
 
 
 @dataclass
@@ -580,12 +605,12 @@ class CommStats:
 
     def _describe(
         self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[str, int, int, bool]:
-        """``(kind, bytes, wire bytes, on CUDA)`` of a call of ``name``."""
+    ) -> tuple[str, int, int, int | None]:
+        """``(kind, bytes, wire bytes, CUDA device index or None)`` of a call of ``name``."""
         if name in _TENSOR_P2P:  # a pipeline's headers, once per micro-batch: no binding needed
             tensor = args[0] if args else kwargs["tensor"]
             nbytes = _nbytes(tensor) if name in _SENDS else 0
-            return "p2p", nbytes, nbytes, tensor.is_cuda
+            return "p2p", nbytes, nbytes, _cuda_index(tensor)
         bound = self._bind(name, original, args, kwargs)
         group = group_in(args, kwargs) or self._default_group or dist.group.WORLD
         _, registered, size, rank = self._group_info(group)
@@ -594,7 +619,7 @@ class CommStats:
             src, group_src = bound.get("src"), bound.get("group_src")
             root = (src == self._rank) if src is not None else (group_src == rank)
         nbytes, wire = sent_bytes(name, bound, size, root)
-        return _kind_of(name, registered), nbytes, wire, _on_cuda(bound)
+        return _kind_of(name, registered), nbytes, wire, _cuda_device(bound)
 
     def _count_call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         kind, nbytes, wire, _ = self._describe(name, original, args, kwargs)
@@ -618,14 +643,14 @@ class CommStats:
         return original(*args, **kwargs)
 
     def _call(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        kind, nbytes, wire, cuda = self._describe(name, original, args, kwargs)
-        event = self._issue(name, kind, nbytes, wire, cuda)
+        kind, nbytes, wire, device = self._describe(name, original, args, kwargs)
+        event = self._issue(name, kind, nbytes, wire, device)
         try:
             result = original(*args, **kwargs)
         except BaseException:
-            event.done = self.clock.stamp(event.cuda)
+            event.done = self.clock.stamp(device)
             raise
-        returned = self.clock.stamp(cuda)
+        returned = self.clock.stamp(device)
         training = event.training_thread
         if result is not None and hasattr(result, "is_completed"):  # a Work (isinstance costs ~1 us here)
             self._track(result, [event], training)
@@ -646,7 +671,7 @@ class CommStats:
         ops = args[0] if args else kwargs["p2p_op_list"]
         training = threading.get_ident() == self._thread
         if ops and ops[0].tensor.is_cuda:
-            return self._batch_on_device(original, args, kwargs, ops, training)
+            return self._batch_on_device(original, args, kwargs, ops, training, _cuda_index(ops[0].tensor))
         # host tensors, a pipeline's every message: kept lean (one stamp for the ops issued together,
         # each op's name looked up once per function), since this runs on the pipeline's critical path
         issued = perf_counter()
@@ -661,15 +686,21 @@ class CommStats:
         return works
 
     def _batch_on_device(
-        self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ops: list[Any], training: bool
+        self,
+        original: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        ops: list[Any],
+        training: bool,
+        device: int | None,
     ) -> Any:
         events = []
         for op in ops:
             name = self._p2p_name(op)
             nbytes = _nbytes(op.tensor) if name == "isend" else 0
-            events.append(self._issue(name, "p2p", nbytes, nbytes, True, training))
+            events.append(self._issue(name, "p2p", nbytes, nbytes, device, training))
         works = original(*args, **kwargs)
-        self._track_batch(works, events, training, self.clock.stamp(True))
+        self._track_batch(works, events, training, self.clock.stamp(device))
         return works
 
     def _track_batch(self, works: Any, events: list[CommEvent], training: bool, returned: Any) -> None:
@@ -701,11 +732,13 @@ class CommStats:
             self._events.extend(events)
 
     def _issue(
-        self, name: str, kind: str, nbytes: int, wire: int, cuda: bool, training: bool | None = None
+        self, name: str, kind: str, nbytes: int, wire: int, device: int | None, training: bool | None = None
     ) -> CommEvent:
+        """An operation on CUDA device ``device`` (``None``: host tensors) issued now."""
         if training is None:
             training = threading.get_ident() == self._thread
-        event = CommEvent(name, kind, nbytes, wire, training, cuda, self.clock.stamp(cuda))
+        stamp = self.clock.stamp(device)
+        event = CommEvent(name, kind, nbytes, wire, training, device is not None, stamp, device=device)
         # no lock on the training thread: the lists are swapped only by that thread (begin_step /
         # end_step / stop), and another thread's append under the lock cannot interleave with it
         self._file([event], training)
@@ -719,8 +752,7 @@ class CommStats:
         else:
             with self._lock:
                 self._pending[key] = (work, events)
-        cuda = events[0].cuda
-        if not cuda:
+        if not events[0].cuda:
             # a host operation's end is stamped at its Work.wait (every issuer here waits, in the step
             # or at its end), else at the step's end. A future callback would be exact without a waiter,
             # but get_future alone cost 40-75 us per operation on gloo, which the pipeline's many small
@@ -736,7 +768,7 @@ class CommStats:
             # on CUDA the callback runs at once (NCCL's future completes when the collective is queued)
             # with current streams made to wait for the collective: an event recorded here fires when
             # the device has finished it, whether or not anyone waits on the work (DDP's comm hook never does)
-            now = self.clock.stamp(cuda)
+            now = self.clock.stamp(events[0].device)
             for event in events:
                 if event.done is None:
                     event.done = now
@@ -753,12 +785,12 @@ class CommStats:
             events = entry[1] if entry is not None and entry[0] is work else ()
             if not events and not self._timing:  # an untimed step's operation: nothing to stamp
                 return original(work, *args, **kwargs)
-            cuda = bool(events) and events[0].cuda
-            before = self.clock.stamp(cuda)
+            device = events[0].device if events else None
+            before = self.clock.stamp(device)
             try:
                 return original(work, *args, **kwargs)
             finally:
-                after = self.clock.stamp(cuda)
+                after = self.clock.stamp(device)
                 for event in events:
                     if event.done is None:
                         event.done = after
@@ -837,13 +869,19 @@ def _on_device(events: list[CommEvent], blocked: list[tuple[Any, Any]]) -> bool:
     return any(event.cuda for event in events) or any(type(a) is not float for a, _ in blocked)
 
 
-def _on_cuda(bound: dict[str, Any]) -> bool:
+def _cuda_index(tensor: torch.Tensor) -> int | None:
+    """The index of ``tensor``'s CUDA device, ``None`` off CUDA."""
+    return tensor.get_device() if tensor.is_cuda else None
+
+
+def _cuda_device(bound: dict[str, Any]) -> int | None:
+    """The CUDA device index of an operation's first tensor argument (``None``: a host operation)."""
     for value in bound.values():
         if isinstance(value, torch.Tensor):
-            return value.is_cuda
+            return _cuda_index(value)
         if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-            return value[0].is_cuda
-    return False
+            return _cuda_index(value[0])
+    return None
 
 
 def _completed(work: dist.Work) -> bool:
