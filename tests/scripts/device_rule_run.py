@@ -30,7 +30,7 @@ class LoggedModel(EquivModel):
 
     ``reduce_fx="max"``: Lightning averages with ``ReduceOp.AVG`` unless the group's backend is
     plain ``"gloo"``; on a GPU that reaches NCCL, here the emulation hands CPU tensors to gloo,
-    which has no AVG. A limit of the emulation, not of the strategies.
+    which refuses AVG on integer tensors. A limit of the emulation, not of the strategies.
     """
 
     def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
