@@ -92,7 +92,7 @@ def test_a_step_value_logged_per_micro_batch_is_the_batchs(
     import torch
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-    from lightning_hier.strategies.micro_batch_logging import step_values_over_micro_batches
+    from lightning_hier.strategies.lightning_patches import step_values_over_micro_batches
 
     results = _ResultCollection(training=True)
     with step_values_over_micro_batches(results):

@@ -203,7 +203,8 @@ def _sigterm_steps(rank: int, world: int, store: str, backend: str) -> dict:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from lightning_hier.audit.emulation import register_emulated_nccl
-    from lightning_hier.strategies.sigterm_broadcast import PATCHED, SigtermBroadcast
+    from lightning_hier.strategies.lightning_patches import SIGTERM_BROADCAST as PATCHED
+    from lightning_hier.strategies.sigterm_broadcast import SigtermBroadcast
     from lightning_hier.topology import control_group
 
     register_emulated_nccl()

@@ -28,6 +28,8 @@ from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, Stochastic
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_hier.strategies.lightning_patches import attached_trainer
+
 try:
     from lightning.pytorch.callbacks import WeightAveraging
 except ImportError:  # Lightning before 2.5 has no WeightAveraging
@@ -42,7 +44,7 @@ def refuse_unsupported_callbacks(
     """Raise ``ValueError`` naming the first callback of the fit that ``strategy`` cannot serve.
     ``lockstep``: ``hier_bsp``'s workers take every stepped model before their next hook (no warning
     for per-step weight averaging)."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:
         return
     for callback in trainer.callbacks:

@@ -16,14 +16,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.data import _update_dataloader
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -41,7 +37,33 @@ from lightning_hier.bucketing.time_bucketing import validate_time_settings
 from lightning_hier.bucketing.time_plan import TimePlan
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.host_layout import warn_if_nodes_span_hosts
-from lightning_hier.strategies.optimizer_routing import route_zero_grad, without_optimizer
+from lightning_hier.strategies.lightning_patches import (
+    accumulating,
+    agree_after_epoch_end,
+    attached_trainer,
+    check_own_sigterm,
+    current_hook,
+    ddp_timeout,
+    layer_sync,
+    mark_train_data_loading,
+    optimizers_to_device,
+    requested_backend,
+    restore_epoch_end,
+    restore_sigterm_broadcast,
+    restore_validation_check,
+    route_gradient_clipping,
+    route_zero_grad,
+    run_closure,
+    saves_by_steps_or_time,
+    sync_module_states,
+    train_data_loaded,
+    unmark_train_data_loading,
+    unroute_gradient_clipping,
+    unroute_zero_grad,
+    validate_at_every_epoch_end,
+    with_train_sampler,
+    without_optimizer,
+)
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
@@ -213,25 +235,22 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         destroy_process_group_at_exit()
         # every rank here, with the strategy's timeout: the host collectives between drains go over it,
         # and a default group without a CPU backend (process_group_backend="nccl") gets one beside it
-        control_group(self._timeout)
+        control_group(ddp_timeout(self))
         self.topology = Topology.from_world(
             world_size, self.global_rank, self.devices_per_node, self.num_processes
         )
         warn_if_nodes_span_hosts(self.topology, "hier_bsp")
 
     def _get_process_group_backend(self) -> str:
-        return resolve_backend(self.root_device, self._process_group_backend)
+        return resolve_backend(self.root_device, requested_backend(self))
 
     def _validate_run(self) -> None:
         module = self.lightning_module
         if module is None:
             return
         refuse_unsupported_callbacks(module, "hier_bsp", lockstep=self.settings.lockstep)
-        if (
-            self._layer_sync is not None
-            and module._trainer is not None
-            and module.trainer.state.fn == TrainerFn.FITTING
-        ):
+        trainer = attached_trainer(module)
+        if layer_sync(self) is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise ValueError(
                 "sync_batchnorm=True with HierBSPStrategy: its workers compute without waiting for one "
                 "another, so a BatchNorm that synchronizes every forward across processes cannot run there "
@@ -251,7 +270,6 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
                 "HierBSPStrategy does not support precision='16-mixed' (a loss scale per worker); use "
                 "'bf16-mixed' or '32-true'."
             )
-        trainer = module._trainer
         if trainer is None or self.settings.lockstep:
             return
         mode, lockstep = self._uneven_mode(), "use max_staleness=0 with superstep_steps and no fill_idle"
@@ -263,9 +281,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
                 f"must run at epoch ends, where every worker has the same model (or {lockstep})."
             )
         for callback in trainer.callbacks:
-            if isinstance(callback, ModelCheckpoint) and (
-                callback._every_n_train_steps or callback._train_time_interval
-            ):
+            if isinstance(callback, ModelCheckpoint) and saves_by_steps_or_time(callback):
                 raise ValueError(
                     f"ModelCheckpoint(every_n_train_steps/train_time_interval) with HierBSPStrategy({mode}): "
                     f"workers reach a step number at different times; save per epoch (every_n_epochs) or "
@@ -296,31 +312,33 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             if fitting and self.engine is not None:  # no optimizer: no server, parameters stay as they are
                 self.engine.close()
                 self.engine = None
-            _sync_module_states(self.model)
+            sync_module_states(self.model)
         self.setup_precision_plugin()
         if serving:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
             self._route_to_engine()
-            _without_step_broadcast(trainer)
-            self._mark_train_loading(trainer)
+            # workers run different numbers of steps and the BSP thread owns the training phase's
+            # collectives: no per-step broadcast of rank 0's SIGTERM flag, each worker reads its own
+            check_own_sigterm(trainer)
+            mark_train_data_loading(trainer, self._note_train_data_loading)
             self._share_this_fit = self.share_batches
-            if self.share_batches and trainer.fit_loop._combined_loader is not None:
+            if self.share_batches and train_data_loaded(trainer):
                 self._keep_fixed_shards_for_an_early_estimate(trainer)
             if not self.settings.lockstep:
-                _validate_at_every_epoch_end(trainer, self._end_every_fit)
-                _stop_together_at_epoch_end(trainer, self._agree_on_stopping)
+                validate_at_every_epoch_end(trainer, self._end_every_fit)
+                agree_after_epoch_end(trainer, self._agree_on_stopping)
         self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
 
     def _build_engine(self) -> None:
         assert self.topology is not None and self.lightning_module is not None
         if len(self.optimizers) != 1:
             raise ValueError(f"HierBSPStrategy needs exactly one optimizer, got {len(self.optimizers)}.")
-        _sync_module_states(self.lightning_module)  # every worker and every shard start from rank 0's model
+        sync_module_states(self.lightning_module)  # every worker and every shard start from rank 0's model
         if self.engine is not None:
             self.engine.close()
         # the BSP thread's own groups (built once per process); its world carries host control rows,
         # counts and settings only, so gloo alone
-        groups = self.topology.build_groups(self._timeout, dedicated="bsp", host_only=("world",))
+        groups = self.topology.build_groups(ddp_timeout(self), dedicated="bsp", host_only=("world",))
         early_push = self._early_push_wanted()
         profile = None
         if self.bucketing == "time" and early_push:
@@ -342,7 +360,8 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         profile: tuple[int, int] | None = None,
     ) -> BSPEngine:
         assert self.lightning_module is not None
-        timeout_s = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        timeout = ddp_timeout(self)
+        timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
         return BSPEngine(
             self.lightning_module,
             self.optimizers[0],
@@ -391,7 +410,8 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         module = self.lightning_module
         assert module is not None
         hooks = ("on_after_backward", "on_before_optimizer_step")
-        callbacks = module.trainer.callbacks if module._trainer is not None else []
+        trainer = attached_trainer(module)
+        callbacks = trainer.callbacks if trainer is not None else []
         changes_gradients = any(is_overridden(hook, module) for hook in hooks) or any(
             getattr(type(callback), hook) is not getattr(pl.Callback, hook)
             for callback in callbacks
@@ -405,15 +425,9 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         engine = self.engine
         assert engine is not None
         route_zero_grad(self, 0, lambda set_to_none=True: engine.zero_grad())
-
-        def clip_gradients(
-            optimizer: Optimizer, clip_val: Any = None, gradient_clip_algorithm: Any = None
-        ) -> None:
-            if clip_val:
-                algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"
-                engine.set_clipping((str(algorithm), float(clip_val)))
-
-        self.precision_plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
+        route_gradient_clipping(
+            self.precision_plugin, lambda algorithm, value: engine.set_clipping((algorithm, value))
+        )
 
     # ------------------------------------------------------------------ data
     def _keep_fixed_shards_for_an_early_estimate(self, trainer: pl.Trainer) -> None:
@@ -435,20 +449,10 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             "estimate to keep sharing."
         )
 
-    def _mark_train_loading(self, trainer: pl.Trainer) -> None:
+    def _note_train_data_loading(self, loading: bool) -> None:
         """Lightning hands every loader to :meth:`process_dataloader` without saying which stage it is for;
-        the fit loop's ``setup_data`` loads the train loaders only, so mark that window."""
-        loop = trainer.fit_loop
-        original = type(loop).setup_data.__get__(loop)
-
-        def setup_data() -> None:
-            self._loading_train_data = True
-            try:
-                original()
-            finally:
-                self._loading_train_data = False
-
-        loop.setup_data = setup_data  # type: ignore[method-assign]
+        the fit loop's ``setup_data`` loads the train loaders only, and marks that window here."""
+        self._loading_train_data = loading
 
     def process_dataloader(self, dataloader: object) -> object:
         """The train loader draws its batches from a :class:`ClaimingSampler` when ``share_batches``."""
@@ -472,7 +476,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             sampler, dataloader.batch_size or 1, dataloader.drop_last, f"{new_run_key()}/batches"
         )
         self._claiming = True
-        return _update_dataloader(dataloader, claiming, mode=RunningStage.TRAINING)
+        return with_train_sampler(dataloader, claiming)
 
     # ------------------------------------------------------------------ step
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -493,14 +497,9 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
 
     def _accumulating(self) -> bool:
         """Whether the running batch only accumulates gradients (Lightning steps the optimizer later).
-        Where that cannot be read (no fit running, or a Lightning without its private
-        ``_should_accumulate``) the answer is yes: the backward is then announced in ``optimizer_step``,
-        before its closure, and never one that only accumulates."""
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        try:
-            return bool(trainer.fit_loop.epoch_loop._should_accumulate())  # type: ignore[union-attr]
-        except AttributeError:
-            return True
+        Where no fit runs the answer is yes: the backward is then announced in ``optimizer_step``, before
+        its closure, and never one that only accumulates."""
+        return accumulating(attached_trainer(self.lightning_module))
 
     def _announce_last_backward(self) -> None:
         assert self.engine is not None
@@ -523,7 +522,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             self._rebuild_when_profiled()
         if not self._last_backward_announced:
             self._announce_last_backward()  # the closure's backward (if it runs one) completes the micro-step
-        result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        result = run_closure(self.precision_plugin, model, optimizer, closure)
         if self._in_step:
             # computed: some backward of this step ran, inside the closure or before it (a user's
             # optimizer_step that calls the closure, then optimizer.step(); ddp steps on those gradients
@@ -644,7 +643,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         if self.engine is None or self.settings.lockstep:
             return False
         module = self.lightning_module
-        in_batch = module is not None and module._current_fx_name in _PER_BATCH_HOOKS
+        in_batch = module is not None and current_hook(module) in _PER_BATCH_HOOKS
         return in_batch or self._running_free
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
@@ -724,8 +723,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         ``on_exception``, e.g. ``ModelCheckpoint(save_on_exception=True)``, run before the strategy's). The
         local BSP module is stopped here without a drain, which would wait for this worker's unfinished
         step (it hung until the timeout), and the other workers are told, as :meth:`on_exception` does."""
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         if self.engine is None or trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
             return False
         if not self.engine.memory.aborted:
@@ -811,12 +809,15 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         if self.engine is not None:
             self._give_back_optimizer()
             self.engine.close()
-        self.precision_plugin.__dict__.pop("clip_gradients", None)
-        module = self.lightning_module
-        if module is not None and module._trainer is not None:
-            for patched in ("_broadcast_sigterm_tensor", "_should_check_val_fx"):
-                module.trainer.fit_loop.epoch_loop.__dict__.pop(patched, None)
-            module.trainer.fit_loop.__dict__.pop("setup_data", None)
+        unroute_gradient_clipping(self.precision_plugin)
+        if self.optimizers:
+            unroute_zero_grad(self, 0)
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is not None:
+            restore_sigterm_broadcast(trainer)
+            restore_validation_check(trainer)
+            restore_epoch_end(trainer)
+            unmark_train_data_loading(trainer)
         super().teardown()
 
     @classmethod
@@ -852,54 +853,6 @@ def _validate_bucketing(
         raise ValueError(
             "bucketing='time' plans when buckets are pushed early: it needs early_push=True or None."
         )
-
-
-def _without_step_broadcast(trainer: pl.Trainer) -> None:
-    """Lightning broadcasts a SIGTERM flag from rank 0 before every training step. Workers here run
-    different numbers of steps and the BSP thread owns the training phase's collectives, so each worker
-    checks its own flag (a scheduler's SIGTERM reaches every process)."""
-    loop = trainer.fit_loop.epoch_loop
-
-    def check_own_sigterm() -> None:
-        if getattr(trainer, "received_sigterm", False):
-            raise SIGTERMException()
-
-    loop._broadcast_sigterm_tensor = check_own_sigterm  # type: ignore[method-assign]
-
-
-def _validate_at_every_epoch_end(trainer: pl.Trainer, end_every_fit: Callable[[], None]) -> None:
-    """Lightning validates when a worker's batch count reaches the loader's length; a worker whose epoch
-    ended with the others' (fewer batches) must validate too, or the ranks' validation collectives
-    would not pair up. ``val_check_interval`` is 1.0 here (checked at setup).
-
-    Lightning asks this right after ``on_train_batch_end``: the first point where a ``should_stop`` set in
-    a per-batch hook of this worker alone (its own ``Timer`` clock, the user's own condition) is known.
-    ``end_every_fit`` then ends the others' fits after the step they are in, as max_steps does, so every
-    worker validates and stops together (before, the others trained on and the fit hung)."""
-    loop = trainer.fit_loop.epoch_loop
-
-    def at_epoch_end(data_fetcher: Any) -> bool:
-        stopping = trainer.should_stop and trainer.fit_loop._can_stop_early
-        if stopping:
-            end_every_fit()
-        if not loop._should_check_val_epoch():
-            return False
-        return loop.batch_progress.is_last_batch or stopping
-
-    loop._should_check_val_fx = at_epoch_end  # type: ignore[method-assign]
-
-
-def _stop_together_at_epoch_end(trainer: pl.Trainer, agree: Callable[[pl.Trainer], None]) -> None:
-    """Lightning's fit loop ends an epoch (its hooks, checkpoints, schedulers) in ``on_advance_end`` and
-    then reads ``should_stop``; ``agree`` makes that decision common to every worker in between."""
-    loop = trainer.fit_loop
-    end_epoch = loop.on_advance_end
-
-    def on_advance_end() -> None:
-        end_epoch()
-        agree(trainer)
-
-    loop.on_advance_end = on_advance_end  # type: ignore[method-assign]
 
 
 # Lightning's hook names (``LightningModule._current_fx_name``) from a training batch's start to its end

@@ -19,8 +19,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -38,13 +36,23 @@ from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
-from lightning_hier.strategies.global_norm_clipping import (
-    install_global_norm_clipping,
-    remove_global_norm_clipping,
-)
 from lightning_hier.strategies.instance_hooks import InstanceHooks
-from lightning_hier.strategies.micro_batch_logging import step_values_over_micro_batches
-from lightning_hier.strategies.optimizer_routing import without_optimizer
+from lightning_hier.strategies.lightning_patches import (
+    attached_trainer,
+    compiled_by_trainer,
+    ddp_timeout,
+    drop_layer_sync,
+    install_global_norm_clipping,
+    keep_users_sampler,
+    layer_sync,
+    optimizers_to_device,
+    remove_global_norm_clipping,
+    requested_backend,
+    result_collection,
+    step_values_over_micro_batches,
+    training_step_loss,
+    without_optimizer,
+)
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.posted_broadcasts import PostedBroadcasts
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
@@ -268,7 +276,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 "defines no forward(); define forward() and call self(...) in the *_step methods, or use "
                 "hier_sliced, hier_bsp or ddp, which do not split the model."
             )
-        if module is not None and module._compiler_ctx is not None:
+        if module is not None and compiled_by_trainer(module):
             # Lightning compiled the module's forward and *_step methods (a torch.compile'd module passed to
             # the Trainer); the steps call the stage's part of forward, which exchanges activations with
             # the neighbouring stages, and dynamo cannot trace that (inductor failed inside it)
@@ -278,38 +286,31 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 "compile of the whole module cannot trace."
             )
             to_uncompiled(module)
-        if self._layer_sync is not None:
+        if layer_sync(self) is not None:
             rank_zero_warn(
                 "sync_batchnorm=True with HierPipelineStrategy: a pipeline is one data-parallel replica, so "
                 "there is nothing to synchronize; its BatchNorm layers stay as they are (each sees a "
                 "micro-batch, as in every micro-batched pipeline)."
             )
-            self._layer_sync = None
-        if module is not None and module._trainer is not None:  # Lightning attached it with the data
-            # before the user's hooks run: configure_optimizers (or setup) reading
-            # trainer.estimated_stepping_batches loads the train data there, and with the flag still on it
-            # would get Lightning's shuffling DistributedSampler instead of the user's loader
-            self._keep_users_sampler(module._trainer)
+            drop_layer_sync(self)
+        trainer = attached_trainer(module)
+        if trainer is not None:  # Lightning attached it with the data
+            # stages are not data-parallel replicas: each reads the user's loader as it is, where Lightning
+            # would inject a (shuffling) DistributedSampler because the run is distributed. Before the user's
+            # hooks run: configure_optimizers (or setup) reading trainer.estimated_stepping_batches loads the
+            # train data there
+            keep_users_sampler(trainer)
         super().setup_distributed()
         destroy_process_group_at_exit()
 
     def _get_process_group_backend(self) -> str:
         # "cuda:nccl,cpu:gloo" on CUDA: host-side control data is legal on every group (topology.py)
-        return resolve_backend(self.root_device, self._process_group_backend)
+        return resolve_backend(self.root_device, requested_backend(self))
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every stage reads the same batches: stage 0 needs the inputs, the last stage the targets
         return {"num_replicas": 1, "rank": 0}
-
-    @staticmethod
-    def _keep_users_sampler(trainer: pl.Trainer) -> None:
-        """Stages are not data-parallel replicas: each reads the user's loader as it is.
-
-        Lightning would otherwise inject a (shuffling) DistributedSampler because the run is
-        distributed; with one replica it would only change the order the user asked for.
-        """
-        trainer._accelerator_connector.use_distributed_sampler = False
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Every stage must read the same batches in the same order.
@@ -390,7 +391,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             self.engine.set_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
             install_global_norm_clipping(self.precision_plugin, self)
         self._install_metric_sync(trainer)
         _keep_metrics_local(module)
@@ -419,7 +420,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 decided = [(initial_partition(graph, self.settings, self.num_stages), torch.initial_seed())]
             except ValueError as exc:  # every stage raises it, none waits for the others
                 decided = [str(exc)]
-        group = all_ranks_group(self._timeout)  # the stages' activations too: device and host tensors
+        group = all_ranks_group(ddp_timeout(self))  # the stages' activations too: device and host tensors
         dist.broadcast_object_list(decided, src=0, group=group)
         if isinstance(decided[0], str):
             raise ValueError(decided[0])
@@ -432,7 +433,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             self.settings.schedule,
             self.settings,
             group,
-            timeout=self._timeout,
+            timeout=ddp_timeout(self),
         )
         self.engine.executor.rng_base = int(rng_base)
         log.info("hier_pipeline: %d clusters, partition %s", graph.num_clusters, partition)
@@ -526,9 +527,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
                 return output
             # Lightning's own reading of a step's output: the same errors for invalid ones, and the
             # extra keys, which reach on_train_batch_end (the last micro-batch's)
-            result = ClosureResult.from_training_step_output(output)
-            loss = result.closure_loss
-            self._extra = result.extra
+            loss, self._extra = training_step_loss(output)
             if loss is None:
                 # Lightning's "skip this batch": the micro-batch adds no gradient (the schedule sends
                 # zeros back for an output that needs none); a step all of whose micro-batches skip
@@ -559,7 +558,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             # the loss's receive goes out once this stage's last message of the step is issued
             self.engine.schedule.after_messages = self._receive_loss_ahead
             # the user's step runs on the last stage only: its on_step values become the batch's
-            with step_values_over_micro_batches(trainer._results if self.engine.is_last else None):
+            with step_values_over_micro_batches(result_collection(trainer) if self.engine.is_last else None):
                 self.engine.train_step(len(micro), forward, self._spec_keys("train", micro))
         loss = self._step_loss(len(micro))
         if loss is None:
@@ -797,7 +796,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         super().load_optimizer_state_dict(checkpoint)
         if self.engine is not None:
             self.engine.drop_foreign_optimizer_state()
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _hide_example_input(self, module: pl.LightningModule) -> None:
         """``example_input_array`` is set aside for the run: Lightning's model summary (every rank, at fit
@@ -822,9 +821,9 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         """After a run every rank's module holds the whole trained model, as under ``ddp``, so the
         user's script can save, export or run it (and ``start_method="spawn"`` can hand it back), and
         after a fit every rank's optimizer holds the whole state, as ``ddp`` leaves it."""
-        module = self.lightning_module
-        if module is not None and module._trainer is not None:
-            self._sigterm_broadcast.remove(module.trainer, wait=not self._failed and dist.is_initialized())
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is not None:
+            self._sigterm_broadcast.remove(trainer, wait=not self._failed and dist.is_initialized())
         if self.engine is not None and not self._failed and dist.is_initialized():
             self._loss_broadcasts.wait()
             self.engine.restore_full_model("cpu")

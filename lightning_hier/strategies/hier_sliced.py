@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,16 +32,21 @@ from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
 from lightning_hier.sliced.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
 from lightning_hier.sparse.node_tables import NodeTables
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
-from lightning_hier.strategies.global_norm_clipping import (
-    install_global_norm_clipping,
-    remove_global_norm_clipping,
-)
 from lightning_hier.strategies.gradient_readers import hooks_read_gradients
 from lightning_hier.strategies.host_layout import warn_if_nodes_span_hosts
-from lightning_hier.strategies.optimizer_routing import (
+from lightning_hier.strategies.lightning_patches import (
+    attached_trainer,
+    ddp_timeout,
+    install_global_norm_clipping,
     install_optimizer_toggle,
+    layer_sync,
+    optimizers_to_device,
+    remove_global_norm_clipping,
     remove_optimizer_toggle,
+    requested_backend,
     route_zero_grad,
+    sync_module_states,
+    unwrapped_optimizer,
     without_optimizer,
 )
 from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
@@ -269,7 +272,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
 
     def _get_process_group_backend(self) -> str:
         # "cuda:nccl,cpu:gloo" on CUDA: host-side control data is legal on every group (topology.py)
-        return resolve_backend(self.root_device, self._process_group_backend)
+        return resolve_backend(self.root_device, requested_backend(self))
 
     def global_rank_hint(self) -> int:
         return self.node_rank * self.num_processes + self.local_rank
@@ -279,8 +282,9 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync:  # Trainer(sync_batchnorm=True), as ddp converts it (and reverts it)
-            self.model = self._layer_sync.apply(self.model)
+        sync_batchnorm = layer_sync(self)
+        if fitting and sync_batchnorm:  # Trainer(sync_batchnorm=True), as ddp converts it (and reverts it)
+            self.model = sync_batchnorm.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._attach_hybrid_embeddings()
@@ -297,7 +301,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         else:
             if fitting:  # no optimizer: nothing to shard, the parameters stay as they are
                 self.engines, self.engine = [], None
-            _sync_module_states(self.model)
+            sync_module_states(self.model)
         self.setup_precision_plugin()  # (re)creates the LightningOptimizer wrappers
         if sharding:
             self._route_zero_grad()
@@ -306,7 +310,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
                 lambda optimizer: self.engine_for(optimizer).params,
                 [param for engine in self.engines for param in engine.params],
             )
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
             install_global_norm_clipping(self.precision_plugin, self)
             self._install_sharded_grad_scaler()
         self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
@@ -314,7 +318,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
     def _groups(self) -> Topology:
         assert self.topology is not None
         if self.topology.intra_group is None:
-            self.topology = self.topology.build_groups(self._timeout)
+            self.topology = self.topology.build_groups(ddp_timeout(self))
         return self.topology
 
     def _attach_hybrid_embeddings(self) -> None:
@@ -332,7 +336,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             # the host tables' sparse gradients only, so gloo alone (no NCCL communicator behind them)
             if self._table_exchange is None:
                 self._table_exchange = topology.build_groups(
-                    self._timeout, dedicated="tables", host_only=("world", "intra", "inter")
+                    ddp_timeout(self), dedicated="tables", host_only=("world", "intra", "inter")
                 )
             exchange = self._table_exchange
             self.tables.attach(
@@ -449,7 +453,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
 
     def engine_for(self, optimizer: Optimizer) -> HierSlicedEngine:
         """The engine sharding ``optimizer`` (or the LightningOptimizer wrapping it)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrapped_optimizer(optimizer)
         for engine in self.engines:
             if engine.optimizer is optimizer:
                 return engine
@@ -514,9 +518,9 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         return super().predict_step(*args, **kwargs)
 
     def backward_pass_done(self) -> None:
-        """Called by the precision plugin (``global_norm_clipping``) between the backward pass and
-        ``on_after_backward``: the gradients are reduced before the hooks run, as DDP reduces them
-        during backward. Lightning's ``Strategy.backward`` itself stays as it is."""
+        """Called by the precision plugin (``lightning_patches.install_global_norm_clipping``) between the
+        backward pass and ``on_after_backward``: the gradients are reduced before the hooks run, as DDP
+        reduces them during backward. Lightning's ``Strategy.backward`` itself stays as it is."""
         self._finish_backward()
 
     def pre_backward(self, closure_loss: torch.Tensor | None) -> None:
@@ -533,7 +537,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         """A backward Lightning did not announce: a raw ``loss.backward()`` in a manual-optimization
         ``training_step`` is synchronised like ``manual_backward``; any other (input gradients in
         ``validation_step``) only accumulates locally, as under DDP outside its forward."""
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         if trainer is None or not trainer.training:
             return None
         self.pre_backward(None)
@@ -610,7 +614,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         assert self.lightning_module is not None
         # a checkpoint may be restored into a module no Trainer holds (after a spawned fit, Lightning's
         # launcher hands back a detached module): ``module.trainer`` would raise there
-        trainer = self.lightning_module._trainer
+        trainer = attached_trainer(self.lightning_module)
         self.tables.restore(checkpoint, getattr(trainer, "ckpt_path", None))
         load_whole = super().load_model_state_dict
         engine = self.engine
@@ -622,7 +626,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         if self.engine is None:
             return super().load_optimizer_state_dict(checkpoint)
         self.checkpoints.restore_optimizers(self.engines, checkpoint)
-        _optimizers_to_device(self.optimizers, self.root_device)
+        optimizers_to_device(self.optimizers, self.root_device)
         return None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -24,25 +24,15 @@ after ``configure_optimizers``; Lightning's hook-order tests found it).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import lightning.pytorch as pl
 
-
-def _run_arguments(trainer: pl.Trainer) -> tuple[Any, bool | None] | None:
-    """``(ckpt_path, weights_only)`` of the ``Trainer._run`` that is setting the strategy up.
-
-    Returns ``None`` when there is no such call. Lightning keeps the checkpoint's path only as an argument of
-    ``_run`` until it restores, and keeps ``weights_only`` nowhere else, so the path is read from that call's
-    frame. If Lightning renames it, nothing is found and Lightning's own order applies."""
-    run_code = pl.Trainer._run.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is run_code and frame.f_locals.get("self") is trainer:
-            return frame.f_locals.get("ckpt_path"), frame.f_locals.get("weights_only")
-        frame = frame.f_back
-    return None
+from lightning_hier.strategies.lightning_patches import (
+    attached_trainer,
+    restore_modules_and_callbacks,
+    run_arguments,
+)
 
 
 class RestoresBeforeFitStart:
@@ -65,9 +55,9 @@ class RestoresBeforeFitStart:
         # be loaded then (Lightning restores as for ddp); after setup, False once restored (no second time)
         if self._restored_in_setup or self._restores_before_setup:
             return False
-        module = getattr(self, "lightning_module", None)
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        arguments = _run_arguments(trainer) if trainer is not None else None
+        trainer = attached_trainer(getattr(self, "lightning_module", None))
+        # if Lightning renames _run's arguments, nothing is found and Lightning's own order applies
+        arguments = run_arguments(trainer) if trainer is not None else None
         if arguments is not None and arguments[0] and self._can_restore_before_setup(arguments[0]):
             self._restores_before_setup = self._awaiting_setup = True
             return False
@@ -79,11 +69,11 @@ class RestoresBeforeFitStart:
         self._restored_in_setup = self._awaiting_setup = False
         if self._restores_before_setup:
             return
-        arguments = _run_arguments(trainer)
+        arguments = run_arguments(trainer)
         if arguments is None or not arguments[0]:
             return
         ckpt_path, weights_only = arguments
-        trainer._checkpoint_connector._restore_modules_and_callbacks(ckpt_path, weights_only)
+        restore_modules_and_callbacks(trainer, ckpt_path, weights_only)
         self._restored_in_setup = True
 
     def teardown(self) -> None:

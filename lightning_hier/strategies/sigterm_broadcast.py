@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_hier.strategies.lightning_patches import replace_sigterm_broadcast, restore_sigterm_broadcast
 from lightning_hier.strategies.posted_broadcasts import PostedBroadcasts
 from lightning_hier.topology import control_group
-
-PATCHED = "_broadcast_sigterm_tensor"
 
 
 class SigtermBroadcast:
@@ -36,12 +35,12 @@ class SigtermBroadcast:
         self._sent = PostedBroadcasts()  # rank 0's flags
 
     def install(self, trainer: pl.Trainer) -> None:
-        setattr(trainer.fit_loop.epoch_loop, PATCHED, partial(self._broadcast, trainer))
+        replace_sigterm_broadcast(trainer, partial(self._broadcast, trainer))
 
     def remove(self, trainer: pl.Trainer, wait: bool = True) -> None:
         """Restore Lightning's broadcast; ``wait``: first complete rank 0's last one (not after a failure,
         when the other ranks may be gone)."""
-        trainer.fit_loop.epoch_loop.__dict__.pop(PATCHED, None)
+        restore_sigterm_broadcast(trainer)
         if wait:
             self._sent.wait()
         self._sent.forget()

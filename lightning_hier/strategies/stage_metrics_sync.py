@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_hier.pipeline.object_wire import from_wire, to_wire
 from lightning_hier.strategies.instance_hooks import InstanceHooks
+from lightning_hier.strategies.lightning_patches import clear_predictions, share_evaluation_results
 from lightning_hier.topology import control_group
 
 
@@ -42,8 +43,7 @@ class StageMetricsSync:
         # trainer.validate() / test() return the last stage's results on every rank, as under ddp each
         # rank gets a result dict with every logged key (before 2026-11-27 the other stages got empty
         # dicts, and a script reading metrics[0]["val_loss"] on every rank failed there)
-        for loop in (trainer.validate_loop, trainer.test_loop):
-            self._module_hooks.wrap(loop, "run", transform=self._share_results)
+        share_evaluation_results(trainer, self._module_hooks, self._share_results)
 
     def remove(self) -> None:
         self._writer_hooks.restore()
@@ -89,9 +89,4 @@ class StageMetricsSync:
     def _drop_predictions(self) -> None:
         """Empty this stage's prediction lists in place: ``trainer.predict`` returns them (an empty list
         here, as ``ddp`` returns each rank's share), and a writer reads them."""
-        loop = self.trainer.predict_loop
-        # Lightning keeps them in these attributes (a writer reads `predictions`, a view of them)
-        for predictions in loop._predictions:
-            predictions.clear()
-        for indices in loop.epoch_batch_indices:
-            indices.clear()
+        clear_predictions(self.trainer)
