@@ -2,12 +2,12 @@
 
 Importing the package registers its strategy names with Lightning, so
 ``Trainer(strategy="hier_sliced")``, ``"hier_pipeline"`` and ``"hier_bsp"`` work after
-``import lightning_hier``.
+``import lightning_hier``, and does nothing else: the collective audit, the emulated NCCL backend and
+the exit handler start at a strategy's setup (or by :func:`lightning_hier.audit.start_from_env`).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_hier.audit import install_from_env, register_emulated_nccl
 from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.callbacks import CommProfiler, GradientTimingProfiler, StageRebalancer
 from lightning_hier.sliced.engine import HierSlicedEngine
@@ -17,16 +17,9 @@ from lightning_hier.sparse import HybridEmbedding
 from lightning_hier.strategies.hier_bsp import HierBSPStrategy
 from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
 from lightning_hier.strategies.hier_sliced import HierSlicedStrategy
-from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
-from lightning_hier.topology import Topology, emulating_cuda
+from lightning_hier.topology import Topology
 
 __version__ = "0.1.0"
-
-if emulating_cuda():  # LIGHTNING_HIER_DEVICE_BACKEND: a CPU run whose groups are built as on CUDA
-    register_emulated_nccl()
-install_from_env()  # LIGHTNING_HIER_AUDIT_DIR: record every collective of this process
-# any run that imports the package (ddp with a HybridEmbedding too) ends without gloo's exit race
-destroy_process_group_at_exit()
 
 for _strategy in (HierSlicedStrategy, HierPipelineStrategy, HierBSPStrategy):
     if _strategy.strategy_name not in StrategyRegistry:

@@ -19,11 +19,16 @@ exit); add ``LIGHTNING_HIER_DEVICE_BACKEND=emulated_nccl`` to build the groups a
     LIGHTNING_HIER_DEVICE_BACKEND=emulated_nccl LIGHTNING_HIER_AUDIT_DIR=/tmp/audit \\
         python -m lightning_hier fit --config examples/configs/hier_sliced.yaml
     python -m lightning_hier.audit /tmp/audit
+
+Both variables are read by :func:`start_from_env`, which the strategies call at the start of their
+``setup_distributed`` (importing the package reads neither); a script that builds its process groups
+itself calls it before ``init_process_group``.
 """
 
 from lightning_hier.audit.analysis import AuditReport, analyze
 from lightning_hier.audit.emulation import EMULATED_NCCL, register_emulated_nccl
 from lightning_hier.audit.recorder import AUDIT_DIR_ENV, CollectiveAudit, CollectiveRecord, install_from_env
+from lightning_hier.topology import emulating_cuda
 
 __all__ = [
     "AUDIT_DIR_ENV",
@@ -34,4 +39,18 @@ __all__ = [
     "analyze",
     "install_from_env",
     "register_emulated_nccl",
+    "start_from_env",
 ]
+
+
+def start_from_env() -> CollectiveAudit | None:
+    """Start what the environment asks of this process, once: the emulated NCCL backend
+    (``LIGHTNING_HIER_DEVICE_BACKEND``) and the recording of every collective (``LIGHTNING_HIER_AUDIT_DIR``,
+    written at exit). Returns the process's audit, or ``None`` when none was asked for.
+
+    Call it before the process group exists: a group naming the emulated backend needs it registered,
+    and the record then holds every operation of the run.
+    """
+    if emulating_cuda():
+        register_emulated_nccl()
+    return install_from_env()

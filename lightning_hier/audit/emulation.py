@@ -27,7 +27,7 @@ def _create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta)
 
 
 def register_emulated_nccl() -> None:
-    """Register the stand-in once per process (child processes do it at ``import lightning_hier``)."""
+    """Register the stand-in once per process (a strategy's setup does it when the environment names it)."""
     if EMULATED_NCCL not in dist.Backend.backend_list:
         dist.Backend.register_backend(EMULATED_NCCL, _create_backend, devices=["cuda"])
 

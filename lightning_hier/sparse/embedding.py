@@ -77,6 +77,14 @@ def _follow_optimizer_steps(module: HybridEmbedding) -> None:
         _step_hook = register_optimizer_step_post_hook(_apply_unmanaged_updates)
 
 
+def _end_process_groups_at_exit() -> None:
+    # under another strategy (ddp) the process groups meet the package here only, so the exit handler that
+    # spares gloo's exit race is registered here (imported late: the strategies import this module)
+    from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
+
+    destroy_process_group_at_exit()
+
+
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in host memory (itself if it is there already).
 
@@ -263,6 +271,8 @@ class HybridEmbedding(nn.Module):
         """
         self._managed = managed
         self._exchange_groups, self._jobs = exchange_groups, jobs
+        if intra_group is not None or inter_group is not None:
+            _end_process_groups_at_exit()
         if self.attached:
             self._intra_group, self._inter_group = intra_group, inter_group
             return
@@ -409,6 +419,7 @@ class HybridEmbedding(nn.Module):
         if not self.steps_with_optimizers:
             return
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            _end_process_groups_at_exit()  # the run ends with this error, gloo's work maybe still in flight
             raise RuntimeError(
                 "HybridEmbedding is training on several processes without strategy='hier_sliced': its table "
                 "would never be updated (another strategy neither synchronises its per-id gradients nor "

@@ -129,9 +129,12 @@ class SegmentRegistry:
 
     def __init__(self) -> None:
         self.paths: list[Path] = []
-        atexit.register(self.remove_all)
+        self._exit_registered = False
 
     def track(self, path: Path) -> Path:
+        if not self._exit_registered:  # at the first segment, not when the package is imported
+            atexit.register(self.remove_all)
+            self._exit_registered = True
         self.paths.append(path)
         return path
 

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_hier.audit import start_from_env
 from lightning_hier.bsp.batch_claims import ClaimingSampler, why_not_claimed
 from lightning_hier.bsp.engine import BSPEngine
 from lightning_hier.bsp.liveness import new_run_key
@@ -231,6 +232,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         self._validate_run()  # before the process group (and so before any collective) exists
         world_size = self.num_nodes * self.num_processes
         Topology.from_world(world_size, 0, self.devices_per_node, self.num_processes)
+        start_from_env()  # the emulated backend and the audit where the environment asks for them
         super().setup_distributed()
         destroy_process_group_at_exit()
         # every rank here, with the strategy's timeout: the host collectives between drains go over it,

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
 
+from lightning_hier.audit import start_from_env
 from lightning_hier.pipeline.batch_agreement import stages_disagree
 from lightning_hier.pipeline.batching import input_signature, split_batch
 from lightning_hier.pipeline.delegation import as_forward
@@ -300,6 +301,7 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             # hooks run: configure_optimizers (or setup) reading trainer.estimated_stepping_batches loads the
             # train data there
             keep_users_sampler(trainer)
+        start_from_env()  # the emulated backend and the audit where the environment asks for them
         super().setup_distributed()
         destroy_process_group_at_exit()
 

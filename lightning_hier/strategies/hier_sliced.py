@@ -24,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 
+from lightning_hier.audit import start_from_env
 from lightning_hier.bucketing.time_bucketing import TimeBucketingConfig, validate_time_settings
 from lightning_hier.sliced.checkpoints import PLAN_KEY, SlicedCheckpoints, validate_checkpoint_format
 from lightning_hier.sliced.engine import HierSlicedEngine
@@ -262,6 +263,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         )
         validate_slice_weights(self.slice_weights, topology.devices_per_node)
         refuse_unsupported_callbacks(self.lightning_module, "hier_sliced")
+        start_from_env()  # the emulated backend and the audit where the environment asks for them
         super().setup_distributed()
         destroy_process_group_at_exit()
         self.topology = Topology.from_world(

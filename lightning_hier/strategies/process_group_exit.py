@@ -4,7 +4,8 @@ Gloo's worker threads can still hold asynchronous work (and the tensors of point
 or of a communication thread's collectives) when Python finalizes; destroying that state during
 finalization aborts the process ("terminate called without an active exception", SIGABRT) even
 though training finished. Lightning leaves the group alive after ``fit`` (a Trainer may be used
-again), so the strategies register this once per process. Destroying the default group destroys
+again), so the strategies register this once per process at setup, and a ``HybridEmbedding`` where it
+meets process groups under another strategy (never at import). Destroying the default group destroys
 every other group too; the package's registry of groups (:mod:`lightning_hier.topology`, where each is
 built once per process) is emptied with it.
 """

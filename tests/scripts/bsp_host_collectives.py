@@ -38,6 +38,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment  # noqa: 
 from models import EquivModel, loader  # noqa: E402
 
 from lightning_hier import HierBSPStrategy  # noqa: E402
+from lightning_hier.audit import start_from_env  # noqa: E402
 from lightning_hier.topology import device_backend_name  # noqa: E402
 
 
@@ -106,6 +107,7 @@ def lockstep_fit(out: Path) -> dict:
 def nccl_only_default(out: Path) -> dict:
     """The strategy's methods between drains in lockstep on a default group that refuses host tensors."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    start_from_env()  # the emulated backend: this group is made here, not by a strategy's setup
     dist.init_process_group(f"cuda:{device_backend_name()}", rank=rank, world_size=world)
     environment = LightningEnvironment()
     environment.set_world_size(world)

@@ -41,6 +41,7 @@ from pipeline_models import LitAutoEncoder, SkewedNet, WrapperNet  # noqa: E402
 from pipeline_models import loader as pipeline_loader  # noqa: E402
 
 from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy  # noqa: E402
+from lightning_hier.audit import start_from_env  # noqa: E402
 from lightning_hier.bsp.stream_handoff import StreamHandoff  # noqa: E402
 from lightning_hier.profiling.comm_stats import CommStats  # noqa: E402
 
@@ -428,6 +429,7 @@ def profiled(case: str) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    start_from_env()  # LIGHTNING_HIER_AUDIT_DIR: the Lightning runs before the first strategy's setup too
     every = [*SLICED, *RESUMED, *PIPELINE, *HYBRID, *BSP, *BSP_ASYNC, *PROFILED]
     cases = sys.argv[2].split(",") if len(sys.argv) > 2 else every
     results: dict = {}

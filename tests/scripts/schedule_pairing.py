@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hier.audit import CollectiveAudit
+from lightning_hier.audit import CollectiveAudit, start_from_env
 from lightning_hier.pipeline.engine import rank_of_stage
 from lightning_hier.pipeline.schedule import PipelineSchedule, StageLink
 from lightning_hier.topology import control_group, resolve_backend
@@ -79,6 +79,7 @@ def run(
 
 def main() -> None:
     out = Path(sys.argv[1])
+    start_from_env()  # the emulated backend: this group is made here, not by a strategy's setup
     dist.init_process_group(resolve_backend(torch.device("cpu")))
     rank, stages = dist.get_rank(), dist.get_world_size()
     stage = stages - 1 - rank
