@@ -175,17 +175,26 @@ class LossLog(Callback):
 
 
 def make_strategy(name: str, options: dict[str, Any]) -> Any:
-    """Lightning's DDP, or a HierSlicedStrategy or HierBSPStrategy (imported only then), with ``options``."""
+    """Lightning's DDP, or a HierSlicedStrategy or HierBSPStrategy (imported only then), with ``options``: a
+    ``bucketing`` dict holds a TimeBuckets' fields, names starting with ``_`` are tuning attributes."""
     if name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(**options)
     import lightning_hier
 
-    strategy = {"hier_sliced": lightning_hier.HierSlicedStrategy, "hier_bsp": lightning_hier.HierBSPStrategy}[
-        name
-    ]
-    return strategy(devices_per_node=int(os.environ["LOCAL_WORLD_SIZE"]), **options)
+    strategy_class = {
+        "hier_sliced": lightning_hier.HierSlicedStrategy,
+        "hier_bsp": lightning_hier.HierBSPStrategy,
+    }[name]
+    options = dict(options)
+    if isinstance(options.get("bucketing"), dict):
+        options["bucketing"] = lightning_hier.TimeBuckets(**options["bucketing"])
+    tuning = {key: options.pop(key) for key in list(options) if key.startswith("_")}
+    strategy = strategy_class(devices_per_node=int(os.environ["LOCAL_WORLD_SIZE"]), **options)
+    for key, value in tuning.items():
+        setattr(strategy, key, value)
+    return strategy
 
 
 def main() -> None:

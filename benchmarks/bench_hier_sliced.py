@@ -35,7 +35,7 @@ OPTIONS = """
 --max-staleness int    1                hier_bsp: max_staleness
 --repeats       int    1                run every strategy this many times (interleaved); median ratio
 --inter-node-dtype str ""               hier_sliced: inter_node_dtype (bf16, fp16; empty: full precision)
---comm-chunk-mb float  0                hier_sliced: comm_chunk_mb (chunks of a bucket; 0: its default)
+--comm-chunk-mb float  0                hier_sliced: its _comm_chunk_mb (chunks of a bucket; 0: automatic)
 """
 
 
@@ -64,7 +64,7 @@ def run_strategy(cluster: EmulatedCluster, args: argparse.Namespace, strategy: s
         strategy_options.update(jobs.pick(args, "superstep_steps", "max_staleness"))
     if strategy == CONTENDER:
         if args.comm_chunk_mb > 0:
-            strategy_options["comm_chunk_mb"] = args.comm_chunk_mb
+            strategy_options["_comm_chunk_mb"] = args.comm_chunk_mb
         if args.inter_node_dtype:
             strategy_options["inter_node_dtype"] = args.inter_node_dtype
     options = {"strategy_options": strategy_options, "record": "handover", "lr": LR}

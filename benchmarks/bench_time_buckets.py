@@ -57,7 +57,11 @@ def run_strategy(cluster: EmulatedCluster, args: argparse.Namespace, i: int, str
     hier = {"bucketing": strategy, "bucket_cap_mb": args.bucket_cap_mb}
     warmup = args.warmup
     if strategy == "time":  # measured after its profiling
-        hier.update(jobs.pick(args, "profile_steps", "profile_warmup_steps", "min_bucket_mb"))
+        hier["bucketing"] = {  # a TimeBuckets' fields
+            "profile_steps": args.profile_steps,
+            "warmup_steps": args.profile_warmup_steps,
+            "min_bucket_mb": args.min_bucket_mb,
+        }
         warmup += args.profile_warmup_steps + args.profile_steps
     name, options = ("ddp", {}) if strategy == "ddp" else ("hier_sliced", hier)  # ddp: Lightning's defaults
     config = {"strategy": name, "strategy_options": options, "record": "buckets", "lr": LR, "warmup": warmup}

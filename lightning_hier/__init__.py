@@ -9,6 +9,7 @@ the exit handler start at a strategy's setup (or by :func:`lightning_hier.audit.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier.bucketing.size_plan import BucketPlan
+from lightning_hier.bucketing.time_bucketing import TimeBuckets
 from lightning_hier.callbacks import CommProfiler, GradientTimingProfiler, StageRebalancer
 from lightning_hier.sliced.engine import HierSlicedEngine
 from lightning_hier.sliced.sharded_checkpoint import consolidate_sharded_checkpoint
@@ -36,6 +37,7 @@ __all__ = [
     "HybridEmbedding",
     "SlicePlan",
     "StageRebalancer",
+    "TimeBuckets",
     "Topology",
     "consolidate_sharded_checkpoint",
 ]

@@ -6,9 +6,11 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -129,6 +131,48 @@ def test_bad_slice_weights_exit_non_zero_naming_the_setting(tmp_path: Path) -> N
     # refused while building the Trainer: no worker process was started, nothing trained
     assert "Initializing distributed" not in proc.stdout + proc.stderr
     assert not list(tmp_path.rglob("metrics.csv"))
+
+
+def _cli_trainer(config: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The Trainer LightningCLI builds from ``config`` in this process (nothing is launched or fitted)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_hier  # noqa: F401  (registers the strategies, as ``python -m lightning_hier`` does)
+
+    monkeypatch.setattr(sys, "argv", ["lightning_hier"])
+    cli = LightningCLI(
+        subclass_mode_model=True, subclass_mode_data=True, run=False, args=["--config", str(config)]
+    )
+    return cli.trainer
+
+
+def test_time_buckets_are_built_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_hier import HierSlicedStrategy, TimeBuckets
+
+    fields = {"profile_steps": 2, "warmup_steps": 0, "reprofile_check_every": 5, "min_bucket_mb": 0.5}
+    strategy = {
+        "class_path": "lightning_hier.HierSlicedStrategy",
+        "init_args": {
+            "devices_per_node": 2,
+            "bucketing": {"class_path": "lightning_hier.TimeBuckets", "init_args": fields},
+        },
+    }
+    config = write_config(tmp_path / "timed.yaml", digits_config(tmp_path / "run", strategy))
+    trainer = _cli_trainer(config, monkeypatch)
+    assert isinstance(trainer.strategy, HierSlicedStrategy)
+    assert trainer.strategy.bucketing == "time"
+    assert trainer.strategy.time_config == TimeBuckets(**fields)
+
+
+def test_a_bad_time_buckets_field_in_yaml_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = {"class_path": "lightning_hier.TimeBuckets", "init_args": {"profile_steps": 0}}
+    strategy = {"class_path": "lightning_hier.HierSlicedStrategy", "init_args": {"bucketing": bad}}
+    config = write_config(tmp_path / "bad.yaml", digits_config(tmp_path / "run", strategy))
+    message = "TimeBuckets(profile_steps=0): profile_steps must be an integer >= 1"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _cli_trainer(config, monkeypatch)
 
 
 DLRM_CONFIG = ROOT / "examples" / "configs" / "dlrm_hybrid.yaml"

@@ -43,12 +43,3 @@ def test_auto_turns_full_gradients_on_only_where_a_hook_is_overridden() -> None:
     assert hooks_read_gradients(LogsNorms(), lightnings_own)
     assert hooks_read_gradients(Plain(), [*lightnings_own, Reads()])
     assert not hooks_read_gradients(Plain(), [*lightnings_own, CommProfiler()])  # says it reads none
-
-
-def test_full_gradients_in_hooks_takes_true_false_or_auto() -> None:
-    import pytest
-
-    from lightning_hier import HierSlicedStrategy
-
-    with pytest.raises(ValueError, match="use True, False or 'auto'"):
-        HierSlicedStrategy(full_gradients_in_hooks="always")

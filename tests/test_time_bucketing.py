@@ -10,9 +10,9 @@ import torch
 from helpers import init_gloo, run_spawned
 from torch import nn
 
-from lightning_hier import HierSlicedEngine, Topology
+from lightning_hier import HierSlicedEngine, TimeBuckets, Topology
 from lightning_hier.bucketing.size_plan import ParamInfo
-from lightning_hier.bucketing.time_bucketing import StepTimeline, TimeBucketing, TimeBucketingConfig
+from lightning_hier.bucketing.time_bucketing import StepTimeline, TimeBucketing
 from lightning_hier.bucketing.time_plan import TimePlan, cluster_ready_times, plan_misfit, plan_time_buckets
 
 
@@ -49,32 +49,66 @@ def test_time_plan_points_unseen_params_and_group_keys() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "valid"),
     [
-        ({"profile_steps": 0}, "profile_steps"),
-        ({"reprofile_threshold": 0.0}, "reprofile_threshold"),
-        ({"reprofile_threshold": 1.5}, "reprofile_threshold"),
-        ({"warmup_steps": -1}, "profile_warmup_steps"),
-        ({"check_every": 0}, "reprofile_check_every"),
+        ({"profile_steps": 0}, "an integer >= 1"),
+        ({"profile_steps": 2.0}, "an integer >= 1"),
+        ({"profile_steps": True}, "an integer >= 1"),
+        ({"warmup_steps": -1}, "an integer >= 0"),
+        ({"reprofile_threshold": 0.0}, "a number in (0, 1]"),
+        ({"reprofile_threshold": 1.5}, "a number in (0, 1]"),
+        ({"reprofile_threshold": float("nan")}, "a number in (0, 1]"),
+        ({"reprofile_threshold": "0.5"}, "a number in (0, 1]"),
+        ({"reprofile_check_every": 0}, "an integer >= 1"),
+        ({"min_bucket_mb": -1.0}, "a number >= 0"),
+        ({"min_bucket_mb": float("inf")}, "a number >= 0"),
     ],
 )
-def test_bad_time_settings_name_the_setting(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        TimeBucketingConfig(**kwargs)
+def test_a_bad_time_buckets_field_is_refused_naming_field_value_and_range(kwargs: dict, valid: str) -> None:
+    [(name, value)] = kwargs.items()
+    with pytest.raises(ValueError) as info:
+        TimeBuckets(**kwargs)
+    assert str(info.value) == f"TimeBuckets({name}={value!r}): {name} must be {valid}."
 
 
-def test_unknown_bucketing_is_refused() -> None:
+def test_time_buckets_are_frozen_and_time_means_the_defaults() -> None:
+    from dataclasses import FrozenInstanceError
+
     from lightning_hier import HierSlicedStrategy
 
-    with pytest.raises(ValueError, match="bucketing"):
-        HierSlicedStrategy(bucketing="fast")
+    with pytest.raises(FrozenInstanceError):
+        TimeBuckets().profile_steps = 5  # type: ignore[misc]
+    assert HierSlicedStrategy(bucketing="time").time_config == TimeBuckets()
+    custom = TimeBuckets(profile_steps=5, warmup_steps=0, reprofile_check_every=7, min_bucket_mb=0.5)
+    strategy = HierSlicedStrategy(bucketing=custom)
+    assert strategy.bucketing == "time" and strategy.time_config is custom
+    assert HierSlicedStrategy(bucketing="none").bucketing == "none"
+
+
+def test_the_time_buckets_drive_the_controller() -> None:
+    custom = TimeBuckets(profile_steps=5, warmup_steps=2, reprofile_threshold=0.5, reprofile_check_every=7)
+    controller = TimeBucketing(_infos(2), 1 << 30, custom)
+    assert (controller.profile_steps, controller.warmup_steps) == (5, 2)
+    assert (controller.reprofile_threshold, controller.check_every) == (0.5, 7)
+    assert controller.min_bucket_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("bucketing", ["fast", "Time", None, 3])
+def test_unknown_bucketing_is_refused(bucketing: object) -> None:
+    from lightning_hier import HierSlicedStrategy
+
+    with pytest.raises(ValueError) as info:
+        HierSlicedStrategy(bucketing=bucketing)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert f"bucketing={bucketing!r}" in message and "['size', 'time', 'none']" in message, message
+    assert "TimeBuckets" in message, message
 
 
 def _decide_with_noisy_times(rank: int, world: int, store: str) -> dict:
     init_gloo(rank, world, store)
     infos = _infos(6)
     controller = TimeBucketing(
-        infos, cap_bytes=1 << 30, config=TimeBucketingConfig(profile_steps=2, warmup_steps=0, min_bucket_mb=0)
+        infos, cap_bytes=1 << 30, config=TimeBuckets(profile_steps=2, warmup_steps=0, min_bucket_mb=0)
     )
     generator = torch.Generator().manual_seed(rank)
     base = [1e-3, 1.01e-3, 5e-3, 5.01e-3, 9e-3, 9.01e-3]
@@ -132,7 +166,7 @@ def _drift_run(rank: int, world: int, store: str, slow_down_at: int | None) -> d
     torch.manual_seed(0)
     model = DelayedStack()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = TimeBucketingConfig(profile_steps=2, warmup_steps=1, check_every=4, min_bucket_mb=0)
+    config = TimeBuckets(profile_steps=2, warmup_steps=1, reprofile_check_every=4, min_bucket_mb=0)
     engine = HierSlicedEngine(
         model, optimizer, Topology(world, rank, 1).build_groups(), bucketing="time", time_config=config,
         bucket_cap_mb=0.001,
@@ -188,7 +222,7 @@ def _rank_dependent_graph(rank: int, world: int, store: str) -> dict:
     torch.manual_seed(0)
     model = TwoBranches()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
-    config = TimeBucketingConfig(profile_steps=1, warmup_steps=0, min_bucket_mb=0)
+    config = TimeBuckets(profile_steps=1, warmup_steps=0, min_bucket_mb=0)
     engine = HierSlicedEngine(
         model, optimizer, Topology(world, rank, 2).build_groups(), bucketing="time", time_config=config,
         bucket_cap_mb=0.0001,
@@ -241,7 +275,7 @@ def test_a_saved_plan_must_fit_sizes_dtypes_and_groups_not_only_indices() -> Non
 
 def test_a_restored_plan_still_reprofiles_when_the_used_parameters_change() -> None:
     infos = _infos(6)
-    controller = TimeBucketing(infos, 1 << 30, TimeBucketingConfig(check_every=2, min_bucket_mb=0))
+    controller = TimeBucketing(infos, 1 << 30, TimeBuckets(reprofile_check_every=2, min_bucket_mb=0))
     controller.restore(_saved_plan(infos))
     timeline = StepTimeline(0.0, 10e-3, [1e-3] * 6, bucket_launch=[1e-3, 5e-3, 9e-3])
     everything, fewer = frozenset(range(6)), frozenset(range(5))
@@ -256,7 +290,7 @@ def test_with_timelines_one_step_late_the_cold_first_step_stays_out_of_the_plan(
     first step (lazy CUDA and NCCL set-up) must not be profiled, and the plan must wait for the last
     profiled step to arrive: the plan equals the one made from the steady steps alone."""
     infos = _infos(6)
-    config = TimeBucketingConfig(profile_steps=2, warmup_steps=1, min_bucket_mb=0)
+    config = TimeBuckets(profile_steps=2, warmup_steps=1, min_bucket_mb=0)
     controller = TimeBucketing(infos, 1 << 30, config, resolves_late=True)
     steady_ready = [1e-3, 1.01e-3, 5e-3, 5.01e-3, 9e-3, 9.01e-3]
     cold = StepTimeline(0.0, 40e-3, [1e-3, 30e-3, 31e-3, 32e-3, 39e-3, 39.5e-3])
@@ -271,7 +305,7 @@ def test_with_timelines_one_step_late_the_cold_first_step_stays_out_of_the_plan(
         plan = controller.after_step(used)
         if plan is not None:
             decided.append((step, plan))
-    expected = plan_time_buckets(infos, steady_ready, 10e-3, 1 << 30, 0, config.gap_fraction)
+    expected = plan_time_buckets(infos, steady_ready, 10e-3, 1 << 30, 0, controller.gap_fraction)
     assert [step for step, _ in decided] == [3], "decided before the last profiled step had arrived"
     assert decided[0][1].plan == expected.plan
     assert decided[0][1].time_points == pytest.approx(expected.time_points)
@@ -279,7 +313,7 @@ def test_with_timelines_one_step_late_the_cold_first_step_stays_out_of_the_plan(
 
 def test_a_timeline_of_the_layout_before_a_rebuild_is_not_taken_for_drift() -> None:
     infos = _infos(6)
-    controller = TimeBucketing(infos, 1 << 30, TimeBucketingConfig(min_bucket_mb=0), resolves_late=True)
+    controller = TimeBucketing(infos, 1 << 30, TimeBuckets(min_bucket_mb=0), resolves_late=True)
     controller.restore(_saved_plan(infos))
     shifted = StepTimeline(0.0, 10e-3, [1e-3] * 6, bucket_launch=[8e-3, 8.5e-3, 9e-3])
     controller.observe(shifted, frozenset(range(6)), step=5, same_layout=False)

@@ -11,8 +11,8 @@ the same collectives in the same order:
 - afterwards every step measures how far the observed bucket-completion times drift from the
   plan's time points, each relative to its own backward's length
   (``|observed_i / T_observed - t_i / T_plan|``, smoothed), so a uniformly slower or faster
-  backward is not drift but a change in where the bursts fall is; every ``check_every`` steps the
-  ranks agree (all-reduce MAX) whether the drift exceeds ``reprofile_threshold``; if so, or if the
+  backward is not drift but a change in where the bursts fall is; every ``reprofile_check_every``
+  steps the ranks agree (all-reduce MAX) whether the drift exceeds ``reprofile_threshold``; if so, or if the
   set of parameters producing gradients changed, profiling starts again;
 - :meth:`request_reprofile` (the ``GradientTimingProfiler`` callback's ``reprofile_every_n_epochs``)
   schedules a new profile at the next agreed check.
@@ -26,7 +26,8 @@ before a rebuild is not measured against the new plan.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,20 +37,79 @@ from lightning_hier.bucketing.size_plan import ParamInfo
 from lightning_hier.bucketing.time_plan import TimePlan, plan_time_buckets
 
 BUCKETING_MODES = ("size", "time", "none")
+# the clustering's gap (a fraction of backward's length) and the drift's smoothing: fixed, not user settings
+GAP_FRACTION = 0.02
+DRIFT_SMOOTHING = 0.3
+
+
+@dataclass(frozen=True)
+class TimeBuckets:
+    """Settings of ``bucketing="time"`` (``hier_sliced``, ``hier_bsp``); ``bucketing="time"`` is
+    ``TimeBuckets()``. See ``docs/time_bucketing.md``.
+
+    Args:
+        profile_steps: steps whose gradient-ready times are averaged into the plan.
+        warmup_steps: steps skipped before profiling (the first is slowed by lazy set-up).
+        reprofile_threshold: drift of the buckets' send times from the plan, as a fraction of
+            backward's length, that starts a new profile (``hier_sliced``).
+        reprofile_check_every: steps between the ranks' agreement on drift (``hier_sliced``).
+        min_bucket_mb: smallest bucket; smaller clusters join the next.
+
+    A value out of range raises ``ValueError`` naming the field, the value and the valid range.
+    """
+
+    profile_steps: int = 3
+    warmup_steps: int = 1
+    reprofile_threshold: float = 0.25
+    reprofile_check_every: int = 20
+    min_bucket_mb: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_int(self.profile_steps, "profile_steps", 1)
+        _check_int(self.warmup_steps, "warmup_steps", 0)
+        in_unit = "a number in (0, 1]"
+        _check_real(self.reprofile_threshold, "reprofile_threshold", in_unit, lambda x: 0 < x <= 1)
+        _check_int(self.reprofile_check_every, "reprofile_check_every", 1)
+        _check_real(self.min_bucket_mb, "min_bucket_mb", "a number >= 0", lambda x: 0 <= x < math.inf)
+
+
+TimeBucketingConfig = TimeBuckets  # the name the engines take it by
+
+
+def _out_of_range(name: str, value: object, valid: str) -> ValueError:
+    return ValueError(f"TimeBuckets({name}={value!r}): {name} must be {valid}.")
+
+
+def _check_int(value: object, name: str, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise _out_of_range(name, value, f"an integer >= {least}")
+
+
+def _check_real(value: object, name: str, valid: str, within: Callable[[float], bool]) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not within(float(value)):
+        raise _out_of_range(name, value, valid)
+
+
+def resolve_bucketing(
+    bucketing: str | TimeBuckets, modes: Sequence[str] = BUCKETING_MODES
+) -> tuple[str, TimeBuckets]:
+    """A strategy's ``bucketing`` argument as ``(mode, time settings)``: ``"time"`` is ``TimeBuckets()``, a
+    :class:`TimeBuckets` is ``"time"`` with its settings; ``ValueError`` naming the valid values otherwise."""
+    if isinstance(bucketing, TimeBuckets):
+        return "time", bucketing
+    if not isinstance(bucketing, str) or bucketing not in modes:
+        raise ValueError(f"bucketing={bucketing!r} is not one of {list(modes)} or a TimeBuckets(...).")
+    return bucketing, TimeBuckets()
 
 
 def validate_time_settings(
     bucketing: str, profile_steps: int, warmup_steps: int, reprofile_threshold: float
 ) -> None:
-    """Raise ``ValueError`` naming the setting for bad time-bucketing options."""
-    if bucketing not in BUCKETING_MODES:
-        raise ValueError(f"bucketing={bucketing!r} is not one of {list(BUCKETING_MODES)}.")
-    if not isinstance(profile_steps, int) or profile_steps < 1:
-        raise ValueError(f"profile_steps must be an integer >= 1, got {profile_steps!r}.")
-    if not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"profile_warmup_steps must be an integer >= 0, got {warmup_steps!r}.")
-    if not 0 < reprofile_threshold <= 1:
-        raise ValueError(f"reprofile_threshold must be in (0, 1], got {reprofile_threshold!r}.")
+    """Raise ``ValueError`` naming the setting for a bad bucketing mode or time-bucketing value."""
+    resolve_bucketing(bucketing)
+    TimeBuckets(
+        profile_steps=profile_steps, warmup_steps=warmup_steps, reprofile_threshold=reprofile_threshold
+    )
 
 
 @dataclass
@@ -82,26 +142,6 @@ class StepTimeline:
             hidden += max(0.0, min(done, end_of_backward) - start)
             cursor = done
         return hidden / total if total > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class TimeBucketingConfig:
-    """User settings of ``bucketing="time"`` (validated on construction)."""
-
-    profile_steps: int = 3
-    warmup_steps: int = 1
-    reprofile_threshold: float = 0.25
-    check_every: int = 20
-    min_bucket_mb: float = 1.0
-    gap_fraction: float = 0.02
-    smoothing: float = 0.3
-
-    def __post_init__(self) -> None:
-        validate_time_settings("time", self.profile_steps, self.warmup_steps, self.reprofile_threshold)
-        if not isinstance(self.check_every, int) or self.check_every < 1:
-            raise ValueError(f"reprofile_check_every must be an integer >= 1, got {self.check_every!r}.")
-        if self.min_bucket_mb < 0:
-            raise ValueError(f"min_bucket_mb must be >= 0, got {self.min_bucket_mb!r}.")
 
 
 class ReadyTimes:
@@ -149,11 +189,11 @@ class TimeBucketing:
         self,
         params: Sequence[ParamInfo],
         cap_bytes: int,
-        config: TimeBucketingConfig | None = None,
+        config: TimeBuckets | None = None,
         group: dist.ProcessGroup | None = None,
         resolves_late: bool = False,
     ) -> None:
-        config = config or TimeBucketingConfig()
+        config = config or TimeBuckets()
         # steps between a step's end and its timeline's arrival (CUDA events: the next step's end)
         self.lag = 1 if resolves_late else 0
         self.group = group  # all ranks, with a CPU backend: the statistics and flags are host tensors
@@ -164,9 +204,9 @@ class TimeBucketing:
         self.profile_steps = config.profile_steps
         self.warmup_steps = config.warmup_steps
         self.reprofile_threshold = config.reprofile_threshold
-        self.check_every = config.check_every
-        self.gap_fraction = config.gap_fraction
-        self.smoothing = config.smoothing
+        self.check_every = config.reprofile_check_every
+        self.gap_fraction = GAP_FRACTION
+        self.smoothing = DRIFT_SMOOTHING
         self.plan: TimePlan | None = None
         self.plans_made = 0
         self.drift = 0.0

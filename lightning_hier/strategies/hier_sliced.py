@@ -2,6 +2,22 @@
 
 A thin adapter: process launch and the default group come from Lightning's DDP machinery; the
 step itself is :class:`lightning_hier.sliced.engine.HierSlicedEngine`.
+
+Tuning attributes, decided automatically (not arguments); tests and benchmarks may set them on a strategy
+before ``fit``:
+
+- ``_reducer``: who issues each bucket's reduce-scatter -> all-reduce chain: ``"inline"`` (the backward
+  hooks, with stream waits between the two: one issuing order per rank, what NCCL needs), ``"thread"`` (a
+  communication thread: overlaps more on gloo, where waits block the host) or ``"auto"`` (default: inline
+  on CUDA, thread on CPU). See ``docs/gpu.md``.
+- ``_comm_chunk_mb``: a bucket larger than this is reduced chunk by chunk, each chunk's inter-node
+  all-reduce overlapping the next chunk's intra-node reduce-scatter. ``None`` (default): 4 on CUDA (NCCL
+  reaches its bandwidth with large messages), 1 on CPU (gloo's slow intra-node hop shows at the
+  pipeline's head and tail).
+- ``_full_gradients_in_hooks``: ``"auto"`` (default) makes every ``.grad`` the averaged (``ddp``) gradient in
+  ``on_after_backward`` and ``on_before_optimizer_step`` where the module or a callback overrides one of
+  them (one intra-node all-gather of the gradients per step), and leaves this rank's unreduced gradient
+  there otherwise; ``True`` / ``False`` force it on / off. The optimizer always steps the averaged slices.
 """
 
 from __future__ import annotations
@@ -25,14 +41,14 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 
 from lightning_hier.audit import start_from_env
-from lightning_hier.bucketing.time_bucketing import TimeBucketingConfig, validate_time_settings
+from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
 from lightning_hier.sliced.checkpoints import PLAN_KEY, SlicedCheckpoints, validate_checkpoint_format
 from lightning_hier.sliced.engine import HierSlicedEngine
-from lightning_hier.sliced.reducer import REDUCERS
 from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
 from lightning_hier.sliced.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
 from lightning_hier.sparse.node_tables import NodeTables
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
+from lightning_hier.strategies.ddp_arguments import warn_ignored_ddp_arguments
 from lightning_hier.strategies.gradient_readers import hooks_read_gradients
 from lightning_hier.strategies.host_layout import warn_if_nodes_span_hosts
 from lightning_hier.strategies.lightning_patches import (
@@ -80,70 +96,36 @@ def _zero_grad_with_buckets(
 
 
 class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStrategy):
-    """Data parallel training with hierarchical sliced gradient reduction and a sharded optimizer.
+    """Data-parallel training with ``ddp``'s results, gradients moved the way multi-device nodes are wired,
+    and a sharded optimizer.
 
-    Every step, each flat gradient bucket is cut into one slice per device of a node. Slice ``k``
-    is reduce-scattered to local index ``k`` over the fast intra-node link, all-reduced among the
-    ranks with local index ``k`` on every node over the slow inter-node link, and averaged. Each
-    rank's optimizer steps only its slices (optimizer state shrinks to ``~1/L``), then the updated
-    slices are all-gathered inside the node so every rank has the full model for the next forward.
+    Every gradient bucket is reduce-scattered inside a node (the fast link), each slice is all-reduced
+    across nodes (the slow link), each rank's optimizer steps only its slices (optimizer state ``~1 /
+    devices_per_node``) and the updated slices are all-gathered inside the node. See ``docs/hier_sliced.md``.
 
     Args:
-        devices_per_node: devices joined by the fast link. ``None`` takes the processes per host;
-            a smaller number splits a host into virtual nodes (e.g. 4 CPU processes as 2 x 2).
-        slice_weights: ``"equal"``, ``"memory"`` (free device memory at setup),
-            ``"memory+compute"`` (also a matmul throughput probe) or a list of ``devices_per_node``
-            positive numbers; slice ``k`` gets a share proportional to weight ``k``.
+        devices_per_node: devices joined by the fast link. ``None``: the processes per host; a smaller
+            number splits a host into virtual nodes (4 CPU processes as 2 x 2).
+        slice_weights: each device's share of a bucket: ``"equal"``, ``"memory"`` or ``"memory+compute"``
+            (measured at setup), or ``devices_per_node`` positive numbers.
         bucket_cap_mb: size cap of one gradient bucket (what becomes ready and is sent together).
-        comm_chunk_mb: a bucket larger than this is reduced chunk by chunk, each chunk's inter-node
-            all-reduce overlapping the next chunk's intra-node reduce-scatter. ``None`` (default): 4 on
-            CUDA (NCCL reaches its bandwidth with large messages), 1 on CPU (gloo's slow intra-node hop
-            shows at the pipeline's head and tail).
-        inter_node_dtype: ``None`` (default: full precision), ``"bf16"`` or ``"fp16"``: the inter-node
-            all-reduce (the slow link) carries the node sums in this dtype, half the bytes of fp32, with
-            error feedback (what rounding left out of a slice is added to that slice next step, as in
-            ZeRO++'s quantized gradients and DDP's compression hooks). The intra-node hops stay in the
-            gradients' dtype. Trades a little accuracy for speed: see ``docs/hier_sliced.md``.
-        bucketing: ``"size"`` (buckets of up to ``bucket_cap_mb`` in reverse registration order,
-            each sent when its last gradient is ready), ``"time"`` (gradient-ready times are
-            profiled for ``profile_steps`` steps after ``profile_warmup_steps``, clustered into
-            time points, and the gradients of each interval go out as one bucket; re-profiled
-            when the timing drifts by more than ``reprofile_threshold``, checked every
-            ``reprofile_check_every`` steps; buckets are at least ``min_bucket_mb``) or
-            ``"none"`` (everything after backward, no overlap; a baseline).
-        broadcast_buffers: copy buffers (e.g. BatchNorm statistics) from rank 0 before each
-            training forward, as DDP does.
-        checkpoint_format: ``"consolidated"`` (default): one ``.ckpt`` file with the full model and
-            the optimizer state in the unsharded optimizer's layout; it loads into a plain
-            LightningModule and resumes under any topology or under ``ddp``. ``"sharded"``: a
-            directory where each rank writes and, on resume, reads only its own slices (the model
-            is stitched by an all-gather); resuming needs the same slice layout, and
-            :func:`lightning_hier.consolidate_sharded_checkpoint` converts it to a single file.
-        timeout: collective timeout; a dead peer ends the job with an error after at most this long.
-        reducer: who issues the reduce-scatter -> all-reduce chain: ``"inline"`` (the backward hooks,
-            with stream waits between the two: one issuing order per rank, what NCCL needs),
-            ``"thread"`` (a communication thread: overlaps more on gloo, where waits block the host)
-            or ``"auto"`` (inline on CUDA, thread on CPU). See ``docs/gpu.md``.
-        elementwise_optimizers: class names of optimizers, beyond torch's elementwise ones, whose
-            update you vouch is elementwise (sharding by flat slices is exact only then).
-        shard_optimizer: ``None`` (default): shard an elementwise optimizer (``SGD``, ``Adam``, ...) by
-            flat slices, one per device of a node; keep any other (``Adafactor``, ``Muon``, LAMB, an unknown
-            one) whole on every rank, as ``ddp`` does, with a warning (the gradients are still reduced
-            hierarchically; only the optimizer state is not sharded). ``True``: shard, or refuse an
-            optimizer that is not elementwise. ``False``: keep it whole. ``LBFGS`` and ``SparseAdam`` are
-            refused either way.
-        full_gradients_in_hooks: make every parameter's ``.grad`` the averaged (DDP) gradient in
-            ``on_after_backward`` and ``on_before_optimizer_step`` (e.g. for ``grad_norm`` logging),
-            at the cost of one intra-node all-gather of the gradients per step. ``"auto"`` (default):
-            on where the module or a callback overrides one of those hooks, off otherwise. Off,
-            ``.grad`` there is this rank's unreduced gradient; the optimizer always steps the averaged
-            slices.
+        inter_node_dtype: ``"bf16"`` or ``"fp16"``: the inter-node all-reduce carries half the bytes, with
+            error feedback, at a little accuracy; ``None``: full precision.
+        broadcast_buffers: copy buffers (BatchNorm statistics) from rank 0 before each training forward, as
+            ``ddp`` does.
+        checkpoint_format: ``"consolidated"``: one file that loads into a plain LightningModule and resumes
+            under any topology or ``ddp``; ``"sharded"``: each rank writes and reads its own slices.
+        bucketing: ``"size"``: buckets by ``bucket_cap_mb``, each sent when its last gradient is ready;
+            ``"time"`` or a :class:`~lightning_hier.TimeBuckets`: buckets planned from profiled
+            gradient-ready times (``docs/time_bucketing.md``); ``"none"``: all after backward (a baseline).
+        elementwise_optimizers: class names of your optimizers whose update is elementwise, sharded like
+            torch's ``SGD`` and ``Adam``.
+        shard_optimizer: ``None``: shard an elementwise optimizer and keep any other whole on every rank
+            (with a warning); ``True``: shard or refuse; ``False``: keep it whole.
 
-    The remaining arguments are Lightning's usual DDP plumbing. ``find_unused_parameters``,
-    ``static_graph`` and ``gradient_as_bucket_view`` are accepted so that a ``DDPStrategy(...)`` call or
-    config runs unchanged, and change nothing: no ``DistributedDataParallel`` wraps the model, and every
-    parameter's gradient is reduced each step (one that got none contributes zeros), which is what
-    ``find_unused_parameters=True`` gives ``ddp``.
+    The other arguments are ``DDPStrategy``'s; ``timeout`` also bounds how long a dead peer can stall the
+    others. ``find_unused_parameters``, ``static_graph`` and ``gradient_as_bucket_view`` change nothing and
+    warn when set.
     """
 
     _runtime_state = {
@@ -162,20 +144,12 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         devices_per_node: int | None = None,
         slice_weights: str | list[float] = "equal",
         bucket_cap_mb: float = 25.0,
-        comm_chunk_mb: float | None = None,
         inter_node_dtype: Literal["bf16", "fp16"] | None = None,
         broadcast_buffers: bool = True,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
-        bucketing: Literal["size", "time", "none"] = "size",
-        profile_steps: int = 3,
-        profile_warmup_steps: int = 1,
-        reprofile_threshold: float = 0.25,
-        reprofile_check_every: int = 20,
-        min_bucket_mb: float = 1.0,
-        reducer: Literal["auto", "inline", "thread"] = "auto",
+        bucketing: Literal["size", "time", "none"] | TimeBuckets = "size",
         elementwise_optimizers: Sequence[str] = (),
         shard_optimizer: bool | None = None,
-        full_gradients_in_hooks: bool | str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -193,24 +167,21 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         validate_slice_weights(slice_weights, devices_per_node)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
-        if comm_chunk_mb is not None and not comm_chunk_mb > 0:
-            raise ValueError(f"comm_chunk_mb must be positive or None, got {comm_chunk_mb!r}.")
-        validate_time_settings(bucketing, profile_steps, profile_warmup_steps, reprofile_threshold)
-        self.time_config = TimeBucketingConfig(
-            profile_steps=profile_steps,
-            warmup_steps=profile_warmup_steps,
-            reprofile_threshold=reprofile_threshold,
-            check_every=reprofile_check_every,
-            min_bucket_mb=min_bucket_mb,
-        )
-        if reducer not in REDUCERS:
-            raise ValueError(f"reducer={reducer!r} is not one of {list(REDUCERS)}.")
+        mode, time_config = resolve_bucketing(bucketing)
         if inter_node_dtype not in INTER_NODE_DTYPES:
             raise ValueError(
                 f"inter_node_dtype={inter_node_dtype!r} is not one of {list(INTER_NODE_DTYPES)} (None: full "
                 "precision)."
             )
         validate_checkpoint_format(checkpoint_format)
+        warn_ignored_ddp_arguments(
+            "HierSlicedStrategy",
+            "every parameter's gradient is reduced each step (zeros for one that got none), what "
+            "find_unused_parameters=True gives ddp.",
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -226,22 +197,18 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             slice_weights if isinstance(slice_weights, str) else [float(w) for w in slice_weights]
         )
         self.bucket_cap_mb = float(bucket_cap_mb)
-        self.comm_chunk_mb = None if comm_chunk_mb is None else float(comm_chunk_mb)
         self.inter_node_dtype = inter_node_dtype
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
-        self.bucketing = bucketing
-        self.reducer = reducer
+        self.bucketing = mode
+        self.time_config = time_config
         self.elementwise_optimizers = tuple(elementwise_optimizers)
         self.shard_optimizer = shard_optimizer
-        if full_gradients_in_hooks not in (True, False, "auto"):
-            raise ValueError(
-                f"full_gradients_in_hooks={full_gradients_in_hooks!r}: use True, False or 'auto' (on where "
-                "the module or a callback overrides on_after_backward or on_before_optimizer_step)."
-            )
-        auto = full_gradients_in_hooks == "auto"
-        self.full_gradients_in_hooks = full_gradients_in_hooks if auto else bool(full_gradients_in_hooks)
-        self._full_gradients = self.full_gradients_in_hooks is True  # "auto" is decided at setup
+        # tuning attributes (module docstring)
+        self._reducer: Literal["auto", "inline", "thread"] = "auto"
+        self._comm_chunk_mb: float | None = None
+        self._full_gradients_in_hooks: bool | Literal["auto"] = "auto"
+        self._full_gradients = False  # decided at setup
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None  # the first optimizer's (the only one, usually)
@@ -292,8 +259,10 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self._attach_hybrid_embeddings()
         if fitting:
             self.setup_optimizers(trainer)
-            if self.full_gradients_in_hooks == "auto":
-                self._full_gradients = hooks_read_gradients(self.lightning_module, trainer.callbacks)
+            wanted = self._full_gradients_in_hooks
+            if wanted == "auto":
+                wanted = hooks_read_gradients(self.lightning_module, trainer.callbacks)
+            self._full_gradients = bool(wanted)
         sharding = fitting and not without_optimizer(self.optimizers)
         checkpoint_engine_state, self._checkpoint_engine_state = self._checkpoint_engine_state, None
         if sharding:
@@ -388,8 +357,8 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
                 bucket_cap_mb=self.bucket_cap_mb,
                 bucketing=self.bucketing,
                 time_config=self.time_config,
-                comm_chunk_mb=self.comm_chunk_mb,
-                reducer=self.reducer,
+                comm_chunk_mb=self._comm_chunk_mb,
+                reducer=self._reducer,
                 elementwise_optimizers=self.elementwise_optimizers,
                 shard_optimizer=self.shard_optimizer,
                 inter_node_dtype=INTER_NODE_DTYPES[self.inter_node_dtype],
@@ -645,8 +614,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self.tables.close()
         # after a fit the optimizers are given back as ddp leaves them (the module's parameters, the full
         # state): trainer.optimizers[i].state_dict() is the unsharded one, and a later fit may reuse the
-        # object (before 2026-11-27 it kept flat slices of a finished run, and a second fit refused it);
-        # a checkpoint saved after fit then holds the optimizer's own state_dict(). With
+        # object; a checkpoint saved after fit then holds the optimizer's own state_dict(). With
         # checkpoint_format="sharded" (or after an exception, when peers may be gone) the optimizers stay
         # sharded and such a checkpoint consolidates through the engines, which are kept either way
         # (on one device per node no peer takes part, so an exception does not rule it out)

@@ -20,7 +20,12 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from models import EquivModel, loader  # noqa: E402
 from train_equivalence import max_rel_diff  # noqa: E402
 
-from lightning_hier import HierBSPStrategy, HierSlicedStrategy, consolidate_sharded_checkpoint  # noqa: E402
+from lightning_hier import (  # noqa: E402
+    HierBSPStrategy,
+    HierSlicedStrategy,
+    TimeBuckets,
+    consolidate_sharded_checkpoint,
+)
 
 MODEL = dict(optimizer="adamw_groups", scheduler=True)
 
@@ -82,7 +87,7 @@ def main() -> None:
     # time bucketing: the plan is saved with the checkpoint and resumed without profiling again
     def timed() -> HierSlicedStrategy:
         return HierSlicedStrategy(
-            devices_per_node=2, bucket_cap_mb=0.002, bucketing="time", profile_steps=2, min_bucket_mb=0.0
+            devices_per_node=2, bucket_cap_mb=0.002, bucketing=TimeBuckets(profile_steps=2, min_bucket_mb=0.0)
         )
 
     _, timed_whole = fit(timed(), epochs=2)

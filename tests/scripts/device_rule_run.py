@@ -22,7 +22,13 @@ from pipeline_models import SkewedNet, TinyGPT, token_loader  # noqa: E402
 from pipeline_models import loader as pipeline_loader  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy, StageRebalancer  # noqa: E402
+from lightning_hier import (  # noqa: E402
+    HierBSPStrategy,
+    HierPipelineStrategy,
+    HierSlicedStrategy,
+    StageRebalancer,
+    TimeBuckets,
+)
 
 
 class LoggedModel(EquivModel):
@@ -56,14 +62,11 @@ def trainer(strategy, out: Path, **kwargs) -> pl.Trainer:  # noqa: ANN001, ANN00
 
 
 def sliced(out: Path, bucketing: str, checkpoint_format: str, slice_weights: str = "memory") -> None:
+    timed = TimeBuckets(profile_steps=2, warmup_steps=1, reprofile_check_every=2, min_bucket_mb=0.0)
     strategy = HierSlicedStrategy(
         devices_per_node=2,
-        bucketing=bucketing,
+        bucketing=timed if bucketing == "time" else bucketing,
         bucket_cap_mb=0.002,
-        min_bucket_mb=0.0,
-        profile_steps=2,
-        profile_warmup_steps=1,
-        reprofile_check_every=2,
         checkpoint_format=checkpoint_format,
         slice_weights=slice_weights,
     )

@@ -36,18 +36,24 @@ import lightning.pytorch as pl  # noqa: E402
 from hybrid_checks import Click  # noqa: E402
 from hybrid_checks import loader as hybrid_loader  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
-from models import EquivModel, loader  # noqa: E402
+from models import EquivModel, built, loader  # noqa: E402
 from pipeline_models import LitAutoEncoder, SkewedNet, WrapperNet  # noqa: E402
 from pipeline_models import loader as pipeline_loader  # noqa: E402
 
-from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy  # noqa: E402
+from lightning_hier import (  # noqa: E402
+    CommProfiler,
+    HierBSPStrategy,
+    HierPipelineStrategy,
+    HierSlicedStrategy,
+    TimeBuckets,
+)
 from lightning_hier.audit import start_from_env  # noqa: E402
 from lightning_hier.bsp.stream_handoff import StreamHandoff  # noqa: E402
 from lightning_hier.profiling.comm_stats import CommStats  # noqa: E402
 
 SLICED = {
     "sliced_sgd_size": (dict(optimizer="sgd", quirks=True, batch_norm=True), {}, {}),
-    "sliced_adam_time": (dict(optimizer="adam"), dict(bucketing="time", profile_steps=2), {}),
+    "sliced_adam_time": (dict(optimizer="adam"), dict(bucketing=TimeBuckets(profile_steps=2)), {}),
     "sliced_adamw_none_clip": (
         dict(optimizer="adamw_groups", scheduler=True),
         dict(bucketing="none"),
@@ -57,7 +63,7 @@ SLICED = {
     "sliced_16_mixed": (dict(optimizer="adam"), {}, dict(precision="16-mixed")),
     "sliced_accumulate_thread_reducer": (
         dict(optimizer="sgd"),
-        dict(reducer="thread"),
+        dict(_reducer="thread"),
         dict(accumulate_grad_batches=2),
     ),
     # optimizers that read whole tensors stay whole on every rank (factored moments; a trust ratio)
@@ -237,7 +243,7 @@ def resumed(case: str) -> dict:
 
 def sliced(case: str) -> dict:
     model_kwargs, hier_kwargs, trainer_kwargs = SLICED[case]
-    contender = HierSlicedStrategy(bucket_cap_mb=0.002, **hier_kwargs)
+    contender = built(HierSlicedStrategy, bucket_cap_mb=0.002, **hier_kwargs)
     return against_ddp(DDPStrategy(find_unused_parameters=True), contender, model_kwargs, trainer_kwargs)
 
 

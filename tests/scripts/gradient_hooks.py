@@ -2,7 +2,7 @@
 
 Under ``ddp`` the hooks ``on_after_backward`` and ``on_before_optimizer_step`` see the averaged
 gradient (Lightning's ``grad_norm`` idiom relies on it). ``hier_sliced`` with
-``full_gradients_in_hooks=True`` must show the same, and so must the default (``"auto"``), since a callback
+``_full_gradients_in_hooks=True`` must show the same, and so must the default (``"auto"``), since a callback
 here overrides those hooks; with ``False``, each rank's own gradient.
 Rank 0 writes the largest relative difference to ddp per run and hook to argv[1].
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.utilities import grad_norm  # noqa: E402
-from models import EquivModel, loader  # noqa: E402
+from models import EquivModel, loader, tuned  # noqa: E402
 
 from lightning_hier import HierSlicedStrategy  # noqa: E402
 
@@ -62,9 +62,12 @@ def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def main() -> None:
     out = Path(sys.argv[1])
     reference = run("ddp")
-    full = run(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002, full_gradients_in_hooks=True))
-    auto = run(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002))
-    local = run(HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002, full_gradients_in_hooks=False))
+    def strategy() -> HierSlicedStrategy:
+        return HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.002)
+
+    full = run(tuned(strategy(), _full_gradients_in_hooks=True))
+    auto = run(strategy())
+    local = run(tuned(strategy(), _full_gradients_in_hooks=False))
     results = {
         f"{name}/{hook}": max_rel(seen[hook], reference[hook])
         for name, seen in (("full", full), ("auto", auto), ("local", local))

@@ -155,3 +155,19 @@ def reported(scenario: Callable[..., Any], *args: Any) -> Any:
         return scenario(*args)
     except Exception as error:  # noqa: BLE001 - reported, not hidden: the test fails with it
         return {"error": f"{type(error).__name__}: {error}"[:400]}
+
+
+def tuned(strategy: Any, **attributes: Any) -> Any:
+    """``strategy`` with tuning attributes set (``_reducer=...``, ``_early_push=...``: each strategy module's
+    docstring lists them); an attribute the strategy does not have is an error, not a silent no-op."""
+    for name, value in attributes.items():
+        if not hasattr(strategy, name):
+            raise AttributeError(f"{type(strategy).__name__} has no tuning attribute {name!r}")
+        setattr(strategy, name, value)
+    return strategy
+
+
+def built(strategy_class: type, **kwargs: Any) -> Any:
+    """``strategy_class(**kwargs)``, where names starting with ``_`` are tuning attributes set after it."""
+    tuning = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("_")}
+    return tuned(strategy_class(**kwargs), **tuning)

@@ -18,7 +18,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from models import EquivModel, loader  # noqa: E402
 
-from lightning_hier import GradientTimingProfiler, HierSlicedStrategy  # noqa: E402
+from lightning_hier import GradientTimingProfiler, HierSlicedStrategy, TimeBuckets  # noqa: E402
 
 
 def main() -> None:
@@ -27,8 +27,8 @@ def main() -> None:
     control = len(sys.argv) > 2 and sys.argv[2] == "control"
     # reprofile_threshold=1.0: drift never re-profiles, so only the callback's request can
     strategy = HierSlicedStrategy(
-        devices_per_node=1, bucketing="time", bucket_cap_mb=0.004, min_bucket_mb=0, profile_steps=2,
-        reprofile_threshold=1.0,
+        devices_per_node=1, bucket_cap_mb=0.004,
+        bucketing=TimeBuckets(min_bucket_mb=0, profile_steps=2, reprofile_threshold=1.0),
     )  # fmt: skip
     profiler = GradientTimingProfiler(reprofile_every_n_epochs=None if control else 1, log_every_n_steps=1)
     trainer = pl.Trainer(

@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
-from models import EquivModel, loader  # noqa: E402
+from models import EquivModel, loader, tuned  # noqa: E402
 
-from lightning_hier import HierSlicedStrategy  # noqa: E402
+from lightning_hier import HierSlicedStrategy, TimeBuckets  # noqa: E402
 
 SCENARIOS: dict[str, dict] = {
     "sgd_momentum_2x2": dict(model=dict(optimizer="sgd"), hier=dict(devices_per_node=2)),
@@ -45,25 +45,28 @@ SCENARIOS: dict[str, dict] = {
     "one_device_per_node_4x1": dict(model=dict(optimizer="adam"), hier=dict(devices_per_node=1)),
     "one_node_1x4": dict(model=dict(optimizer="sgd"), hier=dict(devices_per_node=4)),
     "time_bucketing_adam": dict(
-        model=dict(optimizer="adam"), hier=dict(devices_per_node=2, bucketing="time", profile_steps=2)
+        model=dict(optimizer="adam"), hier=dict(devices_per_node=2, bucketing=TimeBuckets(profile_steps=2))
     ),
     "time_bucketing_adamw_groups_accumulate_unused": dict(
         model=dict(optimizer="adamw_groups", quirks=True, scheduler=True),
-        hier=dict(devices_per_node=2, bucketing="time", profile_steps=1, profile_warmup_steps=0),
+        hier=dict(devices_per_node=2, bucketing=TimeBuckets(profile_steps=1, warmup_steps=0)),
         trainer=dict(accumulate_grad_batches=2),
         ddp=dict(find_unused_parameters=True),
     ),
     "time_bucketing_sgd_weighted_2x2": dict(
         model=dict(optimizer="sgd"),
-        hier=dict(devices_per_node=2, slice_weights=[3.0, 1.0], bucketing="time", profile_steps=1),
+        hier=dict(devices_per_node=2, slice_weights=[3.0, 1.0], bucketing=TimeBuckets(profile_steps=1)),
     ),
     # the reducer CUDA uses (hooks issue reduce-scatter, stream wait, all-reduce), here on gloo
     "inline_reducer_chunked_adam": dict(
-        model=dict(optimizer="adam"), hier=dict(devices_per_node=2, reducer="inline", comm_chunk_mb=0.001)
+        model=dict(optimizer="adam"),
+        hier=dict(devices_per_node=2),
+        tuning=dict(_reducer="inline", _comm_chunk_mb=0.001),
     ),
     "inline_reducer_time_bucketing_unused": dict(
         model=dict(optimizer="sgd", quirks=True),
-        hier=dict(devices_per_node=2, reducer="inline", bucketing="time", profile_steps=1),
+        hier=dict(devices_per_node=2, bucketing=TimeBuckets(profile_steps=1)),
+        tuning=dict(_reducer="inline"),
         ddp=dict(find_unused_parameters=True),
     ),
     # lossy by design: the inter-node hop in bf16 with error feedback, against full precision
@@ -80,7 +83,7 @@ SCENARIOS: dict[str, dict] = {
     ),
     "adafactor_whole_time_bucketing_4x1": dict(
         model=dict(optimizer="adafactor"),
-        hier=dict(devices_per_node=1, bucketing="time", profile_steps=1),
+        hier=dict(devices_per_node=1, bucketing=TimeBuckets(profile_steps=1)),
     ),
     "unknown_trust_ratio_whole_1x4_accumulate": dict(
         model=dict(optimizer="trust_ratio_sgd"),
@@ -179,7 +182,7 @@ def main() -> None:
         trainer_kwargs = spec.get("trainer", {})
         steps = 6 * trainer_kwargs.get("accumulate_grad_batches", 1)
         reference = train(DDPStrategy(**spec.get("ddp", {})), spec["model"], trainer_kwargs, steps)
-        hier = HierSlicedStrategy(bucket_cap_mb=0.002, **spec["hier"])
+        hier = tuned(HierSlicedStrategy(bucket_cap_mb=0.002, **spec["hier"]), **spec.get("tuning", {}))
         contender = train(hier, spec["model"], trainer_kwargs, steps)
         moved = max_rel_diff(reference, initial_state(spec["model"]))
         results[name] = {
