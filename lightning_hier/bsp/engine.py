@@ -37,6 +37,7 @@ from lightning_hier.sliced.sharded_optim import (
     check_no_new_parameters,
     check_server_optimizer,
     frozen_parameters,
+    with_added_groups,
 )
 from lightning_hier.sliced.slicing import SlicePlan
 from lightning_hier.topology import Topology
@@ -77,12 +78,20 @@ class BSPEngine:
         self.timeout_s = timeout_s
         self.optimizer = optimizer
         original_groups = [list(group["params"]) for group in optimizer.param_groups]
-        # what the server's optimizer cannot take in later (check_no_new_parameters)
+        # what the server's optimizer does not hold: taken in by a new engine (has_new_parameters), checked
+        # every step (check_no_new_parameters)
         self._groups_at_setup = len(original_groups)
         self._frozen_at_setup = frozen_parameters(module)
         self.params, group_of = trainable_params(original_groups)
         if not self.params:
-            raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
+            raise ValueError(
+                "the optimizer holds no trainable parameters (all have requires_grad=False): hier_bsp's "
+                "server needs one at setup (hier_sliced also takes in an optimizer whose parameters are all "
+                "unfrozen later)."
+            )
+        trained = {id(p) for p in self.params}
+        self._frozen_in_groups = [p for group in original_groups for p in group if id(p) not in trained]
+        self.profile = profile
         self.infos = [
             ParamInfo(i, p.numel(), p.element_size(), (group_of[i], p.dtype, p.device))
             for i, p in enumerate(self.params)
@@ -381,6 +390,36 @@ class BSPEngine:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+    # ------------------------------------------------------------------ parameters gained during fit
+    def has_new_parameters(self) -> bool:
+        """Whether the optimizer gained parameters this engine's server does not step: a param group added
+        (``add_param_group``), or a parameter of its groups frozen at setup and trainable now. The strategy
+        then builds a new engine over them between steps (:meth:`take_over`). Off lockstep only where every
+        worker is drained (an epoch's start, as ``BaseFinetuning`` unfreezes): workers elsewhere are at
+        different steps, and the rebuild is a collective. Host flags only: it may run every step."""
+        changed = len(self.optimizer.param_groups) != self._groups_at_setup or any(
+            param.requires_grad for param in self._frozen_in_groups
+        )
+        if changed and not self.settings.lockstep and not self.memory.paused:
+            raise RuntimeError(
+                "hier_bsp: the optimizer gained parameters (add_param_group, or a parameter of its groups "
+                "unfrozen) in the middle of an epoch while the workers run free, at different steps: "
+                "unfreeze at an epoch's start (a callback's on_train_epoch_start, as Lightning's "
+                "BaseFinetuning does), or train in lockstep (max_staleness=0 and a superstep of a step "
+                "count)."
+            )
+        return changed
+
+    @torch.no_grad()
+    def take_over(self, state: dict[str, Any]) -> None:
+        """Continue from an engine this one replaces: its consolidated optimizer ``state`` (param groups
+        added to the optimizer since start without state, as torch starts them) and the worker's
+        parameters as every copy's model."""
+        self.server.sharding.load_consolidated_state_dict(
+            with_added_groups(state, self.optimizer.param_groups)
+        )
+        self.load_params()
 
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state_dict(self) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from lightning_hier.sliced.sharded_optim import (
     check_no_new_parameters,
     decide_sharding,
     frozen_parameters,
+    refuse_shared_parameters,
     update_rule_of,
 )
 from lightning_hier.sliced.slicing import SlicePlan
@@ -104,27 +105,18 @@ class HierSlicedEngine:
                 f"{topology.devices_per_node} devices."
             )
         self._original_groups = [list(group["params"]) for group in optimizer.param_groups]
-        self.params, self._group_of = trainable_params(self._original_groups)
-        if not self.params:
-            raise ValueError("the optimizer holds no trainable parameters (all have requires_grad=False).")
-        self.param_names = _names_of(module, self.params)
-        self._frozen_at_setup = frozen_parameters(module)
-        self.param_infos = [
-            ParamInfo(i, p.numel(), p.element_size(), (self._group_of[i], p.dtype, p.device))
-            for i, p in enumerate(self.params)
-        ]
+        # per parameter (by id): the take-in that brought it (0: setup, see take_in_new_parameters); its
+        # buckets never mix with other cohorts', whose optimizer state (momenta, step counts) is older
+        self._cohort: dict[int, int] = {}
+        self._take_ins = 0
+        self._take_params()
         self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
-        self.device = self.params[0].device
+        self.device = next(p for group in self._original_groups for p in group).device
         self.clock = StepClock(self.device, event_factory)
+        self._time_config = time_config
         self.time_bucketing: TimeBucketing | None = None
         if bucketing == "time":
-            self.time_bucketing = TimeBucketing(
-                self.param_infos,
-                self.cap_bytes,
-                time_config,
-                topology.world_group,
-                resolves_late=self.clock.uses_events,
-            )
+            self.time_bucketing = self._new_time_bucketing()
         self._reducer = make_reducer(
             topology.intra_group,
             topology.inter_group,
@@ -163,10 +155,44 @@ class HierSlicedEngine:
         self.last_timeline: StepTimeline | None = None
         self.sharding: OptimizerSharding | ReplicatedOptimizer | None = None
         self.optimizer_given_back = False  # give_back_optimizer ran: the optimizer is the user's again
+        self._showing_user_groups = False  # inside user_param_groups
         self._layout(bucket_plan or plan_size_buckets(self.param_infos, self.cap_bytes))
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
+
+    def _take_params(self) -> None:
+        """The trainable parameters of ``_original_groups`` (the optimizer's groups as the user built them,
+        in order), their names, the module's frozen ones and what the planners need of each."""
+        self.params, self._group_of = trainable_params(self._original_groups)
+        if not any(self._original_groups):
+            raise ValueError("the optimizer holds no parameters.")
+        # all frozen is allowed: a fine-tuning callback may unfreeze them before the first step (taken in)
+        self.param_names = _names_of(self.module, self.params)
+        self._frozen_at_setup = frozen_parameters(self.module)
+        trainable = {id(p) for p in self.params}
+        # in the optimizer's groups but frozen: taken in once trainable (has_new_parameters)
+        self._frozen_in_groups = [
+            p for group in self._original_groups for p in group if id(p) not in trainable
+        ]
+        self.param_infos = [
+            ParamInfo(
+                i,
+                p.numel(),
+                p.element_size(),
+                (self._group_of[i], p.dtype, p.device, self._cohort.get(id(p), 0)),
+            )
+            for i, p in enumerate(self.params)
+        ]
+
+    def _new_time_bucketing(self) -> TimeBucketing:
+        return TimeBucketing(
+            self.param_infos,
+            self.cap_bytes,
+            self._time_config,
+            self.topology.world_group,
+            resolves_late=self.clock.uses_events,
+        )
 
     # ------------------------------------------------------------------ layout
     def _layout(self, plan: BucketPlan, optimizer_state: dict[str, Any] | None = None) -> None:
@@ -225,6 +251,123 @@ class HierSlicedEngine:
             param.data = param.data.clone()
             param.grad = None
         self._layout(plan, state)
+
+    # ------------------------------------------------------------------ parameters gained during fit
+    def has_new_parameters(self) -> bool:
+        """Whether the optimizer gained parameters since the buckets were laid out: a param group added
+        (``add_param_group``), or a parameter of its groups that was frozen then and is trainable now.
+        Reads host flags only, so it may run every step."""
+        if self.optimizer_given_back:
+            return False
+        if len(self.optimizer.param_groups) != len(self._original_groups):
+            return True
+        return any(param.requires_grad for param in self._frozen_in_groups)
+
+    @contextmanager
+    def user_param_groups(self, take_in: bool = True) -> Iterator[None]:
+        """Inside, the optimizer's param groups hold the module's parameters as the user built them, not this
+        rank's flat slices, for code that finds or adds parameters there (Lightning's ``BaseFinetuning``
+        names each one and adds groups). On leaving, the slices go back, and with ``take_in`` parameters the
+        groups gained are taken in (:meth:`take_in_new_parameters`); after an exception inside, only the
+        slices go back."""
+        opened = not (self.optimizer_given_back or self.replicated or self._showing_user_groups)
+        if opened:  # (a replicated optimizer holds the module's parameters anyway)
+            for group, original in zip(self.optimizer.param_groups, self._original_groups):
+                group["params"] = list(original)
+            self._showing_user_groups = True
+        try:
+            yield
+        finally:
+            if opened:
+                self._showing_user_groups = False
+                assert isinstance(self.sharding, OptimizerSharding)
+                for index, (group, original) in enumerate(
+                    zip(self.optimizer.param_groups, self._original_groups)
+                ):
+                    if _same_parameters(group["params"], original):
+                        group["params"] = self.sharding._optimizer_params(index)
+        if take_in and not self._showing_user_groups:
+            self.take_in_new_parameters()
+
+    @torch.no_grad()
+    def take_in_new_parameters(self) -> bool:
+        """Lay the buckets and the optimizer's shards out again over its parameters as they are now, if it
+        gained some (:meth:`has_new_parameters`); returns whether it did. Call it between steps.
+
+        A parameter group added with ``add_param_group`` keeps its own settings (``lr``, ...); the
+        optimizer state of the other parameters is kept (consolidated and cut again: a collective over
+        the node when the optimizer is sharded, so every rank calls it at the same step boundary, with the
+        same change). Newly trained parameters get buckets of their own, so they start with fresh state
+        (their first momentum, step count 1) as under ``ddp``, and their gradients are averaged over every
+        rank from their first step on. Time bucketing profiles the new layout again."""
+        if not self.has_new_parameters():
+            return False
+        self._relayout_over(self._user_groups())
+        return True
+
+    def _user_groups(self) -> list[list[nn.Parameter]]:
+        """The optimizer's param groups as module parameters: a known group that holds this rank's slices
+        as the user built it; any other (added, or replaced while :meth:`user_param_groups` showed them) as
+        it holds them."""
+        slices = {id(shard) for shard in self.sharding.shards} if self.sharding is not None else set()
+        groups = []
+        for index, group in enumerate(self.optimizer.param_groups):
+            params = list(group["params"])
+            if index < len(self._original_groups) and all(id(p) in slices for p in params):
+                params = list(self._original_groups[index])
+            groups.append(params)
+        return groups
+
+    def _relayout_over(self, groups: list[list[nn.Parameter]]) -> None:
+        """:meth:`take_in_new_parameters` onto ``groups`` (every param group's module parameters now)."""
+        old_params = self.params
+        # gradients accumulated locally so far (a step that does not clear them adds them to the next)
+        grads = {id(p): p.grad.detach().clone() for p in old_params if p.grad is not None}
+        used_steps = {id(p): steps for p, steps in zip(old_params, self._used_steps)}
+        isolated = {id(old_params[i]) for i in self._isolated}
+        assert self.sharding is not None
+        self.sharding.unshard_into(groups)  # the optimizer's own parameters and full state
+        # out of the old buckets, which go with them; on CUDA the side stream's last use of them was recorded
+        # (DeviceStream.keep_alive: record_stream), so their memory is not reused before that use is done: a
+        # CPU run cannot show it (docs/gpu.md)
+        for param in old_params:
+            param.data = param.data.clone()
+            param.grad = None
+        self._take_ins += 1
+        trained_before = {id(p) for p in old_params}
+        for param in trainable_params(groups)[0]:
+            if id(param) not in trained_before:
+                self._cohort[id(param)] = self._take_ins
+        self._original_groups = [list(group) for group in groups]
+        for handle in self._hooks:
+            handle.remove()
+        self._take_params()
+        count = len(self.params)
+        self._used = bytearray(count)
+        self._every_parameter = frozenset(range(count))
+        self._globally_used = self._every_parameter
+        self._used_steps = [used_steps.get(id(p), 0) for p in self.params]
+        self._isolated = {i for i, p in enumerate(self.params) if id(p) in isolated}
+        self._to_isolate = set()
+        self._unused_snapshot = UnusedSnapshot()
+        if self.time_bucketing is not None:
+            self.time_bucketing = self._new_time_bucketing()
+        self._layout(self._with_isolated(plan_size_buckets(self.param_infos, self.cap_bytes)))
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
+        ]
+        self._reset_backward_state()
+        for index, param in enumerate(self.params):
+            grad = grads.get(id(param))
+            if grad is not None:
+                self._grad_views[index].copy_(grad)
+        new = [self.param_names[i] for i, p in enumerate(self.params) if id(p) not in trained_before]
+        log.info(
+            "hier_sliced: took in %d parameter(s) trainable since the last layout (%s); %d bucket(s) now",
+            len(new),
+            ", ".join(new[:4]) + (", ..." if len(new) > 4 else ""),
+            len(self.buckets),
+        )
 
     def checkpoint_state(self) -> dict[str, Any] | None:
         """What a checkpoint must hold to resume with this run's time plan (``None``: nothing to keep)."""
@@ -673,6 +816,35 @@ def trainable_params(groups: Sequence[Sequence[nn.Parameter]]) -> tuple[list[nn.
                 params.append(param)
                 group_of.append(group_index)
     return params, group_of
+
+
+def take_in_new_parameters(engines: Sequence[HierSlicedEngine]) -> bool:
+    """:meth:`HierSlicedEngine.take_in_new_parameters` for every optimizer's engine (each decides alike on
+    every rank from host flags, and only one that changed communicates); returns whether any did. A
+    parameter one engine took in is no longer a frozen one to the others."""
+    if len(engines) > 1 and any(engine.has_new_parameters() for engine in engines):
+        optimizers = [engine.optimizer for engine in engines]
+        refuse_shared_parameters(optimizers, engines[0].module, [engine._user_groups() for engine in engines])
+    changed = [engine.take_in_new_parameters() for engine in engines]
+    if any(changed) and len(engines) > 1:
+        trained = {id(param) for engine in engines for param in engine.params}
+        for engine in engines:
+            engine._frozen_at_setup = [(n, p) for n, p in engine._frozen_at_setup if id(p) not in trained]
+    return any(changed)
+
+
+class TrainedParameters:
+    """Every engine's trained parameters, read when iterated: a layout may take new ones in during fit."""
+
+    def __init__(self, engines: Callable[[], Sequence[HierSlicedEngine]]) -> None:
+        self._engines = engines
+
+    def __iter__(self) -> Iterator[nn.Parameter]:
+        return (param for engine in self._engines() for param in engine.params)
+
+
+def _same_parameters(params: Sequence[torch.Tensor], original: Sequence[nn.Parameter]) -> bool:
+    return len(params) == len(original) and all(a is b for a, b in zip(params, original))
 
 
 def _names_of(module: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:

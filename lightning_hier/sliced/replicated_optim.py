@@ -41,6 +41,11 @@ class ReplicatedOptimizer:
     def unshard(self) -> None:
         """Nothing to give back: the optimizer always held its own parameters."""
 
+    def unshard_into(self, groups: Sequence[Sequence[nn.Parameter]]) -> None:
+        """Every param group holds ``groups``' parameters (its own already), and its state stays."""
+        for group, params in zip(self.optimizer.param_groups, groups):
+            group["params"] = list(params)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of the full gradients, the same on every rank (as ``ddp`` clips)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]

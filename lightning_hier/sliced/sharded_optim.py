@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_hier.sliced.flat_buckets import FlatBucket
 from lightning_hier.sliced.reducer import all_gather_slices
@@ -94,6 +95,22 @@ def check_optimizer(
 NEVER_REPLICATED = ("LBFGS", "SparseAdam")
 
 
+def refuse_zero_redundancy(optimizer: torch.optim.Optimizer, strategy: str = "HierSlicedStrategy") -> None:
+    """Refuse torch's ``ZeroRedundancyOptimizer``: it shards the optimizer state over the ranks itself, what
+    ``strategy`` already does inside each node, and its ``state_dict()`` needs a ``consolidate_state_dict()``
+    on every rank first, so the run would fail at its first checkpoint."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return
+    inner = getattr(getattr(optimizer, "_optim_constructor", None), "__name__", None) or "Adam"
+    raise ValueError(
+        f"ZeroRedundancyOptimizer shards the optimizer state over the ranks, which {strategy} already does "
+        "inside each node (each rank keeps the state of its slices), and its state_dict() would fail at the "
+        f"first checkpoint. Return the optimizer it wraps from configure_optimizers instead: "
+        f"torch.optim.{inner}(params, ...) in place of ZeroRedundancyOptimizer(params, "
+        f"optimizer_class=torch.optim.{inner}, ...)."
+    )
+
+
 def decide_sharding(
     optimizer: torch.optim.Optimizer, declared_elementwise: Sequence[str], shard_optimizer: bool | None
 ) -> bool:
@@ -102,6 +119,7 @@ def decide_sharding(
     ``shard_optimizer=None`` (the default): shard an elementwise optimizer, keep any other whole, with a
     warning that says why and what it costs; ``True``: shard or refuse (:func:`check_optimizer`);
     ``False``: keep it whole."""
+    refuse_zero_redundancy(optimizer)
     name = type(optimizer).__name__
     if shard_optimizer or name in NEVER_REPLICATED:
         check_optimizer(optimizer, declared_elementwise)
@@ -131,6 +149,7 @@ def check_server_optimizer(
     model parameter with its shape (:class:`~lightning_hier.sliced.piece_sharding.PieceSharding`) and any
     optimizer that steps parameter by parameter runs as under ``ddp`` (Adafactor, LARS-like); otherwise the
     slices cut parameters, and only elementwise updates are exact (:func:`check_optimizer`)."""
+    refuse_zero_redundancy(optimizer, "HierBSPStrategy")
     name = type(optimizer).__name__
     if devices_per_node == 1 and name not in NEVER_REPLICATED:
         return
@@ -150,9 +169,43 @@ def _whole_optimizer_alternative(strategy: str, name: str) -> str:
     return "use strategy='ddp' for this optimizer."
 
 
+def refuse_shared_parameters(
+    optimizers: Sequence[torch.optim.Optimizer],
+    module: nn.Module,
+    groups: Sequence[Sequence[Sequence[nn.Parameter]]] | None = None,
+) -> None:
+    """Refuse two optimizers that hold the same parameter (at setup, before any collective: every rank
+    raises alike). Each optimizer's parameters live in flat buckets of its own, sliced over the node's ranks,
+    and a parameter can live in one bucket only. ``groups``: each optimizer's param groups as module
+    parameters, where its ``param_groups`` hold slices."""
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    if groups is None:
+        groups = [[group["params"] for group in optimizer.param_groups] for optimizer in optimizers]
+    owner: dict[int, int] = {}
+    for index, param_groups in enumerate(groups):
+        for params in param_groups:
+            for param in params:
+                first = owner.setdefault(id(param), index)
+                if first != index:
+                    name = names.get(id(param), f"of shape {tuple(param.shape)}")
+                    raise ValueError(
+                        f"optimizers {first} and {index} both hold parameter {name!r}: "
+                        "HierSlicedStrategy lays each optimizer's parameters into flat buckets of its own "
+                        "(sliced over the node's ranks), and a parameter can live in one only. Give it to "
+                        "one optimizer (a param group of its own there keeps its own lr and other settings), "
+                        "or train this model with strategy='ddp'."
+                    )
+
+
 def frozen_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``module``'s parameters that do not require a gradient now (at setup), with their names."""
     return [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
+
+
+TAKEN_IN_BETWEEN_STEPS = (
+    "between steps (in a callback's or the module's on_train_epoch_start or on_train_batch_start, as "
+    "Lightning's BaseFinetuning does)"
+)
 
 
 def check_no_new_parameters(
@@ -161,24 +214,45 @@ def check_no_new_parameters(
     frozen_at_setup: Sequence[tuple[str, nn.Parameter]],
     strategy: str,
 ) -> None:
-    """Refuse parameters the optimizer gained after setup: a param group added (``add_param_group``), or a
-    parameter frozen at setup (:func:`frozen_parameters`) that now has a gradient. The optimizer was
-    sharded over the parameters trainable at setup, so either would silently never be updated. Looks at
-    the frozen parameters only: it runs every step."""
+    """Refuse parameters the optimizer gained that the strategy has not taken in: a param group added
+    (``add_param_group``), or a parameter frozen when the shards were laid out (:func:`frozen_parameters`)
+    that now has a gradient. The strategies take such parameters in between steps (the engines'
+    ``take_in_new_parameters``); one added during a step, or trainable but in no param group, would
+    silently never be updated. Looks at the frozen parameters only: it runs every step."""
     for name, param in frozen_at_setup:
         if param.requires_grad and param.grad is not None:
             raise RuntimeError(
-                f"parameter {name!r} was frozen at setup and is trainable now: {strategy} sharded the "
-                "optimizer over the parameters trainable at setup, so it would never be updated. "
-                "Unfreeze before trainer.fit, or load the weights into a new fit that trains them."
+                f"parameter {name!r} was frozen at setup (when {strategy} laid out the optimizer's shards) "
+                f"and has a gradient now, but {strategy} has not taken it in, so it would never be updated: "
+                f"it takes in parameters unfrozen {TAKEN_IN_BETWEEN_STEPS}, not during a step; a parameter "
+                "in none of the optimizer's param groups must be added with optimizer.add_param_group "
+                "(BaseFinetuning.unfreeze_and_add_param_group does both)."
             )
     groups_now = len(optimizer.param_groups)
     if groups_now != groups_at_setup:
         raise RuntimeError(
-            f"the optimizer has {groups_now} param groups, {groups_at_setup} at setup: add_param_group after "
-            f"setup is not supported by {strategy} (the groups hold flat slices). Create every group in "
-            "configure_optimizers."
+            f"the optimizer has {groups_now} param groups, {groups_at_setup} when {strategy} laid out its "
+            f"shards: {strategy} takes in a group from add_param_group {TAKEN_IN_BETWEEN_STEPS}, not during "
+            "a step (the groups hold flat slices then)."
         )
+
+
+def with_added_groups(state: dict[str, Any], param_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A consolidated optimizer ``state`` (numbered as torch's ``state_dict()``) with an entry for each param
+    group of ``param_groups`` beyond its own (added with ``add_param_group`` since it was taken): their
+    settings, and their parameters numbered after the others, as torch numbers them, with no state yet."""
+    saved = list(state["param_groups"])
+    numbered = sum(len(group["params"]) for group in saved)
+    for group in param_groups[len(saved) :]:
+        count = len(group["params"])
+        saved.append(
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": list(range(numbered, numbered + count)),
+            }
+        )
+        numbered += count
+    return {"state": state["state"], "param_groups": saved}
 
 
 def is_elementwise_state(key: str, value: Any, shape: torch.Size) -> bool:
@@ -296,6 +370,18 @@ class OptimizerSharding:
             group["params"] = list(original)
         self.optimizer.state.clear()
         self.optimizer.load_state_dict(state)
+
+    def unshard_into(self, groups: Sequence[Sequence[nn.Parameter]]) -> None:
+        """:meth:`unshard` onto ``groups``, the module parameters of every param group now: also of groups
+        added since the sharding (they hold their parameters already) or changed by the user. Each
+        parameter gets its full state back, by identity (a collective over the node)."""
+        state = self.consolidated_state_dict()["state"]
+        param_at = {self._state_index[id(p)]: p for group in self._original_groups for p in group}
+        for group, params in zip(self.optimizer.param_groups, groups):
+            group["params"] = list(params)
+        self.optimizer.state.clear()
+        for index, entry in state.items():
+            self.optimizer.state[param_at[index]] = entry
 
     def saved_param_groups(self) -> list[dict[str, Any]]:
         """The param groups of the unsharded optimizer's ``state_dict``: settings, parameter numbers."""

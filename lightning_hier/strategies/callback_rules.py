@@ -1,11 +1,12 @@
-"""Lightning callbacks the strategies cannot serve, refused before any process group exists.
+"""Lightning callbacks the strategies cannot serve, refused before any process group exists, and the
+help ``hier_sliced`` gives the fine-tuning callbacks it serves.
 
-- ``BaseFinetuning`` (``BackboneFinetuning`` and user subclasses), under every strategy of the package:
-  it unfreezes modules during fit and hands their parameters to the optimizer with ``add_param_group``.
-  The strategies shard the optimizer (``hier_sliced``, ``hier_bsp``) or split the model
-  (``hier_pipeline``) over the parameters trainable at setup, so they cannot take new ones mid-fit;
-  the callback would fail in its own bookkeeping (the optimizer's groups hold flat slices) or, under
-  ``hier_bsp``, the new parameters would silently never be updated.
+- ``BaseFinetuning`` (``BackboneFinetuning`` and user subclasses), under ``hier_pipeline``: it unfreezes
+  modules during fit and hands their parameters to the optimizer with ``add_param_group``, while the
+  pipeline split the model over the parameters trainable at setup. ``hier_sliced`` serves it
+  (:func:`show_user_param_groups`: the callback sees the module's parameters in the optimizer's groups,
+  and what it unfreezes or adds is taken in when it returns); so does ``hier_bsp``, which takes new
+  parameters in before the next step.
 - ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``), under ``hier_pipeline``:
   they copy the whole module before setup and average every parameter into that copy, while each
   pipeline process holds only its stage's parameters (the others are empty there), so the copy fails
@@ -23,11 +24,17 @@ stepped model before ``on_train_batch_end``, as ``ddp`` has it. Averaging at epo
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_hier.sliced.engine import HierSlicedEngine, take_in_new_parameters
 from lightning_hier.strategies.lightning_patches import attached_trainer
 
 try:
@@ -49,14 +56,14 @@ def refuse_unsupported_callbacks(
         return
     for callback in trainer.callbacks:
         name = type(callback).__name__
-        if isinstance(callback, BaseFinetuning):
+        if isinstance(callback, BaseFinetuning) and strategy == "hier_pipeline":
             raise ValueError(
                 f"{name} unfreezes parameters during fit and adds them to the optimizer (add_param_group); "
-                f"{strategy} builds its optimizer shards over the parameters trainable at setup and cannot "
-                "take new ones mid-fit. Fine-tune in two fits: train with the backbone frozen, then load the "
-                "weights into a second fit whose configure_optimizers includes the unfrozen parameters. "
-                "(Lightning's ddp runs the callback, but does not all-reduce the gradients of parameters "
-                "frozen when it wrapped the model, so their copies drift apart across processes.)"
+                "hier_pipeline splits the model into stages over the parameters trainable at setup and "
+                "cannot take new ones mid-fit. Fine-tune under hier_sliced or hier_bsp (they take the "
+                "parameters in when the callback adds them), or in two fits: train with the backbone frozen, "
+                "then load the weights into a second fit whose configure_optimizers includes the unfrozen "
+                "parameters."
             )
         if isinstance(callback, AVERAGING) and strategy == "hier_pipeline":
             raise ValueError(
@@ -81,3 +88,68 @@ def refuse_unsupported_callbacks(
                 "does; averaging at epoch ends (should_update on epoch_idx, or StochasticWeightAveraging) "
                 "sees the drained, current model."
             )
+
+
+# BaseFinetuning's hooks that read or change the optimizer's param groups by parameter
+FINETUNING_HOOKS = ("on_fit_start", "on_train_epoch_start")
+_ABSENT = object()
+
+
+class _InUserView:
+    """A callback's hook run by ``runner(hook, *args, **kwargs)`` for one run; ``previous`` is the callback's
+    own instance attribute it stands in for, if any. Pickles as the hook alone."""
+
+    def __init__(self, hook: Callable[..., Any], runner: Callable[..., Any], previous: Any) -> None:
+        functools.update_wrapper(self, hook)  # Lightning's is_overridden follows __wrapped__
+        self.hook, self.runner, self.previous = hook, runner, previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runner(self.hook, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_itself, (self.hook,))
+
+
+def _itself(hook: Callable[..., Any]) -> Callable[..., Any]:
+    return hook
+
+
+def show_user_param_groups(
+    callbacks: Sequence[pl.Callback], engines: Callable[[], Sequence[HierSlicedEngine]]
+) -> None:
+    """For one run: the ``BaseFinetuning`` hooks that look parameters up in the optimizers' param groups (by
+    name for their checkpoint state, by value to skip ones already there) run while every engine of
+    ``engines()`` shows the module's parameters there in place of its flat slices; what a hook unfroze or
+    added is taken in when it returns (a collective over the node where anything changed: the callback
+    runs alike on every rank). :func:`stop_showing_user_param_groups` puts the hooks back."""
+
+    def run(hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        running = engines()
+        with ExitStack() as stack:
+            for engine in running:
+                stack.enter_context(engine.user_param_groups(take_in=False))
+            result = hook(*args, **kwargs)
+        take_in_new_parameters(running)
+        return result
+
+    for callback in callbacks:
+        if not isinstance(callback, BaseFinetuning):
+            continue
+        for name in FINETUNING_HOOKS:
+            if isinstance(callback.__dict__.get(name), _InUserView):
+                continue
+            previous = callback.__dict__.get(name, _ABSENT)
+            setattr(callback, name, _InUserView(getattr(callback, name), run, previous))
+
+
+def stop_showing_user_param_groups(module: pl.LightningModule | None) -> None:
+    """Give the callbacks of ``module``'s trainer their own hooks back."""
+    trainer = attached_trainer(module)
+    for callback in trainer.callbacks if trainer is not None else ():
+        for name in FINETUNING_HOOKS:
+            hook = callback.__dict__.get(name)
+            if isinstance(hook, _InUserView):
+                if hook.previous is _ABSENT:
+                    del callback.__dict__[name]
+                else:
+                    callback.__dict__[name] = hook.previous

@@ -381,21 +381,27 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         """Before an optimizer step's first micro-batch (in ``training_step``, or in ``optimizer_step``
         before the closure when that runs it): once profiled, replace the size-bucketed engine by one on
         the time plan, keeping the model and the optimizer state (every rank at the same micro-step:
-        workers run in lockstep here)."""
+        workers run in lockstep here). Parameters unfrozen or added to the optimizer since (Lightning's
+        ``BaseFinetuning``) are taken in the same way: a new engine over them, on size buckets (profiled
+        again under time bucketing)."""
         old = self.engine
         assert old is not None
-        if not old.wants_time_plan:
+        taking_in = old.has_new_parameters()
+        if not old.wants_time_plan and not taking_in:
             return
-        cap = int(self.bucket_cap_mb * 1024 * 1024)
-        self.time_plan = old.time_plan(cap, int(self.min_bucket_mb * 1024 * 1024))
+        plan, profile, self.time_plan = None, old.profile, None
+        if not taking_in:
+            cap = int(self.bucket_cap_mb * 1024 * 1024)
+            self.time_plan = old.time_plan(cap, int(self.min_bucket_mb * 1024 * 1024))
+            plan, profile = self.time_plan.plan, None
         state = old.optimizer_state_dict()
         self._earlier_records += old.records
         old.close()
-        self.engine = self._new_engine(old.topology, old.early_push, plan=self.time_plan.plan)
-        self.engine.load_optimizer_state_dict(state)
-        self.engine.load_params()
+        self.engine = self._new_engine(old.topology, old.early_push, plan=plan, profile=profile)
+        self.engine.take_over(state)
         self._route_to_engine()
-        log.info("hier_bsp: buckets rebuilt from gradient-ready times: %s", self.time_plan.describe())
+        why = "parameters taken in" if taking_in else f"gradient-ready times: {self.time_plan.describe()}"
+        log.info("hier_bsp: buckets rebuilt (%s)", why)
 
     @property
     def superstep_records(self) -> list[SuperstepRecord]:
@@ -778,6 +784,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             raise ValueError(
                 f"the checkpoint holds {len(states)} optimizer states; HierBSPStrategy uses one."
             )
+        self._rebuild_when_profiled()  # over the groups a callback restored in on_fit_start (BaseFinetuning)
         self.engine.load_optimizer_state_dict(states[0])
         for group, saved in zip(self.optimizers[0].param_groups, states[0]["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})  # what schedulers resume from

@@ -43,11 +43,16 @@ from torch.optim import Optimizer
 from lightning_hier.audit import start_from_env
 from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
 from lightning_hier.sliced.checkpoints import PLAN_KEY, SlicedCheckpoints, validate_checkpoint_format
-from lightning_hier.sliced.engine import HierSlicedEngine
+from lightning_hier.sliced.engine import HierSlicedEngine, TrainedParameters, take_in_new_parameters
 from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
+from lightning_hier.sliced.sharded_optim import refuse_shared_parameters
 from lightning_hier.sliced.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
 from lightning_hier.sparse.node_tables import NodeTables
-from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
+from lightning_hier.strategies.callback_rules import (
+    refuse_unsupported_callbacks,
+    show_user_param_groups,
+    stop_showing_user_param_groups,
+)
 from lightning_hier.strategies.ddp_arguments import warn_ignored_ddp_arguments
 from lightning_hier.strategies.gradient_readers import hooks_read_gradients
 from lightning_hier.strategies.host_layout import warn_if_nodes_span_hosts
@@ -279,8 +284,9 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             install_optimizer_toggle(
                 self.lightning_module,
                 lambda optimizer: self.engine_for(optimizer).params,
-                [param for engine in self.engines for param in engine.params],
+                TrainedParameters(lambda: self.engines),
             )
+            show_user_param_groups(trainer.callbacks, lambda: self.engines)  # BaseFinetuning's
             optimizers_to_device(self.optimizers, self.root_device)
             install_global_norm_clipping(self.precision_plugin, self)
             self._install_sharded_grad_scaler()
@@ -411,16 +417,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
                     f"HierSlicedStrategy with {len(self.optimizers)} optimizers does not support {setting} "
                     "(it follows one optimizer's plan); use one optimizer, or drop the setting."
                 )
-        seen: dict[int, int] = {}
-        for index, optimizer in enumerate(self.optimizers):
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if seen.setdefault(id(param), index) != index:
-                        raise ValueError(
-                            f"optimizers {seen[id(param)]} and {index} share a parameter: HierSlicedStrategy "
-                            "shards each optimizer over its own parameters. Give every parameter to one "
-                            "optimizer."
-                        )
+        refuse_shared_parameters(self.optimizers, self.lightning_module)
 
     def engine_for(self, optimizer: Optimizer) -> HierSlicedEngine:
         """The engine sharding ``optimizer`` (or the LightningOptimizer wrapping it)."""
@@ -471,6 +468,10 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         if training or self._buffers_changed:
             self.engine.broadcast_buffers()
         self._buffers_changed = training
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        take_in_new_parameters(self.engines)  # unfrozen or added since the last step (alike on every rank)
+        super().on_train_batch_start(batch, batch_idx)
 
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self._sync_buffers(training=True)
@@ -628,6 +629,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self._failed = False
         remove_global_norm_clipping(self.precision_plugin)
         remove_optimizer_toggle(self.lightning_module)
+        stop_showing_user_param_groups(self.lightning_module)
         super().teardown()
 
     @classmethod
