@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hier import HierBSPStrategy
+from lightning_hier import HierBSPStrategy, TimeBuckets
 
 
 class StepClock(pl.LightningModule):
@@ -43,11 +43,12 @@ def main() -> None:
     if mode == "ddp":
         strategy: object = DDPStrategy()
     else:
-        timed = dict(bucketing="time", profile_steps=3, profile_warmup_steps=1) if mode == "time" else {}
+        timed = dict(bucketing=TimeBuckets(profile_steps=3, warmup_steps=1)) if mode == "time" else {}
         strategy = HierBSPStrategy(
-            superstep_steps=1, max_staleness=0, bucket_cap_mb=config["bucket_cap_mb"],
-            early_push=mode in ("early", "time"), log_supersteps=False, **timed,
+            superstep=1, max_staleness=0, bucket_cap_mb=config["bucket_cap_mb"], log_supersteps=False,
+            **timed,
         )  # fmt: skip
+        strategy._early_push = mode in ("early", "time")  # a tuning attribute (hier_bsp's module docstring)
     total = warmup + steps + 1
     data = DataLoader(TensorDataset(torch.randn(config["batch_size"] * total * 2, config["hidden"])),
                       batch_size=config["batch_size"])  # fmt: skip

@@ -69,7 +69,7 @@ def fit_once(config: dict[str, Any], mode: str) -> float:
     window = Window(config["warmup"], config["steps"])
     strategy: Any = (
         "ddp" if mode == "ddp"
-        else HierBSPStrategy(superstep_steps=1, max_staleness=config["max_staleness"], devices_per_node=1)
+        else HierBSPStrategy(superstep=1, max_staleness=config["max_staleness"], devices_per_node=1)
     )  # fmt: skip
     patch = on_worker_stream() if mode == "bsp_worker_stream" else contextlib.nullcontext()
     with patch:

@@ -42,10 +42,9 @@ class PostLocalSGDOnCPU(DDPStrategy):
 def make_strategy(c: dict[str, Any]) -> Any:
     """The contender's strategy, from the job's config ``c``."""
     if c["contender"] == "hier_bsp":
-        steps, seconds = c["superstep_steps"] or None, c["superstep_seconds"] or None
+        steps, seconds = c["superstep_steps"], c["superstep_seconds"]
         return HierBSPStrategy(
-            superstep_steps=steps,
-            superstep_seconds=seconds,
+            superstep=steps or f"{seconds}s",
             max_staleness=c["max_staleness"],
             fill_idle=c["fill_idle"],
             gradient_average=c["gradient_average"],

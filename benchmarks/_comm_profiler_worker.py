@@ -148,7 +148,7 @@ def make_strategy(name: str, devices_per_node: int) -> Any:
     if name == "hier_sliced":
         return HierSlicedStrategy(devices_per_node=devices_per_node)
     if name == "hier_bsp":  # plain BSP: one superstep per step, never stale
-        return HierBSPStrategy(devices_per_node=devices_per_node, superstep_steps=1, max_staleness=0)
+        return HierBSPStrategy(devices_per_node=devices_per_node, superstep=1, max_staleness=0)
     if name == "hier_pipeline":  # one stage per process, the split fixed (nothing timed)
         return HierPipelineStrategy(partition="uniform", rebalance="never", micro_batches=4)
     return "ddp"

@@ -58,7 +58,7 @@ def make_strategy(name: str) -> Any:
     if name == "hier_sliced":
         return HierSlicedStrategy(devices_per_node=1)
     if name == "hier_bsp":  # plain BSP: one superstep per step, never stale
-        return HierBSPStrategy(devices_per_node=1, superstep_steps=1, max_staleness=0)
+        return HierBSPStrategy(devices_per_node=1, superstep=1, max_staleness=0)
     if name == "hier_pipeline":  # one stage, the whole batch as one micro-batch
         return HierPipelineStrategy(stages=1, micro_batches=1, rebalance="never")
     return "ddp"

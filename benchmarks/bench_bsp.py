@@ -42,8 +42,8 @@ OPTIONS = """
 --hidden           int    128   MLP width
 --lr               float  0.05  SGD learning rate (every contender)
 --momentum         float  0.9   SGD momentum (every contender)
---superstep-steps  int    1     hier_bsp: superstep_steps (0: use --superstep-seconds)
---superstep-seconds float 0     hier_bsp: superstep_seconds (with --superstep-steps 0)
+--superstep-steps  int    1     hier_bsp: superstep, a step count (0: use --superstep-seconds)
+--superstep-seconds float 0     hier_bsp: superstep, a duration in seconds (with --superstep-steps 0)
 --max-staleness    int    1     hier_bsp: max_staleness
 --fill-idle        int    0     hier_bsp: fill_idle (extra micro-steps; needs --max-staleness 0)
 --gradient-average str    folded  hier_bsp: gradient_average (folded or nominal)

@@ -1,4 +1,4 @@
-"""hier_bsp in plain BSP: buckets pushed during backward (``early_push=True``) vs after it, vs ``ddp``;
+"""hier_bsp in plain BSP: buckets pushed during backward (``_early_push=True``) vs after it, vs ``ddp``;
 with ``--modes ...,time``, also early push of buckets planned from gradient-ready times
 (``bucketing="time"``).
 

@@ -1,7 +1,7 @@
 """``hier_bsp`` on a GPU: the local BSP module on a stream of its own against the worker's stream.
 
 One process on CUDA device 0 (NCCL, world size 1) trains an MLP with Adam under Lightning ``ddp``, under
-``hier_bsp`` (``superstep_steps=1``, ``max_staleness=1``: the server applies step n while the worker
+``hier_bsp`` (``superstep=1``, ``max_staleness=1``: the server applies step n while the worker
 computes step n + 1), and under ``hier_bsp`` with the module put back on the worker's stream (as before
 ``StreamHandoff``), ``--rounds`` fits each, interleaved. Prints the median step times and their ratios::
 

@@ -31,7 +31,7 @@ OPTIONS = """
 --batch-size    int    8                per-process batch size
 --bucket-cap-mb float  25.0             bucket cap for both strategies (MB)
 --strategies    str    ddp,hier_sliced  comma-separated: ddp, hier_sliced, hier_bsp
---superstep-steps int  4                hier_bsp: superstep_steps
+--superstep-steps int  4                hier_bsp: superstep (a step count)
 --max-staleness int    1                hier_bsp: max_staleness
 --repeats       int    1                run every strategy this many times (interleaved); median ratio
 --inter-node-dtype str ""               hier_sliced: inter_node_dtype (bf16, fp16; empty: full precision)
@@ -61,7 +61,7 @@ def run_strategy(cluster: EmulatedCluster, args: argparse.Namespace, strategy: s
     """Run one strategy; the nodes' ``tx_bytes`` are read whenever rank 0 hands over."""
     strategy_options: dict = {"bucket_cap_mb": args.bucket_cap_mb}
     if strategy == BSP:
-        strategy_options.update(jobs.pick(args, "superstep_steps", "max_staleness"))
+        strategy_options.update(superstep=args.superstep_steps, max_staleness=args.max_staleness)
     if strategy == CONTENDER:
         if args.comm_chunk_mb > 0:
             strategy_options["_comm_chunk_mb"] = args.comm_chunk_mb
@@ -110,7 +110,7 @@ def print_bsp_target(bsp: Run, ddp: Run) -> None:
     (first, last, rate), (_, _, ddp_rate) = loss_drop(bsp), loss_drop(ddp)
     options = bsp.worker["strategy_options"]
     print(
-        f"  hier_bsp (superstep_steps={options['superstep_steps']}, "
+        f"  hier_bsp (superstep={options['superstep']}, "
         f"max_staleness={options['max_staleness']}): "
         f"median step {median(bsp):.3f} s vs ddp {median(ddp):.3f} s = {ratio:.3f} x (target <= "
         f"{TARGET_BSP_MEDIAN_RATIO}) -> {verdict(ratio, TARGET_BSP_MEDIAN_RATIO)}; mean step "

@@ -4,6 +4,8 @@ plain-torch processes; the strategy against Lightning's ddp."""
 from __future__ import annotations
 
 import json
+import re
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from helpers import init_gloo, run_spawned, run_torchrun
 from scripts.bsp_equivalence import SCENARIOS
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_hier import TimeBuckets
 from lightning_hier.bsp.aggregate import GradientAggregate
 from lightning_hier.bsp.controller import (
     BLOCKED,
@@ -36,62 +39,98 @@ from lightning_hier.strategies.hier_bsp import HierBSPStrategy
 
 # ---------------------------------------------------------------------- settings
 @pytest.mark.parametrize(
+    ("superstep", "steps", "seconds"),
+    [
+        (4, 4, None),
+        (1, 1, None),
+        ("500ms", None, 0.5),
+        ("2s", None, 2.0),
+        (" 1.5 min ", None, 90.0),
+        ("1h", None, 3600.0),
+        ("1e-1s", None, 0.1),
+        (timedelta(milliseconds=250), None, 0.25),
+    ],
+)
+def test_superstep_is_a_step_count_or_a_duration(
+    superstep: object, steps: int | None, seconds: float | None
+) -> None:
+    settings = BSPSettings(superstep=superstep)  # type: ignore[arg-type]
+    assert settings.superstep_steps == steps
+    if seconds is None:
+        assert settings.superstep_seconds is None
+    else:
+        assert settings.superstep_seconds == pytest.approx(seconds)
+    assert HierBSPStrategy(superstep=superstep).settings == settings  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "superstep",
+    [0, -3, True, 2.5, 1.0, None, "4", "2", "0s", "-1s", "2 seconds", "2sec", "nan s", "inf s", "ms",
+     timedelta(0), timedelta(seconds=-1)],
+)
+def test_a_bad_superstep_is_refused_naming_the_setting_and_the_value(superstep: object) -> None:
+    for build in (BSPSettings, HierBSPStrategy):  # the strategy refuses it at construction, before any group
+        with pytest.raises(ValueError) as info:
+            build(superstep=superstep)  # type: ignore[arg-type]
+        message = str(info.value)
+        assert message.startswith(f"superstep={superstep!r} is not valid"), message
+        assert "positive int" in message and "'500ms'" in message, message
+
+
+def test_a_float_superstep_says_how_to_write_seconds() -> None:
+    with pytest.raises(ValueError, match=r"superstep=0\.5 is not valid \(a bare number is ambiguous: for "
+                       r"seconds write '0\.5s'\)"):
+        BSPSettings(superstep=0.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
     ("kwargs", "names"),
     [
-        (dict(superstep_steps=4, superstep_seconds=1.0), "superstep_steps=4 and superstep_seconds=1.0"),
-        (
-            dict(superstep_steps=None, superstep_seconds=None),
-            "superstep_steps=None and superstep_seconds=None",
-        ),
-        (dict(superstep_steps=0), "superstep_steps must be a positive integer, got 0"),
-        (dict(superstep_steps=2.5), "superstep_steps must be a positive integer, got 2.5"),
-        (dict(superstep_steps=None, superstep_seconds=-1.0), "superstep_seconds must be a positive"),
-        (dict(superstep_steps=None, superstep_seconds=float("nan")), "superstep_seconds must be a positive"),
         (dict(max_staleness=-1), "max_staleness must be an integer >= 0, got -1"),
-        (dict(max_staleness=1, fill_idle=1), "fill_idle needs max_staleness=0 and superstep_steps"),
+        (dict(max_staleness=1, fill_idle=1), "fill_idle needs max_staleness=0 and a superstep of a step"),
         (
-            dict(superstep_steps=None, superstep_seconds=1.0, max_staleness=0, fill_idle=1),
-            "fill_idle needs max_staleness=0 and superstep_steps",
+            dict(superstep="1s", max_staleness=0, fill_idle=1),
+            "fill_idle needs max_staleness=0 and a superstep of a step count",
         ),
         (dict(max_staleness=0, fill_idle=-1), "fill_idle must be an integer >= 0"),
         (dict(max_staleness=0, fill_idle=True), "fill_idle must be an integer >= 0"),
         (dict(gradient_average="sum"), "gradient_average must be one of"),
         (
-            dict(superstep_steps=None, superstep_seconds=1.0, gradient_average="nominal"),
-            "gradient_average='nominal' divides by superstep_steps x world_size",
+            dict(superstep="1s", gradient_average="nominal"),
+            "gradient_average='nominal' divides by the superstep's step count x world_size and needs a "
+            "superstep of a step count, got superstep='1s'",
         ),
     ],
 )
 def test_bad_settings_name_the_setting(kwargs: dict, names: str) -> None:
-    with pytest.raises(ValueError, match=names.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(names)):
         BSPSettings(**kwargs)
-    with pytest.raises(ValueError):  # the strategy refuses them at construction, before any process group
+    with pytest.raises(ValueError, match=re.escape(names)):  # refused at construction, before any group
         HierBSPStrategy(**kwargs)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "names"),
     [
-        (dict(bucketing="none"), "bucketing='none' is not one of"),
+        (dict(bucketing="none"), "bucketing='none' is not one of ['size', 'time'] or a TimeBuckets(...)"),
         (dict(bucketing="time", max_staleness=1), "bucketing='time' times the early push of plain BSP"),
         (
-            dict(bucketing="time", superstep_steps=1, max_staleness=0, fill_idle=1),
+            dict(bucketing=TimeBuckets(), superstep=1, max_staleness=0, fill_idle=1),
             "bucketing='time' times the early push of plain BSP",
         ),
-        (
-            dict(bucketing="time", superstep_steps=1, max_staleness=0, early_push=False),
-            "needs early_push=True",
-        ),
-        (
-            dict(bucketing="time", superstep_steps=1, max_staleness=0, profile_steps=0),
-            "profile_steps must be",
-        ),
-        (dict(superstep_steps=1, max_staleness=0, min_bucket_mb=-1.0), "min_bucket_mb must be >= 0"),
+        (dict(bucketing="time", superstep="1s", max_staleness=0), "bucketing='time' times the early push"),
     ],
 )
 def test_bad_bucketing_settings_name_the_setting(kwargs: dict, names: str) -> None:
-    with pytest.raises(ValueError, match=names.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(names)):
         HierBSPStrategy(**kwargs)
+
+
+def test_bucketing_takes_time_buckets() -> None:
+    assert HierBSPStrategy(superstep=1, max_staleness=0, bucketing="time").time_buckets == TimeBuckets()
+    custom = TimeBuckets(profile_steps=5, warmup_steps=0, min_bucket_mb=0.25)
+    strategy = HierBSPStrategy(superstep=1, max_staleness=0, bucketing=custom)
+    assert strategy.bucketing == "time" and strategy.time_buckets is custom
 
 
 def test_all_gather_is_refused_while_workers_run_free_and_works_when_drained() -> None:
@@ -99,7 +138,7 @@ def test_all_gather_is_refused_while_workers_run_free_and_works_when_drained() -
     a gather there would pair different steps, or wait forever for one a peer never takes."""
     from types import SimpleNamespace
 
-    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=1)
+    strategy = HierBSPStrategy(superstep=1, max_staleness=1)
     strategy.engine = SimpleNamespace(memory=SimpleNamespace(paused=False))  # between drains
     value = torch.tensor([1.0, 2.0])
     with pytest.raises(RuntimeError, match="all_gather while hier_bsp's workers run free"):
@@ -155,9 +194,9 @@ def test_the_servers_optimizer_copy_keeps_hooks_attributes_and_steps_where_torch
 
 
 def test_quota_is_one_superstep_per_staleness_step() -> None:
-    assert BSPSettings(superstep_steps=3, max_staleness=0).quota == 3
-    assert BSPSettings(superstep_steps=3, max_staleness=2).quota == 9
-    assert BSPSettings(superstep_steps=None, superstep_seconds=0.5).quota is None
+    assert BSPSettings(superstep=3, max_staleness=0).quota == 3
+    assert BSPSettings(superstep=3, max_staleness=2).quota == 9
+    assert BSPSettings(superstep="0.5s").quota is None
 
 
 # ---------------------------------------------------------------------- aggregation arithmetic
@@ -212,8 +251,9 @@ def test_early_push_by_default_only_on_cuda_and_never_past_a_gradient_hook(
         def on_after_backward(self) -> None:
             pass
 
-    def wanted(model: pl.LightningModule, **kwargs: object) -> bool:
-        strategy = HierBSPStrategy(superstep_steps=1, max_staleness=0, **kwargs)
+    def wanted(model: pl.LightningModule, early_push: bool | None = None) -> bool:
+        strategy = HierBSPStrategy(superstep=1, max_staleness=0)
+        strategy._early_push = early_push
         strategy.parallel_devices = [torch.device("cpu")]
         strategy._lightning_module = model
         return strategy._early_push_wanted()
@@ -230,19 +270,19 @@ def test_weighted_mean_counts_micro_steps_not_workers() -> None:
     # worker A folded 3 micro-steps of gradient 1.0, worker B one of gradient 5.0: the mean gradient
     # per micro-step is (3 + 5) / 4 = 2, not the per-worker average (1 + 5) / 2 = 3
     sums = {"a": torch.tensor([3.0]), "b": torch.tensor([5.0])}
-    scale = 1.0 / BSPSettings(superstep_steps=1).gradient_divisor(3 + 1, world_size=2)
+    scale = 1.0 / BSPSettings(superstep=1).gradient_divisor(3 + 1, world_size=2)
     assert torch.allclose(sums["a"] * scale + sums["b"] * scale, torch.tensor([2.0]))
     with pytest.raises(ValueError, match="at least one micro-step"):
         BSPSettings().gradient_divisor(0, world_size=2)
 
 
 def test_nominal_average_weighs_each_micro_step_as_one_ddp_step() -> None:
-    # superstep_steps=2 on 4 workers: ddp would average 8 steps; 11 folded (fast workers filled) make
+    # superstep=2 on 4 workers: ddp would average 8 steps; 11 folded (fast workers filled) make
     # an update 11/8 of a ddp step's, 5 (a drain) 5/8 of one
-    nominal = BSPSettings(superstep_steps=2, max_staleness=0, fill_idle=1, gradient_average="nominal")
+    nominal = BSPSettings(superstep=2, max_staleness=0, fill_idle=1, gradient_average="nominal")
     assert nominal.gradient_divisor(11, world_size=4) == 8
     assert nominal.gradient_divisor(5, world_size=4) == 8
-    assert BSPSettings(superstep_steps=2, max_staleness=0).gradient_divisor(11, world_size=4) == 11
+    assert BSPSettings(superstep=2, max_staleness=0).gradient_divisor(11, world_size=4) == 11
 
 
 # ---------------------------------------------------------------------- controller rules
@@ -261,7 +301,7 @@ def row(
 
 
 def test_plain_bsp_closes_only_when_every_worker_folded_its_step() -> None:
-    settings = BSPSettings(superstep_steps=1, max_staleness=0)
+    settings = BSPSettings(superstep=1, max_staleness=0)
     waiting = [row(1, blocked=True), row(1, blocked=True), row(0, in_flight=3)]
     assert decide(waiting, settings, version=3).close is False
     done = [row(1, blocked=True)] * 3
@@ -275,12 +315,12 @@ def timed_row(folded: int, in_flight: int, step_ms: int, elapsed: int, busy_ms: 
 
 
 def test_fill_idle_closes_when_every_worker_folded_its_share_and_fills_until_the_slowest_ends() -> None:
-    settings = BSPSettings(superstep_steps=1, max_staleness=0, fill_idle=2)
+    settings = BSPSettings(superstep=1, max_staleness=0, fill_idle=2)
     # two fast workers filled (2 + 2 folded, more than superstep_steps x world = 3) but the slow one
     # has not folded its step yet: not due (without fill_idle the total alone would close it)
     rows = [timed_row(2, -1, 10, -1), timed_row(2, 7, 10, 4), timed_row(0, 7, 50, 20)]
     assert decide(rows, settings, version=7) == TickDecision()  # neither close nor closing
-    assert decide(rows, BSPSettings(superstep_steps=1, max_staleness=0), version=7).closing
+    assert decide(rows, BSPSettings(superstep=1, max_staleness=0), version=7).closing
     # the slow worker, which still owes its step, folds in 50 - 20 ms; a filling worker (already at
     # its share) does not extend the window
     window = partial(slowest_remaining_s, settings=settings, version=7, own_step_ms=10)
@@ -314,7 +354,7 @@ def test_a_worker_fills_only_inside_the_window_and_up_to_fill_idle() -> None:
 
     from lightning_hier.bsp.shared_memory import SharedModelMemory
 
-    settings = BSPSettings(superstep_steps=1, max_staleness=0, fill_idle=1)
+    settings = BSPSettings(superstep=1, max_staleness=0, fill_idle=1)
     memory = SharedModelMemory([torch.zeros(4)], settings)
     memory.paused = False
     # two micro-steps: 30 ms cycles, 10 ms of each from start to fold
@@ -324,7 +364,7 @@ def test_a_worker_fills_only_inside_the_window_and_up_to_fill_idle() -> None:
         memory.cycle_starts(start + 0.030 * k)
         memory.micro_step_folded(start + 0.030 * k + 0.010)
     assert memory.step_s == pytest.approx(0.030) and memory.busy_s == pytest.approx(0.010)
-    memory.started_since_pickup = 1  # at its quota (superstep_steps=1)
+    memory.started_since_pickup = 1  # at its quota (superstep=1)
     memory.fill_version = memory.version
     memory.fill_until = time.monotonic() + 0.5  # a straggler folds in 0.5 s: room for a 10 ms step
     assert not memory.blocked()
@@ -348,7 +388,7 @@ def test_staleness_bound_holds_the_close_for_a_slow_worker() -> None:
     # version 5 is out; a worker still computes from version 3: closing now would apply its gradient
     # at superstep 7, three supersteps after its model (> 2), so the close waits for it
     rows = [row(4), row(4), row(0, in_flight=3)]
-    settings = BSPSettings(superstep_steps=2, max_staleness=2)
+    settings = BSPSettings(superstep=2, max_staleness=2)
     assert safe_to_close(rows, version=5, max_staleness=2) is False
     assert decide(rows, settings, version=5).closing is True
     assert safe_to_close(rows, version=4, max_staleness=2) is True
@@ -357,7 +397,7 @@ def test_staleness_bound_holds_the_close_for_a_slow_worker() -> None:
 
 
 def test_superstep_seconds_follow_the_controllers_clock_and_drains_flush() -> None:
-    settings = BSPSettings(superstep_steps=None, superstep_seconds=0.5, max_staleness=1)
+    settings = BSPSettings(superstep="0.5s", max_staleness=1)
     rows = [row(2), row(1)]
     assert decide(rows, settings, version=0).close is False
     rows[0][DEADLINE] = 1  # only rank 0's clock counts
@@ -373,14 +413,14 @@ def test_a_drain_inside_an_accumulation_window_pauses_without_the_suspended_fold
     in flight (it folds after the drain). The drain pauses at once (before: it waited for that fold, which
     only the draining worker itself could make, until the timeout) and closes only what keeps every
     gradient within max_staleness."""
-    plain = BSPSettings(superstep_steps=1, max_staleness=0)
+    plain = BSPSettings(superstep=1, max_staleness=0)
     Decision = type(decide([row()], plain, 0))
     mid_window = [row(0, in_flight=3, drain=True), row(0, in_flight=3, drain=True)]
     assert decide(mid_window, plain, version=3) == Decision(pause=True)
     # a fold is waiting too: closing now would make the suspended micro-steps 1 superstep stale
     folded = [row(1, in_flight=3, drain=True), row(0, in_flight=3, drain=True)]
     assert decide(folded, plain, version=3) == Decision(pause=True)
-    bounded = BSPSettings(superstep_steps=1, max_staleness=1)
+    bounded = BSPSettings(superstep=1, max_staleness=1)
     assert decide(folded, bounded, version=3) == Decision(close=True, pause=True)
     # a worker not yet in its drain may still be computing: nobody pauses before it drains too
     assert decide([row(0, in_flight=3, drain=True), row(0, in_flight=3)], plain, version=3).pause is False
@@ -389,7 +429,7 @@ def test_a_drain_inside_an_accumulation_window_pauses_without_the_suspended_fold
 def test_a_superstep_that_cannot_fill_up_closes_with_what_it_has() -> None:
     # two workers ended their epoch (drained), the other two reached their quota of 2 with 3 folded in
     # all: 4 are due, nobody can fold another before a new model, so it closes rather than waits forever
-    settings = BSPSettings(superstep_steps=1, max_staleness=1)
+    settings = BSPSettings(superstep=1, max_staleness=1)
     stuck = [
         row(0, blocked=True, drain=True),
         row(0, blocked=True, drain=True),
@@ -402,7 +442,7 @@ def test_a_superstep_that_cannot_fill_up_closes_with_what_it_has() -> None:
     # plain BSP: three workers folded theirs and wait; the fourth reads as blocked only because it has not
     # yet picked up the newest model (its quota counts from its last pick-up). It will fold once it does,
     # so the superstep must not close without it (a race the CI run found).
-    plain = BSPSettings(superstep_steps=1, max_staleness=0)
+    plain = BSPSettings(superstep=1, max_staleness=0)
     waiting = [
         row(1, blocked=True),
         row(1, blocked=True),
@@ -645,9 +685,9 @@ def test_manual_optimization_is_refused_before_any_process_group(tmp_path: Path)
     ("settings", "trainer_kwargs", "message"),
     [
         (
-            dict(superstep_steps=None, superstep_seconds=0.1, max_staleness=0),
+            dict(superstep="0.1s", max_staleness=0),
             dict(max_epochs=1, val_check_interval=0.5),
-            r"val_check_interval=0.5 with HierBSPStrategy\(superstep_seconds=0.1\)",
+            r"val_check_interval=0.5 with HierBSPStrategy\(superstep='0.1s'\)",
         ),
         (
             dict(max_staleness=2),
@@ -677,12 +717,15 @@ def test_step_counted_settings_are_refused_when_workers_take_different_step_coun
 
 
 def test_only_step_counted_supersteps_without_staleness_run_workers_in_lockstep() -> None:
-    assert BSPSettings(superstep_steps=2, max_staleness=0).lockstep
-    assert not BSPSettings(superstep_steps=2, max_staleness=1).lockstep
+    assert BSPSettings(superstep=2, max_staleness=0).lockstep
+    assert not BSPSettings(superstep=2, max_staleness=1).lockstep
     # by time, a faster worker folds more micro-steps into each superstep even without staleness
-    assert not BSPSettings(superstep_steps=None, superstep_seconds=0.5, max_staleness=0).lockstep
-    assert HierBSPStrategy(superstep_steps=None, superstep_seconds=0.5, max_staleness=0).share_batches
-    assert not HierBSPStrategy(superstep_steps=1, max_staleness=0).share_batches
+    assert not BSPSettings(superstep="0.5s", max_staleness=0).lockstep
+    assert HierBSPStrategy(superstep="0.5s", max_staleness=0).share_batches
+    assert not HierBSPStrategy(superstep=1, max_staleness=0).share_batches
+    strategy = HierBSPStrategy(superstep=1, max_staleness=0)
+    strategy._share_batches = True  # the tuning attribute overrides the lockstep default
+    assert strategy.share_batches
 
 
 # ---------------------------------------------------------------------- strategy: asynchronous, resumed
@@ -718,7 +761,7 @@ def test_straggler_under_lightning_from_the_logged_supersteps(lightning_results:
         assert result["validations"] == [2] * 4, result
     if scenario in ("timed", "fill"):  # a superstep where the fast workers folded more than the straggler
         assert any(float(r["bsp/micro_steps_rank0"]) > float(r["bsp/micro_steps_rank3"]) for r in rows)
-    if scenario == "fill":  # fill_idle=1: at most one micro-step beyond superstep_steps=1
+    if scenario == "fill":  # fill_idle=1: at most one micro-step beyond superstep=1
         assert max(float(r[f"bsp/micro_steps_rank{w}"]) for r in rows for w in range(4)) <= 2
     if scenario != "fixed_shards":  # shared batches: the fast workers took the straggler's share
         assert result["each_sample_once_per_epoch"], result["samples"]

@@ -97,7 +97,7 @@ def test_per_step_weight_averaging_under_hier_bsp_warns_off_lockstep(
 
     trainer = pl.Trainer(
         accelerator="cpu", devices=1,
-        strategy=HierBSPStrategy(superstep_steps=1, max_staleness=max_staleness),
+        strategy=HierBSPStrategy(superstep=1, max_staleness=max_staleness),
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         default_root_dir=tmp_path, callbacks=[EMAWeightAveraging()],
     )  # fmt: skip
@@ -147,7 +147,7 @@ def bsp_engine():  # noqa: ANN201
     model[0].requires_grad_(False)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     topology = Topology(1, 0, 1).build_groups(timedelta(seconds=30), dedicated=True)
-    settings = BSPSettings(superstep_steps=1, max_staleness=0)
+    settings = BSPSettings(superstep=1, max_staleness=0)
     engine = BSPEngine(model, optimizer, topology, settings, timeout_s=30)
     yield model, optimizer, engine
     engine.abort()  # the step that raised never finished

@@ -506,7 +506,13 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
     from pipeline_models import SkewedNet
     from pipeline_models import loader as pipeline_loader
 
-    from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy
+    from lightning_hier import (
+        CommProfiler,
+        HierBSPStrategy,
+        HierPipelineStrategy,
+        HierSlicedStrategy,
+        TimeBuckets,
+    )
     from lightning_hier.bsp.shared_memory import SharedModelMemory
     from lightning_hier.pipeline.schedule import _HEADER
 
@@ -566,8 +572,8 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
         if name == "hier_bsp_time":
             waits, profiler = WatchedWaits(), CommProfiler(save_figure=False, print_summary=False)
             strategy = HierBSPStrategy(
-                devices_per_node=2, superstep_steps=1, max_staleness=0, bucketing="time", profile_steps=1,
-                profile_warmup_steps=0, min_bucket_mb=0.0,
+                devices_per_node=2, superstep=1, max_staleness=0,
+                bucketing=TimeBuckets(profile_steps=1, warmup_steps=0, min_bucket_mb=0.0),
             )  # fmt: skip
             trainer = pl.Trainer(
                 accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, default_root_dir=str(out),
@@ -606,7 +612,7 @@ def _worker(out: Path) -> None:  # pragma: no cover - runs in the torchrun proce
         elif name == "hier_pipeline":
             strategy = HierPipelineStrategy(partition="uniform", rebalance="never", micro_batches=2)
         else:
-            strategy = HierBSPStrategy(devices_per_node=2, superstep_steps=1, max_staleness=0)
+            strategy = HierBSPStrategy(devices_per_node=2, superstep=1, max_staleness=0)
         if name == "hier_pipeline":
             model: pl.LightningModule = SkewedNet(widths=(32, 32, 32, 32))
             data = pipeline_loader()

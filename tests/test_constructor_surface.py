@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from lightning_hier import HierSlicedStrategy
+from lightning_hier import HierBSPStrategy, HierSlicedStrategy
 
 # Lightning's DDPStrategy plumbing, passed through unchanged
 DDP_PLUMBING = {
@@ -23,6 +23,7 @@ DDP_PLUMBING = {
 IGNORED_DDP = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
 STRATEGIES = [
     pytest.param(HierSlicedStrategy, id="hier_sliced"),
+    pytest.param(HierBSPStrategy, id="hier_bsp"),
 ]
 
 

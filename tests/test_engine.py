@@ -313,7 +313,7 @@ def test_hier_bsp_refuses_an_unknown_optimizer_naming_its_own_setting() -> None:
     from lightning_hier.bsp.settings import BSPSettings
 
     model = nn.Linear(3, 1)
-    settings = BSPSettings(superstep_steps=1, max_staleness=0)
+    settings = BSPSettings(superstep=1, max_staleness=0)
     with pytest.raises(ValueError, match=r"HierBSPStrategy\(elementwise_optimizers=\['MySGD'\]\)"):
         BSPEngine(model, MySGD(model.parameters(), lr=0.1), None, settings)  # refused before any group
 

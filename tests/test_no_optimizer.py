@@ -21,7 +21,7 @@ from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStra
 STRATEGIES = {
     "ddp": lambda: "ddp",
     "hier_sliced": HierSlicedStrategy,
-    "hier_bsp": lambda: HierBSPStrategy(superstep_steps=1, max_staleness=0),
+    "hier_bsp": lambda: HierBSPStrategy(superstep=1, max_staleness=0),
     "hier_pipeline": HierPipelineStrategy,
 }
 

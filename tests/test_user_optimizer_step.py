@@ -28,7 +28,7 @@ from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStra
 
 STRATEGIES = {
     "hier_sliced": (HierSlicedStrategy, "ddp"),
-    "hier_bsp": (lambda: HierBSPStrategy(superstep_steps=1, max_staleness=0), "ddp"),
+    "hier_bsp": (lambda: HierBSPStrategy(superstep=1, max_staleness=0), "ddp"),
     "hier_pipeline": (lambda: HierPipelineStrategy(micro_batches=2), "auto"),
 }
 NON_FINITE_BATCHES = (2, 5)

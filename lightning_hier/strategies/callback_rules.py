@@ -14,7 +14,7 @@ help ``hier_sliced`` gives the fine-tuning callbacks it serves.
 - ``ModelPruning``, under ``hier_pipeline``: it masks parameters every process holds only part of, and
   rewrites every checkpoint's state dict with its masks, which fails on the other stages' empty tensors.
 
-Under ``hier_bsp`` off lockstep (``max_staleness`` > 0, ``superstep_seconds`` or ``fill_idle``) a
+Under ``hier_bsp`` off lockstep (``max_staleness`` > 0, a ``superstep`` duration or ``fill_idle``) a
 ``WeightAveraging`` is served with a warning: a worker goes on without waiting for the server's update
 of its step, so the model it averages at the end of a step trails ``ddp``'s by about a step (more with
 staleness), and workers take different numbers of steps. In lockstep (plain BSP) each worker takes the
@@ -84,7 +84,7 @@ def refuse_unsupported_callbacks(
                 f"{name} under hier_bsp off lockstep averages each worker's model at the end of its step, "
                 "before the server's update of that step has reached the worker (it goes on without "
                 "waiting), so the average trails ddp's by about a step, and workers take different numbers "
-                "of steps. Plain BSP (superstep_steps=1, max_staleness=0) averages the stepped model as ddp "
+                "of steps. Plain BSP (superstep=1, max_staleness=0) averages the stepped model as ddp "
                 "does; averaging at epoch ends (should_update on epoch_idx, or StochasticWeightAveraging) "
                 "sees the drained, current model."
             )

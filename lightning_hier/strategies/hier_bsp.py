@@ -2,6 +2,22 @@
 
 Lightning glue only: the worker loop, superstep control, server shards and shared-memory module are
 :class:`lightning_hier.bsp.engine.BSPEngine`.
+
+Tuning attributes, decided automatically (not arguments); tests and benchmarks may set them on a strategy
+before ``fit``:
+
+- ``_early_push``: in lockstep, push each gradient bucket of a worker's last micro-step of a superstep as
+  soon as its gradients are in, while backward goes on (DDP's overlap, on the parameter server), instead of
+  all after it. ``None`` (default): on with CUDA (and with ``bucketing="time"``), unless the LightningModule
+  or a callback overrides ``on_after_backward`` or ``on_before_optimizer_step`` (a hook that changes
+  gradients after backward would miss the buckets already pushed; a callback with
+  ``leaves_gradients_alone = True``, such as ``CommProfiler``, does not count); off on CPU, where the
+  pushes take the cores backward runs on. Ignored outside lockstep.
+- ``_share_batches``: workers take the epoch's batches from one shared counter instead of a fixed
+  ``1 / world_size`` each, so a faster worker trains on more of them and nobody idles at the epoch's end;
+  the train loader is then unsized (no total in the progress bar, ``trainer.estimated_stepping_batches``
+  is infinite; :mod:`lightning_hier.bsp.batch_claims`). ``None`` (default): on unless workers run in
+  lockstep.
 """
 
 from __future__ import annotations
@@ -34,9 +50,10 @@ from lightning_hier.bsp.liveness import new_run_key
 from lightning_hier.bsp.local_module import SuperstepRecord
 from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.bucketing.size_plan import BucketPlan
-from lightning_hier.bucketing.time_bucketing import validate_time_settings
+from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
 from lightning_hier.bucketing.time_plan import TimePlan
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
+from lightning_hier.strategies.ddp_arguments import warn_ignored_ddp_arguments
 from lightning_hier.strategies.host_layout import warn_if_nodes_span_hosts
 from lightning_hier.strategies.lightning_patches import (
     accumulating,
@@ -74,79 +91,39 @@ log = logging.getLogger(__name__)
 
 
 class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStrategy):
-    """Bulk-synchronous parameter server with asynchronous workers.
+    """Data-parallel training where workers never wait for each other: a bulk-synchronous parameter server.
 
-    Each worker (one process per device) trains on its own batches as fast as it can: after every
-    optimizer step's backward its gradients are folded into a local aggregate and it goes on with its
-    next batch, reading the newest model it has been given. A background thread per worker (the local
-    BSP module) does all communication: at each superstep it pushes the aggregate to the parameter
-    server, which is sharded over all ranks exactly like ``hier_sliced``'s optimizer (your
-    ``configure_optimizers`` optimizer steps there, each rank on its slice), and pulls the new model.
-    Gradients are weighted by micro-step counts, so a worker that did more steps counts more.
+    Each worker trains on its own batches as fast as it can and folds its gradients into a local aggregate;
+    a background thread pushes the aggregate to the parameter server (your optimizer, sharded over all
+    ranks like ``hier_sliced``'s) at each superstep and pulls the new model. ``superstep=1,
+    max_staleness=0`` is ``ddp``, step for step. See ``docs/hier_bsp.md``.
 
     Args:
-        superstep_steps: a superstep closes once the workers have folded this many optimizer steps each
-            on average (give ``None`` to use ``superstep_seconds``).
-        superstep_seconds: a superstep closes this many seconds after it opened (on global rank 0).
+        superstep: when a superstep closes: an ``int`` is a step count (the workers have folded that many
+            optimizer steps each, on average); a duration, ``"500ms"``, ``"2s"``, ``"1.5min"`` or a
+            ``datetime.timedelta``, is the time since it opened.
         max_staleness: no gradient is applied more than this many supersteps after the model it was
-            computed from; ``0`` with ``superstep_steps=1`` is Lightning's ``ddp``, step for step.
-        devices_per_node: devices joined by the fast link (``None``: the processes per host); the
-            server's slices are reduce-scattered inside a node and all-reduced across nodes. ``1``: every
-            rank holds the whole server (the optimizer state for the whole model, as under ``ddp``) and a
-            superstep is one all-reduce with no all-gather after the step; on one host with gloo, where
-            the push is an all-reduce anyway, that is the faster layout when memory allows (see
-            ``docs/hier_bsp.md``).
+            computed from.
+        devices_per_node: devices joined by the fast link (``None``: the processes per host). ``1``: every
+            rank holds the whole server, one all-reduce per superstep (the faster layout on one host).
         bucket_cap_mb: size of one flat gradient bucket.
-        log_supersteps: log each superstep's micro-steps per worker, staleness, push/pull seconds and
-            bytes to the trainer's loggers (global rank 0).
-        elementwise_optimizers: optimizer class names, beyond torch's elementwise ones, whose update
-            you vouch is elementwise (the server shards it by flat slices).
-        share_batches: workers take the epoch's batches from one shared counter instead of a fixed
-            ``1/world_size`` each, so a faster worker trains on more of them and nobody idles at the
-            epoch's end (``None``: on unless workers run in lockstep, i.e. with ``max_staleness=0``,
-            ``superstep_steps`` and no ``fill_idle``). The train loader is then unsized (the progress
-            bar shows no total, ``trainer.estimated_stepping_batches`` is infinite);
-            see ``lightning_hier.bsp.batch_claims``.
-        early_push: in plain BSP (``max_staleness=0`` with ``superstep_steps``), push each gradient
-            bucket of a worker's last micro-step of a superstep as soon as its gradients are in, while
-            backward goes on, instead of all after it (DDP's overlap, on the parameter server).
-            ``None`` (default): on there when training on CUDA, unless the LightningModule or a
-            callback overrides ``on_after_backward`` or ``on_before_optimizer_step`` (a hook that
-            changes gradients after backward would miss the buckets already pushed; a callback with
-            ``leaves_gradients_alone = True``, such as ``CommProfiler``, does not count); off on CPU,
-            where the pushes take the cores backward runs on (measured slower, docs/hier_bsp.md).
-            Ignored in other modes.
-        fill_idle: with ``max_staleness=0`` and ``superstep_steps``: a worker that has folded its
-            ``superstep_steps`` and would wait for a slower worker computes up to this many more
-            micro-steps from the same model, each if it expects to finish before that worker (from
-            recent step times). Gradients stay fresh and equally fast workers still fold the same
-            number, but a straggler no longer idles the others; workers then take different numbers
-            of steps (as with ``max_staleness >= 1``: shared batches, epoch-based length and
-            checkpoints).
-        bucketing: ``"size"`` (default): gradient buckets of up to ``bucket_cap_mb``. ``"time"``: in plain
-            BSP with early push (which it turns on where ``early_push`` is ``None``), the first
-            ``profile_steps`` micro-steps after ``profile_warmup_steps`` time when each gradient is ready;
-            the buckets are then rebuilt from those times, clustered as ``hier_sliced``'s time buckets
-            (at least ``min_bucket_mb``, at most ``bucket_cap_mb``), so each bucket goes out at a gap in
-            backward instead of when a size fills (seed 002's parameter-server variant; what goes in a
-            bucket is the plan's, when it goes is the early push's).
-        profile_steps: micro-steps timed for ``bucketing="time"``.
-        profile_warmup_steps: micro-steps skipped before timing (the first is slowed by lazy set-up).
-        min_bucket_mb: smallest time bucket; smaller clusters join the next.
-        gradient_average: ``"folded"`` (default): the server steps with the mean gradient per micro-step
-            folded into the superstep. ``"nominal"``: the sum divided by ``superstep_steps x world_size``,
-            so each micro-step weighs what one worker's step weighs in ``ddp`` and a superstep that
-            holds more micro-steps (``fill_idle``) takes a proportionally larger step.
+        log_supersteps: log each superstep's micro-steps, staleness, push/pull seconds and bytes (rank 0).
+        elementwise_optimizers: class names of your optimizers whose update is elementwise, sharded like
+            torch's ``SGD`` and ``Adam``.
+        fill_idle: with ``max_staleness=0`` and a step count, a worker that would wait for a straggler
+            computes up to this many more micro-steps from the same model.
+        gradient_average: ``"folded"``: the server steps with the mean gradient per folded micro-step;
+            ``"nominal"``: the sum over ``superstep x world_size``, weighed as that many ``ddp`` steps.
+        bucketing: ``"size"``: buckets by ``bucket_cap_mb``. ``"time"`` or a
+            :class:`~lightning_hier.TimeBuckets`, in lockstep: buckets planned from profiled
+            gradient-ready times and pushed during backward (``docs/time_bucketing.md``).
 
-    Unless workers run in lockstep (``max_staleness=0`` with ``superstep_steps`` and no ``fill_idle``;
-    otherwise a faster worker takes more steps) workers run different numbers of steps: an epoch ends for
-    everyone when the first worker runs out of batches, ``max_steps`` counts the fastest worker's steps,
-    and checkpoints and validation happen at epoch ends. See ``docs/hier_bsp.md``.
+    Outside lockstep (``max_staleness=0`` with a step count and no ``fill_idle``) workers take different
+    numbers of steps: an epoch ends for everyone when the first worker runs out of batches, ``max_steps``
+    counts the fastest worker's, and validation and checkpoints happen at epoch ends.
 
-    The remaining arguments are Lightning's usual DDP plumbing. ``find_unused_parameters``,
-    ``static_graph`` and ``gradient_as_bucket_view`` are accepted so that a ``DDPStrategy(...)`` call or
-    config runs unchanged, and change nothing: no ``DistributedDataParallel`` wraps the model, and a
-    parameter without a gradient folds zeros.
+    The other arguments are ``DDPStrategy``'s. ``find_unused_parameters``, ``static_graph`` and
+    ``gradient_as_bucket_view`` change nothing and warn when set.
     """
 
     _runtime_state = {"topology": lambda: None, "engine": lambda: None}
@@ -155,21 +132,15 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
 
     def __init__(
         self,
-        superstep_steps: int | None = 4,
-        superstep_seconds: float | None = None,
+        superstep: int | str | timedelta = 4,
         max_staleness: int = 1,
         devices_per_node: int | None = None,
         bucket_cap_mb: float = 25.0,
         log_supersteps: bool = True,
         elementwise_optimizers: Sequence[str] = (),
-        share_batches: bool | None = None,
-        early_push: bool | None = None,
         fill_idle: int = 0,
         gradient_average: Literal["folded", "nominal"] = "folded",
-        bucketing: Literal["size", "time"] = "size",
-        profile_steps: int = 3,
-        profile_warmup_steps: int = 1,
-        min_bucket_mb: float = 1.0,
+        bucketing: Literal["size", "time"] | TimeBuckets = "size",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -182,15 +153,23 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
     ) -> None:
-        self.settings = BSPSettings(
-            superstep_steps, superstep_seconds, max_staleness, fill_idle, gradient_average
-        )
+        self.settings = BSPSettings(superstep, max_staleness, fill_idle, gradient_average)
         if devices_per_node is not None:
             validate_layout(devices_per_node, devices_per_node)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
-        _validate_bucketing(
-            self.settings, bucketing, early_push, profile_steps, profile_warmup_steps, min_bucket_mb
+        mode, time_buckets = resolve_bucketing(bucketing, modes=("size", "time"))
+        if mode == "time" and not self.settings.lockstep:
+            raise ValueError(
+                "bucketing='time' times the early push of plain BSP: it needs max_staleness=0 with a "
+                f"superstep of a step count and no fill_idle, got {self.settings}."
+            )
+        warn_ignored_ddp_arguments(
+            "HierBSPStrategy",
+            "a parameter without a gradient folds zeros.",
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
         )
         super().__init__(
             accelerator=accelerator,
@@ -206,12 +185,11 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.log_supersteps = log_supersteps
         self.elementwise_optimizers = tuple(elementwise_optimizers)
-        self.share_batches = not self.settings.lockstep if share_batches is None else bool(share_batches)
-        self.early_push = early_push
-        self.bucketing = bucketing
-        self.profile_steps = profile_steps
-        self.profile_warmup_steps = profile_warmup_steps
-        self.min_bucket_mb = float(min_bucket_mb)
+        self.bucketing = mode
+        self.time_buckets = time_buckets
+        # tuning attributes (module docstring)
+        self._early_push: bool | None = None
+        self._share_batches: bool | None = None
         self.time_plan: TimePlan | None = None  # the plan the buckets were rebuilt from, once profiled
         self._earlier_records: list[SuperstepRecord] = []  # of engines replaced by a rebuild
         self._claiming = False  # the train loader now in use draws from a ClaimingSampler
@@ -274,7 +252,8 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             )
         if trainer is None or self.settings.lockstep:
             return
-        mode, lockstep = self._uneven_mode(), "use max_staleness=0 with superstep_steps and no fill_idle"
+        mode = self._uneven_mode()
+        lockstep = "use max_staleness=0 with a superstep of a step count and no fill_idle"
         # max_steps: workers run different numbers of steps; the first to reach it ends the fit for all
         # (optimizer_step), so it counts the fastest worker's steps
         if trainer.val_check_interval != 1.0 or trainer.check_val_every_n_epoch is None:
@@ -296,7 +275,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             return f"max_staleness={self.settings.max_staleness}"
         if self.settings.fill_idle:
             return f"fill_idle={self.settings.fill_idle}"
-        return f"superstep_seconds={self.settings.superstep_seconds}"
+        return f"superstep={self.settings.superstep!r}"
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer) -> None:
@@ -344,12 +323,13 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         early_push = self._early_push_wanted()
         profile = None
         if self.bucketing == "time" and early_push:
-            profile = (self.profile_warmup_steps, self.profile_steps)
+            profile = (self.time_buckets.warmup_steps, self.time_buckets.profile_steps)
         elif self.bucketing == "time":
             rank_zero_warn(
                 "HierBSPStrategy(bucketing='time') keeps size buckets: a hook that may change gradients "
                 "after backward (on_after_backward or on_before_optimizer_step) rules out the early push "
-                "that time buckets are for; pass early_push=True if it does not."
+                "that time buckets are for. A callback that only reads gradients can say so with a class "
+                "attribute leaves_gradients_alone = True."
             )
         self._earlier_records, self.time_plan = [], None
         self.engine = self._new_engine(groups, early_push, profile=profile)
@@ -392,7 +372,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         plan, profile, self.time_plan = None, old.profile, None
         if not taking_in:
             cap = int(self.bucket_cap_mb * 1024 * 1024)
-            self.time_plan = old.time_plan(cap, int(self.min_bucket_mb * 1024 * 1024))
+            self.time_plan = old.time_plan(cap, int(self.time_buckets.min_bucket_mb * 1024 * 1024))
             plan, profile = self.time_plan.plan, None
         state = old.optimizer_state_dict()
         self._earlier_records += old.records
@@ -408,11 +388,16 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         """Every superstep of this fit so far (also those before a time-plan rebuild)."""
         return self._earlier_records + (self.engine.records if self.engine is not None else [])
 
+    @property
+    def share_batches(self) -> bool:
+        """Whether workers take the train batches from one shared counter (``_share_batches``, resolved)."""
+        return not self.settings.lockstep if self._share_batches is None else bool(self._share_batches)
+
     def _early_push_wanted(self) -> bool:
-        """``early_push``, with ``None`` resolved: on CUDA, unless user code may change gradients after
+        """``_early_push``, with ``None`` resolved: on CUDA, unless user code may change gradients after
         backward (a CPU run that builds its groups as on CUDA, for the device-rule audit, counts as CUDA)."""
-        if self.early_push is not None:
-            return self.early_push
+        if self._early_push is not None:
+            return self._early_push
         if self.root_device.type != "cuda" and not emulating_cuda() and self.bucketing != "time":
             return False
         module = self.lightning_module
@@ -448,13 +433,13 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         self._claiming = False
         estimate = trainer.estimated_stepping_batches
         rank_zero_warn(
-            "HierBSPStrategy keeps each worker's fixed share of the train batches for this fit "
-            "(share_batches=False): the train data was loaded before the strategy's setup, by reading "
+            "HierBSPStrategy keeps each worker's fixed share of the train batches for this fit instead of "
+            "sharing them: the train data was loaded before the strategy's setup, by reading "
             f"trainer.estimated_stepping_batches ({estimate}), and with shared batches "
             "a faster worker would take more steps than that estimate, running a schedule sized by it past "
             "its end. When the fastest workers finish their shares, a straggler's remaining batches of that "
-            "epoch are skipped instead of taken over. Pass share_batches=False to say so, or do not read the "
-            "estimate to keep sharing."
+            "epoch are skipped instead of taken over. To keep sharing, do not read the estimate before "
+            "the fit starts (in configure_optimizers or setup)."
         )
 
     def _note_train_data_loading(self, loading: bool) -> None:
@@ -463,7 +448,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         self._loading_train_data = loading
 
     def process_dataloader(self, dataloader: object) -> object:
-        """The train loader draws its batches from a :class:`ClaimingSampler` when ``share_batches``."""
+        """The train loader draws its batches from a :class:`ClaimingSampler` when batches are shared."""
         if not (self._loading_train_data and self._share_this_fit):
             return dataloader
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -473,7 +458,8 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             why_not = f"limit_train_batches={limit} needs a sized loader"
         if why_not is not None:
             rank_zero_warn(
-                f"HierBSPStrategy(share_batches=True) keeps the train loader's fixed shards: {why_not}."
+                "HierBSPStrategy keeps the train loader's fixed shards instead of sharing its batches: "
+                f"{why_not}."
             )
             self._claiming = False
             return dataloader
@@ -836,31 +822,6 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             cls,
             description="Bulk-synchronous parameter server (sharded like hier_sliced) with asynchronous "
             "workers that fold gradients into a local aggregate",
-        )
-
-
-def _validate_bucketing(
-    settings: BSPSettings,
-    bucketing: str,
-    early_push: bool | None,
-    profile_steps: int,
-    profile_warmup_steps: int,
-    min_bucket_mb: float,
-) -> None:
-    """``ValueError`` naming the setting, before any process group exists."""
-    if bucketing not in ("size", "time"):
-        raise ValueError(f"bucketing={bucketing!r} is not one of ['size', 'time'].")
-    validate_time_settings(bucketing, profile_steps, profile_warmup_steps, 1.0)
-    if not min_bucket_mb >= 0:
-        raise ValueError(f"min_bucket_mb must be >= 0, got {min_bucket_mb!r}.")
-    if bucketing == "time" and not settings.lockstep:
-        raise ValueError(
-            "bucketing='time' times the early push of plain BSP: it needs max_staleness=0 with "
-            "superstep_steps and no fill_idle."
-        )
-    if bucketing == "time" and early_push is False:
-        raise ValueError(
-            "bucketing='time' plans when buckets are pushed early: it needs early_push=True or None."
         )
 
 

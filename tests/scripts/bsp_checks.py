@@ -2,16 +2,16 @@
 
 ``bsp_checks.py OUT`` runs two scenarios and rank 0 writes their results as JSON:
 
-- ``plain``: ``superstep_steps=1, max_staleness=0`` with SGD + momentum; every rank also computes
+- ``plain``: ``superstep=1, max_staleness=0`` with SGD + momentum; every rank also computes
   what one process would get by averaging all four ranks' gradients each step (the data-parallel
   reference) and reports the largest relative difference of the final parameters.
-- ``straggler``: ``superstep_steps=2, max_staleness=1``; rank 3 sleeps after every micro-step so it
+- ``straggler``: ``superstep=2, max_staleness=1``; rank 3 sleeps after every micro-step so it
   runs at about a third of the others' speed; the workers stop when the first has done its steps.
   Reports the micro-steps each rank computed and the superstep records (micro-steps per worker,
   staleness), so the test can check that nothing was lost and the bound held.
-- ``timed``: the same with ``superstep_seconds=0.1, max_staleness=0`` (supersteps by the controller's
+- ``timed``: the same with ``superstep="0.1s", max_staleness=0`` (supersteps by the controller's
   clock; every gradient applied in the superstep right after its model).
-- ``fill``: ``superstep_steps=1, max_staleness=0, fill_idle=2, gradient_average="nominal"``, rank 3
+- ``fill``: ``superstep=1, max_staleness=0, fill_idle=2, gradient_average="nominal"``, rank 3
   three times slower, plain SGD on ``loss = sum of all parameters`` (every gradient is exactly 1): the
   final parameters must have moved by ``lr x micro-steps applied / 4``, the superstep records tell
   how the micro-steps were spread.
@@ -71,7 +71,7 @@ def engine_for(model: nn.Module, settings: BSPSettings, momentum: float = 0.9) -
 def plain(steps: int = 6) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    engine = engine_for(model, BSPSettings(superstep_steps=1, max_staleness=0))
+    engine = engine_for(model, BSPSettings(superstep=1, max_staleness=0))
     for step in range(steps):
         engine.begin_step()
         engine.zero_grad()
@@ -129,7 +129,7 @@ def straggler(
 ) -> dict:
     rank = dist.get_rank()
     model = make_model()
-    engine = engine_for(model, settings or BSPSettings(superstep_steps=2, max_staleness=1))
+    engine = engine_for(model, settings or BSPSettings(superstep=2, max_staleness=1))
     counts = run_uneven(engine, lambda step: loss_of(model, batch(rank, step)), steps, slow_rank, sleep_s)
     records = [r.to_dict() for r in engine.records]
     state = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -146,12 +146,12 @@ def straggler(
 def fill(steps: int = 24, slow_rank: int = 3, sleep_s: float = 0.03) -> dict:
     model = make_model()
     start = [p.detach().clone() for p in model.parameters()]
-    settings = BSPSettings(superstep_steps=1, max_staleness=0, fill_idle=2, gradient_average="nominal")
+    settings = BSPSettings(superstep=1, max_staleness=0, fill_idle=2, gradient_average="nominal")
     engine = engine_for(model, settings, momentum=0.0)
     unit_gradients = lambda step: sum(p.sum() for p in model.parameters())  # noqa: E731 - d/dp = 1 everywhere
     counts = run_uneven(engine, unit_gradients, steps, slow_rank, sleep_s)
     records = [r.to_dict() for r in engine.records]
-    # every element moved by the same amount: lr x (sum of 1-gradients) / (superstep_steps x world)
+    # every element moved by the same amount: lr x (sum of 1-gradients) / (superstep x world)
     moved = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(start, model.parameters())])
     engine.close()
     extremes = {"moved_min": moved.min().item(), "moved_max": moved.max().item()}
@@ -312,12 +312,12 @@ def handoff(settings: BSPSettings, early_push: bool, module_takes_over: bool = T
 
 def main(out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    timed = BSPSettings(superstep_steps=None, superstep_seconds=0.1, max_staleness=0)
+    timed = BSPSettings(superstep="0.1s", max_staleness=0)
     results = {"plain": plain(), "straggler": straggler(), "timed": straggler(steps=30, settings=timed)}
     results["fill"] = fill()
-    plain_bsp = BSPSettings(superstep_steps=1, max_staleness=0)
+    plain_bsp = BSPSettings(superstep=1, max_staleness=0)
     results["handoff_plain"] = handoff(plain_bsp, early_push=True)
-    results["handoff_straggler"] = handoff(BSPSettings(superstep_steps=2, max_staleness=1), early_push=False)
+    results["handoff_straggler"] = handoff(BSPSettings(superstep=2, max_staleness=1), early_push=False)
     results["handoff_broken"] = handoff(plain_bsp, early_push=True, module_takes_over=False)
     if dist.get_rank() == 0:
         with open(out, "w") as f:

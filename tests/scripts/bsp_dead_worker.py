@@ -37,7 +37,7 @@ class DieOnRank3(pl.Callback):
 def main() -> None:
     out = Path(sys.argv[1])
     strategy = HierBSPStrategy(
-        superstep_steps=1,
+        superstep=1,
         max_staleness=1,
         devices_per_node=2,
         bucket_cap_mb=0.002,

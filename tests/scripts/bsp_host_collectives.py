@@ -3,7 +3,7 @@ collectives between drains, with its groups built as on CUDA.
 
 ``bsp_host_collectives.py OUT SCENARIO`` writes ``OUT/rank<r>.json``:
 
-- ``lockstep_fit``: a lockstep fit (``max_staleness=0, superstep_steps=1``) whose ``training_step`` logs
+- ``lockstep_fit``: a lockstep fit (``max_staleness=0, superstep=1``) whose ``training_step`` logs
   ``(rank + 1) x (batch_idx + 1)`` with ``sync_dist=True`` and the default mean, reduces an integer with
   the default mean and a float with ``ReduceOp.AVG``, and meets in a barrier, a broadcast from rank 0
   and an ``all_gather``. The default group is ``"cuda:emulated_nccl,cpu:gloo"``, so Lightning's own
@@ -90,7 +90,7 @@ def lockstep_fit(out: Path) -> dict:
     dist.barrier = barriers  # Lightning's _sync_ddp calls torch.distributed.barrier by this name
     model = HostCollectivesInTraining(barriers)
     strategy = HierBSPStrategy(
-        superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002, timeout=timedelta(seconds=60)
+        superstep=1, max_staleness=0, bucket_cap_mb=0.002, timeout=timedelta(seconds=60)
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
@@ -112,7 +112,7 @@ def nccl_only_default(out: Path) -> dict:
     environment = LightningEnvironment()
     environment.set_world_size(world)
     environment.set_global_rank(rank)
-    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=0, cluster_environment=environment)
+    strategy = HierBSPStrategy(superstep=1, max_staleness=0, cluster_environment=environment)
     strategy.engine = SimpleNamespace(memory=SimpleNamespace(paused=False))  # between drains
     try:
         strategy.barrier("between drains")

@@ -2,19 +2,19 @@
 
 ``bsp_lightning_checks.py OUT_DIR`` runs two scenarios; rank 0 writes ``OUT_DIR/results.json``:
 
-- ``straggler``: ``superstep_steps=1, max_staleness=1``, rank 3 sleeps after every batch (about 4x
+- ``straggler``: ``superstep=1, max_staleness=1``, rank 3 sleeps after every batch (about 4x
   slower), two epochs, a CSVLogger in ``OUT_DIR/logs``. Each rank reports the optimizer steps it
   computed and the samples it trained on; the test reads the per-superstep metrics back from the CSV.
   Batches are shared (the default): the straggler should take fewer. ``fixed_shards``: the same with
-  ``share_batches=False`` (each worker its own quarter; an epoch ends for all when one runs out), and a
+  ``_share_batches=False`` (each worker its own quarter; an epoch ends for all when one runs out), and a
   validation loop with a ``sync_dist`` metric at every epoch end: a worker whose epoch ended with the
   others' must validate too, or the ranks' collectives do not pair up (hung before the fix).
-- ``timed``: ``superstep_seconds=0.05, max_staleness=0`` with the same straggler and validation: no
+- ``timed``: ``superstep="0.05s", max_staleness=0`` with the same straggler and validation: no
   gradient is ever stale, yet the fast workers fold more micro-steps per superstep than the straggler.
-- ``fill``: ``superstep_steps=1, max_staleness=0, fill_idle=1, gradient_average="nominal"``, the same
+- ``fill``: ``superstep=1, max_staleness=0, fill_idle=1, gradient_average="nominal"``, the same
   straggler (8x slower here, so a fast step fits in its wait) and validation: never stale, fast workers
   fold up to two micro-steps per superstep.
-- ``resume`` (and ``resume_time_buckets``, with ``bucketing="time"``): plain BSP (``superstep_steps=1,
+- ``resume`` (and ``resume_time_buckets``, with ``bucketing="time"``): plain BSP (``superstep=1,
   max_staleness=0``), Adam: two epochs in one run against
   one epoch, a checkpoint, and the second epoch resumed from it; also the checkpoint loaded into
   a bare module. ``resume_replicated_server``: the same with ``devices_per_node=1`` (every rank holds the
@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
-from models import EquivModel, loader  # noqa: E402
+from models import EquivModel, loader, tuned  # noqa: E402
 from train_equivalence import ValidatedModel, max_rel_diff  # noqa: E402
 
-from lightning_hier import HierBSPStrategy  # noqa: E402
+from lightning_hier import HierBSPStrategy, TimeBuckets  # noqa: E402
 
 
 class SlowRank(pl.Callback):
@@ -110,11 +110,11 @@ def straggler(
     pl.seed_everything(7, verbose=False)
     model = OneCycle() if one_cycle else Validated() if validate else EquivModel(optimizer="sgd")
     strategy = HierBSPStrategy(
-        **(settings or {"superstep_steps": 1, "max_staleness": 1}),
+        **(settings or {"superstep": 1, "max_staleness": 1}),
         devices_per_node=2,
         bucket_cap_mb=0.002,
-        share_batches=share_batches,
     )
+    tuned(strategy, _share_batches=share_batches)
     slow = SlowRank(3, 0.01, slow_factor)
     stop = [StopOneRank(*stop_rank_at)] if stop_rank_at else []
     run = trainer(
@@ -152,7 +152,7 @@ def rank_0_stops(out: Path, batch_idx: int, share_batches: bool | None = None) -
     within a minute, not at the job's end."""
     return straggler(
         out, share_batches=share_batches, validate=True, epochs=3, stop_rank_at=(0, batch_idx),
-        superstep_steps=1, max_staleness=1, timeout=timedelta(seconds=60),
+        superstep=1, max_staleness=1, timeout=timedelta(seconds=60),
     )  # fmt: skip
 
 
@@ -165,13 +165,13 @@ def resume(
 ) -> dict:
     # time buckets: each run profiles one micro-step and rebuilds its engine (the resumed one again,
     # after the checkpoint was loaded into size buckets)
-    timed = dict(bucketing="time", profile_steps=1, profile_warmup_steps=0, min_bucket_mb=0.0)
+    timed = dict(bucketing=TimeBuckets(profile_steps=1, warmup_steps=0, min_bucket_mb=0.0))
 
     def fit(epochs: int, ckpt: str | None = None) -> tuple[EquivModel, pl.Trainer]:
         pl.seed_everything(11, verbose=False)
         model = EquivModel(optimizer=optimizer, scheduler=scheduler)
         strategy = HierBSPStrategy(
-            superstep_steps=1, max_staleness=0, devices_per_node=devices_per_node, bucket_cap_mb=0.002,
+            superstep=1, max_staleness=0, devices_per_node=devices_per_node, bucket_cap_mb=0.002,
             **(timed if bucketing == "time" else {}),
         )  # fmt: skip
         run = trainer(strategy, out, max_epochs=epochs, logger=False, enable_checkpointing=False)
@@ -248,7 +248,7 @@ def decisions_running_free(out: Path) -> dict:
     the worker's own and the barrier does not wait (before: ``all=True`` read ``True`` as ``False``)."""
     pl.seed_everything(7, verbose=False)
     model = DecidingInTraining()
-    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
+    strategy = HierBSPStrategy(superstep=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
     run = trainer(strategy, out, max_epochs=1, callbacks=[SlowRank(3, 0.005)], logger=False)
     run.fit(model, train_dataloaders=loader(n=256))
     steps = [None] * dist.get_world_size()
@@ -262,7 +262,7 @@ def synced_in_lockstep(out: Path) -> dict:
     worker's own, and all_gather raised)."""
     pl.seed_everything(7, verbose=False)
     model = SyncedInTraining()
-    strategy = HierBSPStrategy(superstep_steps=2, max_staleness=0, devices_per_node=2, bucket_cap_mb=0.002)
+    strategy = HierBSPStrategy(superstep=2, max_staleness=0, devices_per_node=2, bucket_cap_mb=0.002)
     run = trainer(strategy, out, max_epochs=1, callbacks=[SlowRank(3, 0.005)], logger=False)
     run.fit(model, train_dataloaders=loader(n=256))
     return {
@@ -277,7 +277,7 @@ def synced_in_lockstep(out: Path) -> dict:
 def fast_dev_run(out: Path) -> dict:
     """Lightning's debugging run with the default, non-lockstep settings: 3 steps per worker."""
     model = Validated()
-    strategy = HierBSPStrategy(superstep_steps=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
+    strategy = HierBSPStrategy(superstep=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
     run = trainer(strategy, out, fast_dev_run=3)
     run.fit(model, train_dataloaders=loader(), val_dataloaders=loader(n=64))
     steps = [None] * dist.get_world_size()
@@ -294,12 +294,12 @@ def main() -> None:
         "straggler": straggler(out / "straggler"),
         "fixed_shards": straggler(out / "fixed", share_batches=False, validate=True),
         "timed": straggler(
-            out / "timed", validate=True, superstep_steps=None, superstep_seconds=0.05, max_staleness=0
+            out / "timed", validate=True, superstep="0.05s", max_staleness=0
         ),
         "fill": straggler(
             out / "fill",
             validate=True,
-            superstep_steps=1,
+            superstep=1,
             max_staleness=0,
             fill_idle=1,
             gradient_average="nominal",

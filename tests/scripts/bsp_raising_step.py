@@ -52,7 +52,7 @@ class RaisingModel(EquivModel):
 def main() -> None:
     out, who = Path(sys.argv[1]), sys.argv[2]
     strategy = HierBSPStrategy(
-        superstep_steps=1, max_staleness=1, devices_per_node=1, bucket_cap_mb=0.002,
+        superstep=1, max_staleness=1, devices_per_node=1, bucket_cap_mb=0.002,
         timeout=timedelta(seconds=120),
     )  # fmt: skip
     on_exception = ModelCheckpoint(

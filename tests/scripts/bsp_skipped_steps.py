@@ -41,7 +41,7 @@ def run(strategy) -> tuple[dict, int]:  # noqa: ANN001
 
 def main() -> None:
     reference, reference_steps = run("auto")
-    bsp, bsp_steps = run(HierBSPStrategy(superstep_steps=1, max_staleness=0))
+    bsp, bsp_steps = run(HierBSPStrategy(superstep=1, max_staleness=0))
     Path(sys.argv[1]).write_text(
         json.dumps({"steps": [reference_steps, bsp_steps], "max_rel_diff": max_rel_diff(reference, bsp)})
     )

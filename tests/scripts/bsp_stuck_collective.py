@@ -60,7 +60,7 @@ class StuckPush(pl.Callback):
 def main() -> None:
     out = Path(sys.argv[1])
     strategy = HierBSPStrategy(
-        superstep_steps=1, max_staleness=1, bucket_cap_mb=0.002, timeout=timedelta(seconds=TIMEOUT_S)
+        superstep=1, max_staleness=1, bucket_cap_mb=0.002, timeout=timedelta(seconds=TIMEOUT_S)
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,

@@ -111,7 +111,7 @@ def main() -> None:
 
     # the same optimizer on hier_bsp's whole-parameter server (devices_per_node=1, plain BSP), resumed
     def whole_server() -> HierBSPStrategy:
-        return HierBSPStrategy(devices_per_node=1, superstep_steps=1, max_staleness=0)
+        return HierBSPStrategy(devices_per_node=1, superstep=1, max_staleness=0)
 
     server_ckpt = str(scratch / "whole_server.ckpt")
     _, server_uninterrupted = fit(whole_server(), epochs=2, model=adafactor)

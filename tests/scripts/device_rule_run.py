@@ -117,9 +117,9 @@ def bsp(out: Path, max_staleness: int = 1, fill_idle: int = 0, bucketing: str = 
     # max_staleness=0 is plain BSP: there (on CUDA, as emulated here) buckets are pushed during backward;
     # with fill_idle workers take different step counts (shared batches, no early push); time buckets
     # rebuild the engine after one profiled micro-step
-    timed = dict(bucketing="time", profile_steps=1, profile_warmup_steps=0, min_bucket_mb=0.0)
+    timed = dict(bucketing=TimeBuckets(profile_steps=1, warmup_steps=0, min_bucket_mb=0.0))
     strategy = HierBSPStrategy(
-        superstep_steps=1, max_staleness=max_staleness, devices_per_node=2, bucket_cap_mb=0.002,
+        superstep=1, max_staleness=max_staleness, devices_per_node=2, bucket_cap_mb=0.002,
         fill_idle=fill_idle, gradient_average="nominal" if fill_idle else "folded",
         **(timed if bucketing == "time" else {}),
     )  # fmt: skip

@@ -81,30 +81,30 @@ PIPELINE = {
     "pipeline_timed_static_shapes": dict(activation_policy="keep", static_shapes=True),
 }
 HYBRID = {"hybrid_adagrad_16_mixed": "16-mixed", "hybrid_sgd_32": "32-true"}
-# plain BSP (superstep_steps=1, max_staleness=0) applies each step's gradients together: ddp's result
+# plain BSP (superstep=1, max_staleness=0) applies each step's gradients together: ddp's result
 BSP = {
-    "bsp_plain_sgd_early_push": (dict(optimizer="sgd"), dict(early_push=True), {}),
+    "bsp_plain_sgd_early_push": (dict(optimizer="sgd"), dict(_early_push=True), {}),
     "bsp_plain_adamw_clip_accumulate": (
         dict(optimizer="adamw_groups", scheduler=True),
         {},
         dict(gradient_clip_val=0.05, accumulate_grad_batches=2),
     ),
     "bsp_plain_bf16_mixed": (dict(optimizer="adam"), {}, dict(precision="bf16-mixed")),
-    "bsp_plain_time_buckets": (dict(optimizer="sgd"), dict(bucketing="time", profile_steps=2), {}),
+    "bsp_plain_time_buckets": (dict(optimizer="sgd"), dict(bucketing=TimeBuckets(profile_steps=2)), {}),
     # Adafactor's factored moments need whole parameters: the whole-parameter server (devices_per_node=1)
     "bsp_plain_adafactor_whole_server": (dict(optimizer="adafactor"), dict(devices_per_node=1), {}),
     # the worker's stream held back on the device: the local BSP module's own stream must wait for folds
-    "bsp_lagging_worker_stream": (dict(optimizer="adam"), dict(early_push=True), {}),
+    "bsp_lagging_worker_stream": (dict(optimizer="adam"), dict(_early_push=True), {}),
     # the same with the module's waits removed: must NOT match (the check above can fail on a GPU)
-    "bsp_lagging_unordered": (dict(optimizer="adam"), dict(early_push=True), {}),
+    "bsp_lagging_unordered": (dict(optimizer="adam"), dict(_early_push=True), {}),
     # four micro-steps per superstep in lockstep: ddp accumulating four batches
     "bsp_superstep4_lockstep": (
         dict(optimizer="adam"),
-        dict(superstep_steps=4),
+        dict(superstep=4),
         dict(accumulate_grad_batches=4),
     ),
 }
-# hier_bsp's defaults (superstep_steps=4, max_staleness=1): the worker runs ahead of the server, so no
+# hier_bsp's defaults (superstep=4, max_staleness=1): the worker runs ahead of the server, so no
 # reference run matches it; every micro-step computed must be applied, none staler than one superstep
 BSP_ASYNC = ("bsp_default_async",)
 NEGATIVE_CONTROLS = ("bsp_lagging_unordered",)
@@ -322,8 +322,8 @@ def hybrid(case: str) -> dict:
 
 def bsp(case: str) -> dict:
     model_kwargs, bsp_kwargs, trainer_kwargs = BSP[case]
-    contender = HierBSPStrategy(
-        **{"superstep_steps": 1, "max_staleness": 0, "bucket_cap_mb": 0.002, **bsp_kwargs}
+    contender = built(
+        HierBSPStrategy, **{"superstep": 1, "max_staleness": 0, "bucket_cap_mb": 0.002, **bsp_kwargs}
     )
     lagging = "lagging" in case
     unordered = (
@@ -389,7 +389,7 @@ def _profiled_strategy(case: str):  # noqa: ANN202
         return HierSlicedStrategy()
     if case == "profiler_hier_pipeline":
         return HierPipelineStrategy(stages=1, micro_batches=2)
-    return HierBSPStrategy(superstep_steps=1, max_staleness=0)
+    return HierBSPStrategy(superstep=1, max_staleness=0)
 
 
 def profiled(case: str) -> dict:

@@ -92,7 +92,7 @@ def main() -> None:
     }
 
     counts, (_, bsp) = twice(
-        lambda: HierBSPStrategy(superstep_steps=1, max_staleness=0, devices_per_node=2, timeout=TIMEOUT),
+        lambda: HierBSPStrategy(superstep=1, max_staleness=0, devices_per_node=2, timeout=TIMEOUT),
         EquivModel,
         loader,
     )

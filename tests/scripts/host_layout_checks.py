@@ -77,7 +77,7 @@ def main() -> None:
     socket.gethostname = lambda: host  # what the strategies read as this process's host
     results = {
         "hier_sliced": fit_dense(HierSlicedStrategy(devices_per_node=2)),
-        "hier_bsp": fit_dense(HierBSPStrategy(devices_per_node=2, superstep_steps=1, max_staleness=0)),
+        "hier_bsp": fit_dense(HierBSPStrategy(devices_per_node=2, superstep=1, max_staleness=0)),
         "hier_sliced_4_per_node": fit_dense(HierSlicedStrategy(devices_per_node=4)),
         "hybrid": fit_hybrid(),
     }

@@ -61,7 +61,7 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
     "ddp": lambda: "ddp",
     "ddp_user_shards": lambda: "ddp",
     "hier_sliced": lambda: HierSlicedStrategy(devices_per_node=2),
-    "hier_bsp": lambda: HierBSPStrategy(superstep_steps=1, max_staleness=0, devices_per_node=2),
+    "hier_bsp": lambda: HierBSPStrategy(superstep=1, max_staleness=0, devices_per_node=2),
     "hier_pipeline": lambda: HierPipelineStrategy(micro_batches=2, rebalance="never"),
 }
 SAMPLES, PER_RANK_BATCH = 64, 4

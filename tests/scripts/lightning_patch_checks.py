@@ -20,7 +20,7 @@ from lightning_hier import HierBSPStrategy, HierSlicedStrategy
 STRATEGIES = {
     "reference": lambda: "auto",
     "hier_sliced": HierSlicedStrategy,
-    "hier_bsp": lambda: HierBSPStrategy(superstep_steps=1, max_staleness=0),
+    "hier_bsp": lambda: HierBSPStrategy(superstep=1, max_staleness=0),
 }
 
 

@@ -25,7 +25,7 @@ from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStra
 
 STRATEGIES = {
     "hier_sliced": lambda: HierSlicedStrategy(devices_per_node=2, bucket_cap_mb=0.0005),
-    "hier_bsp": lambda: HierBSPStrategy(superstep_steps=1, max_staleness=0),
+    "hier_bsp": lambda: HierBSPStrategy(superstep=1, max_staleness=0),
     "hier_pipeline": lambda: HierPipelineStrategy(),
 }
 

@@ -40,7 +40,7 @@ from models import reported  # noqa: E402
 STRATEGIES = {
     "reference": lambda: "ddp",
     "hier_sliced": lambda: HierSlicedStrategy(devices_per_node=2),
-    "hier_bsp": lambda: HierBSPStrategy(superstep_steps=1, max_staleness=0, devices_per_node=2),
+    "hier_bsp": lambda: HierBSPStrategy(superstep=1, max_staleness=0, devices_per_node=2),
     "hier_pipeline": lambda: HierPipelineStrategy(micro_batches=2, rebalance="never"),
 }
 

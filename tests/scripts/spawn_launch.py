@@ -75,7 +75,7 @@ def make_strategy(name: str) -> pl.strategies.Strategy:
     if name == "hier_pipeline":
         return HierPipelineStrategy(start_method="spawn")
     if name == "hier_bsp":
-        return HierBSPStrategy(start_method="spawn", superstep_steps=1, max_staleness=0)
+        return HierBSPStrategy(start_method="spawn", superstep=1, max_staleness=0)
     raise ValueError(name)
 
 

@@ -24,7 +24,7 @@ STRATEGIES = {
     "ddp": lambda: "ddp_find_unused_parameters_true",  # quirks: an unused layer
     "hier_sliced": lambda: HierSlicedStrategy(bucket_cap_mb=0.002),
     # plain BSP (lockstep): one superstep per step is ddp's synchronous SGD
-    "hier_bsp": lambda: HierBSPStrategy(superstep_steps=1, max_staleness=0, bucket_cap_mb=0.002),
+    "hier_bsp": lambda: HierBSPStrategy(superstep=1, max_staleness=0, bucket_cap_mb=0.002),
 }
 
 
