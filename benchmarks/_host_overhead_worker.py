@@ -60,7 +60,7 @@ def make_strategy(name: str) -> Any:
     if name == "hier_bsp":  # plain BSP: one superstep per step, never stale
         return HierBSPStrategy(devices_per_node=1, superstep=1, max_staleness=0)
     if name == "hier_pipeline":  # one stage, the whole batch as one micro-batch
-        return HierPipelineStrategy(stages=1, micro_batches=1, rebalance="never")
+        return HierPipelineStrategy(micro_batches=1, rebalance="never")
     return "ddp"
 
 

@@ -51,7 +51,6 @@ def fit_once(config: dict[str, Any], mode: str, device: torch.device) -> float:
     else:
         batch, per_step, extra = config["batch_size"], 1, {}
         strategy = HierPipelineStrategy(
-            stages=1,
             micro_batches=micro,
             # pipeline_timed: the default rebalance="epoch", so one micro-batch per step is timed per layer
             rebalance="epoch" if mode == "pipeline_timed" else "never",

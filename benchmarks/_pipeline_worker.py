@@ -269,8 +269,8 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
         partition="uniform",
         rebalance=every,
         static_shapes=c.get("static_shapes", False),
-        split_backward=c.get("split_backward", False),
     )
+    strategy._split_backward = c.get("split_backward", False)  # a tuning attribute
     timer = HierWindow(strategy, c, Window(steps, job_dir))
     max_steps = c["max_settle_steps"] + steps + c["warmup"] + 10
     model, batches = skewed_mlp(), make_batches(c["batch_size"])

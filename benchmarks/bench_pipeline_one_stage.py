@@ -7,7 +7,7 @@ samples in ``--micro-batches`` micro-batches:
 
 - ``single``: Lightning's single-device strategy, ``accumulate_grad_batches=M`` on batches of B / M (the
   same matrix shapes and summation order as the pipeline's micro-batches);
-- ``pipeline``: ``HierPipelineStrategy(stages=1, micro_batches=M, rebalance="never")`` on batches of B;
+- ``pipeline``: ``HierPipelineStrategy(micro_batches=M, rebalance="never")`` on batches of B;
 - ``pipeline_static``: the same with ``static_shapes=True``;
 - ``pipeline_timed``: the same with the default ``rebalance="epoch"``, which times one micro-batch per
   step per layer (CUDA events on a GPU).

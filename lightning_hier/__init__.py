@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.bucketing.time_bucketing import TimeBuckets
 from lightning_hier.callbacks import CommProfiler, GradientTimingProfiler, StageRebalancer
+from lightning_hier.pipeline.settings import Rebalance
 from lightning_hier.sliced.engine import HierSlicedEngine
 from lightning_hier.sliced.sharded_checkpoint import consolidate_sharded_checkpoint
 from lightning_hier.sliced.slicing import SlicePlan
@@ -35,6 +36,7 @@ __all__ = [
     "HierSlicedEngine",
     "HierSlicedStrategy",
     "HybridEmbedding",
+    "Rebalance",
     "SlicePlan",
     "StageRebalancer",
     "TimeBuckets",

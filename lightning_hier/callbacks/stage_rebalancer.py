@@ -1,7 +1,7 @@
-"""``StageRebalancer``: configure, watch and plot ``hier_pipeline``'s rebalancing.
+"""``StageRebalancer``: watch and plot ``hier_pipeline``'s rebalancing.
 
-Add it to the Trainer's callbacks with ``strategy="hier_pipeline"``. Settings given here
-(``rebalance``, ``imbalance_threshold``, ``memory_limit``, ...) override the strategy's. It
+Add it to the Trainer's callbacks with ``strategy="hier_pipeline"``. It only reports; the rebalancing is
+configured on the strategy (``rebalance``, ``memory_limit``, ...). It
 
 - logs at each rebalance check ``pipeline/stage_time_<s>`` (ms per micro-batch),
   ``pipeline/imbalance`` and, when the split changed, ``pipeline/migrated_layers``,
@@ -17,7 +17,6 @@ Add it to the Trainer's callbacks with ``strategy="hier_pipeline"``. Settings gi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -26,46 +25,22 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hier.pipeline.settings import PipelineSettings
 from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
 
 log = logging.getLogger(__name__)
 
 
 class StageRebalancer(Callback):
-    """Logs per-stage times, partitions, migrations and memory plans of ``hier_pipeline``.
+    """Logs per-stage times, partitions, migrations and memory plans of ``hier_pipeline`` and writes them
+    to ``pipeline_rebalance.json`` (and a figure). The rebalancing itself is configured on the strategy:
+    ``HierPipelineStrategy(rebalance=...)``. See ``docs/hier_pipeline.md``.
 
     Args:
-        rebalance, imbalance_threshold, balance_tolerance, memory_limit, swap_bandwidth,
-            profile_steps: when given, replace the strategy's setting of the same name.
         save_figure: draw ``pipeline_stage_times.png`` (needs matplotlib).
         output_dir: where files go; default the logger's directory.
     """
 
-    def __init__(
-        self,
-        rebalance: str | int | None = None,
-        imbalance_threshold: float | None = None,
-        balance_tolerance: float | None = None,
-        memory_limit: int | None = None,
-        swap_bandwidth: float | None = None,
-        profile_steps: int | None = None,
-        save_figure: bool = True,
-        output_dir: str | None = None,
-    ) -> None:
-        self.overrides = {
-            name: value
-            for name, value in (
-                ("rebalance", rebalance),
-                ("imbalance_threshold", imbalance_threshold),
-                ("balance_tolerance", balance_tolerance),
-                ("memory_limit", memory_limit),
-                ("swap_bandwidth", swap_bandwidth),
-                ("profile_steps", profile_steps),
-            )
-            if value is not None
-        }
-        dataclasses.replace(PipelineSettings(), **self.overrides)  # validates now, not at fit time
+    def __init__(self, save_figure: bool = True, output_dir: str | None = None) -> None:
         self.save_figure = save_figure
         self.output_dir = output_dir
         self._events_seen = 0
@@ -80,8 +55,6 @@ class StageRebalancer(Callback):
             raise ValueError(
                 f"StageRebalancer needs strategy='hier_pipeline', got {type(strategy).__name__}."
             )
-        if self.overrides:
-            strategy.settings = dataclasses.replace(strategy.settings, **self.overrides)
 
     def _directory(self, trainer: pl.Trainer) -> Path:
         # not trainer.log_dir: it broadcasts (a collective) and this runs on rank 0 only

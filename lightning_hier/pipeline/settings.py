@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.partition import StagePartition, partition_balanced, partition_uniform
@@ -14,9 +15,61 @@ PARTITION_MODES = ("parameters", "uniform", "time")
 ACTIVATION_POLICIES = ("auto", "keep", "swap", "recompute")
 
 
+def _finite_non_negative(value: object) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value >= 0  # type: ignore[arg-type,operator]
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """When ``hier_pipeline`` re-splits its stages from measured layer times, and how eagerly.
+
+    ``HierPipelineStrategy(rebalance=Rebalance(every=50, imbalance_threshold=0.2))``; in a LightningCLI
+    config ``rebalance: {class_path: lightning_hier.Rebalance, init_args: {every: 50}}``. See
+    ``docs/hier_pipeline.md`` (section "Rebalance").
+
+    Args:
+        every: ``"epoch"`` (check at each epoch's last step), ``"never"``, or check every N optimizer steps.
+        imbalance_threshold: re-split when ``(max - min) / mean`` of the stage times exceeds this.
+        balance_tolerance: splits whose slowest stage is within this fraction of the best one compete on
+            the bytes crossing stage boundaries (fewest wins).
+        min_gain: apply a new split only if its slowest stage is predicted at least this fraction faster
+            than the current slowest stage (no back-and-forth on measurement noise); in ``[0, 1)``.
+    """
+
+    every: Literal["epoch", "never"] | int = "epoch"
+    imbalance_threshold: float = 0.1
+    balance_tolerance: float = 0.02
+    min_gain: float = 0.05
+
+    def __post_init__(self) -> None:
+        every = self.every
+        if isinstance(every, bool) or not (
+            every in ("epoch", "never") or (isinstance(every, int) and every >= 1)
+        ):
+            raise ValueError(
+                f"Rebalance.every must be 'epoch', 'never' or a positive number of optimizer steps "
+                f"(rebalance=N), got {every!r}."
+            )
+        for name in ("imbalance_threshold", "balance_tolerance"):
+            value = getattr(self, name)
+            if not _finite_non_negative(value):
+                raise ValueError(f"Rebalance.{name} must be a finite number >= 0, got {value!r}.")
+        if not (_finite_non_negative(self.min_gain) and self.min_gain < 1):
+            raise ValueError(f"Rebalance.min_gain must be in [0, 1), got {self.min_gain!r}.")
+
+    @classmethod
+    def of(cls, value: Rebalance | str | int) -> Rebalance:
+        """``value`` as a ``Rebalance``: one as it is; ``"epoch"``, ``"never"`` or N as its ``every``."""
+        return value if isinstance(value, Rebalance) else cls(every=value)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class PipelineSettings:
-    """Everything ``HierPipelineStrategy`` is configured with; invalid values raise at construction."""
+    """Everything the pipeline engine reads, flat; invalid values raise at construction.
+
+    ``HierPipelineStrategy`` builds it from its arguments (the ``rebalance``, ``imbalance_threshold``,
+    ``balance_tolerance`` and ``min_rebalance_gain`` fields from a :class:`Rebalance`)."""
 
     stages: int | None = None
     micro_batches: int = 4
@@ -60,21 +113,7 @@ class PipelineSettings:
                 )
             if isinstance(items[0], int) and any(i < 1 for i in items):
                 raise ValueError(f"partition={items}: every stage needs at least one cluster.")
-        if isinstance(self.rebalance, str):
-            if self.rebalance not in ("epoch", "never"):
-                raise ValueError(
-                    f"rebalance={self.rebalance!r} is not 'epoch', 'never' or a positive number of steps."
-                )
-        elif not isinstance(self.rebalance, int) or self.rebalance < 1:
-            raise ValueError(
-                f"rebalance must be 'epoch', 'never' or a positive integer, got {self.rebalance!r}."
-            )
-        if not (self.imbalance_threshold >= 0 and math.isfinite(self.imbalance_threshold)):
-            raise ValueError(f"imbalance_threshold must be >= 0, got {self.imbalance_threshold!r}.")
-        if not (self.balance_tolerance >= 0 and math.isfinite(self.balance_tolerance)):
-            raise ValueError(f"balance_tolerance must be >= 0, got {self.balance_tolerance!r}.")
-        if not (0 <= self.min_rebalance_gain < 1):
-            raise ValueError(f"min_rebalance_gain must be in [0, 1), got {self.min_rebalance_gain!r}.")
+        self.rebalance_config()  # the rebalance family's checks, in one place
         if self.memory_limit is not None and (
             not isinstance(self.memory_limit, int) or self.memory_limit < 1
         ):
@@ -107,12 +146,21 @@ class PipelineSettings:
         if not isinstance(self.profile_steps, int) or self.profile_steps < 1:
             raise ValueError(f"profile_steps must be a positive integer, got {self.profile_steps!r}.")
 
+    def rebalance_config(self) -> Rebalance:
+        """The rebalance fields as the :class:`Rebalance` they came from."""
+        return Rebalance(
+            every=self.rebalance,  # type: ignore[arg-type]
+            imbalance_threshold=self.imbalance_threshold,
+            balance_tolerance=self.balance_tolerance,
+            min_gain=self.min_rebalance_gain,
+        )
+
     def check_world_size(self, world_size: int) -> None:
         """One stage per process (called before the process group exists)."""
         if self.stages is not None and self.stages != world_size:
             raise ValueError(
                 f"hier_pipeline runs one stage per process: stages={self.stages} but the Trainer launches "
-                f"{world_size} process(es) (devices x num_nodes); set devices so that they match."
+                f"{world_size} process(es) (devices x num_nodes); leave the deprecated `stages` out."
             )
         if not isinstance(self.partition, str):
             items = list(self.partition)

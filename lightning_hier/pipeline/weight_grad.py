@@ -222,7 +222,7 @@ class WeightGradients:
         """This stage runs plain backward passes until the next :meth:`watch`; a warning says ``why``."""
         self.usable = False
         self.counts.fell_back += 1
-        warnings.warn(f"hier_pipeline: {why} (split_backward=False silences this).", stacklevel=3)
+        warnings.warn(f"hier_pipeline: {why} (strategy._split_backward = False silences this).", stacklevel=3)
 
     def has_record(self, micro: int) -> bool:
         return micro in self._recorded

@@ -3,10 +3,23 @@
 A thin adapter: Lightning's DDP machinery launches the processes and makes the default group;
 :class:`lightning_hier.pipeline.engine.PipelineEngine` runs the stage. See ``docs/hier_pipeline.md``
 for the contract a LightningModule follows.
+
+Tuning attributes, automatic or off by default (not arguments); tests and benchmarks may set them on a
+strategy before ``fit``, and each is validated as it is set (``ValueError`` naming it):
+
+- ``_swap_bandwidth``: host-link bytes per second for the memory policy's swap cost; ``None`` (default)
+  measures it with one timed device-to-host copy.
+- ``_extra_warmup``: forwards a 1F1B stage runs before its first backward beyond ``stages - s``;
+  ``"auto"`` (default) decides at each rebalance check from the measured layer times, an integer gives
+  every stage but the last that many.
+- ``_split_backward``: ``True`` computes each drain micro-batch's input gradient first and its weight
+  gradients later (zero-bubble B/W split, ``pipeline/weight_grad.py``); experimental, off by default,
+  never together with a memory policy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -24,7 +37,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
@@ -35,7 +48,7 @@ from lightning_hier.pipeline.batching import input_signature, split_batch
 from lightning_hier.pipeline.delegation import as_forward
 from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
 from lightning_hier.pipeline.graph import LayerGraph
-from lightning_hier.pipeline.settings import PipelineSettings, initial_partition
+from lightning_hier.pipeline.settings import PipelineSettings, Rebalance, initial_partition
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.instance_hooks import InstanceHooks
 from lightning_hier.strategies.lightning_patches import (
@@ -114,77 +127,36 @@ def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
 class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStrategy):
     """Pipeline-parallel training whose stage split follows measured layer times.
 
-    The LightningModule's ``forward`` is traced (torch.fx) into layers, grouped into
-    single-entry/single-exit clusters and split into one stage per process. Each step runs
-    ``micro_batches`` micro-batches through the stages with a GPipe or 1F1B schedule. Every stage
-    times its layers; at each rebalance point the last stage compares stage times and, when
-    ``(max - min) / mean > imbalance_threshold``, computes a new split (slowest stage minimal;
-    among near-optimal splits, fewest bytes between stages) and the layers that change stage
-    migrate live with their parameters and optimizer state. With ``memory_limit`` each stage then
-    picks keep / swap-to-host / recompute per layer for its stashed activations.
+    Each process holds one stage: a contiguous part of the LightningModule's traced ``forward``. Every
+    step runs ``micro_batches`` micro-batches through the stages; the stages time their layers, and when
+    they drift apart the layers that change stage migrate live with their parameters and optimizer state.
+    With ``memory_limit`` each stage keeps, swaps to host or recomputes its stashed activations per layer.
+    Guide: ``docs/hier_pipeline.md``.
 
     Args:
-        stages: number of stages; ``None`` takes the number of processes (one stage each).
         micro_batches: micro-batches per step (the batch is split along dimension 0).
-        schedule: ``"1f1b"`` (one forward, one backward; stage ``s`` holds at most
-            ``stages - s`` micro-batches) or ``"gpipe"`` (all forwards, then all backwards).
-        partition: initial split: ``"parameters"`` (balance parameter counts), ``"uniform"``
-            (equal layer counts), ``"time"`` (start by parameters, then repartition from measured
-            times after ``profile_steps`` steps), a list of clusters per stage, or a list of layer
-            or module names at which stages 1..K-1 begin (a module: its first layer).
-        rebalance: ``"epoch"`` (check at each epoch's last step), ``"never"``, or an integer N
-            (check every N optimizer steps).
-        imbalance_threshold: repartition when ``(max - min) / mean`` of stage times exceeds this.
-        balance_tolerance: splits whose slowest stage is within this fraction of the best one
-            compete on bytes crossing stage boundaries.
-        min_rebalance_gain: a new split is applied only if its slowest stage is predicted to be
-            at least this fraction faster than the current slowest stage (no back-and-forth
-            between near-equal splits on measurement noise).
-        memory_limit: bytes of stashed activations (plus parameters, gradients and optimizer state)
-            a stage may hold; ``None`` keeps every activation.
-        swap_bandwidth: host-link bytes per second for the swap cost; ``None`` measures it.
-        profile_steps: steps measured before the first ``partition="time"`` split and before the
-            first memory plan.
-        leaf_modules: submodule names traced as one opaque layer (for code fx cannot trace).
-        activation_policy: ``"auto"`` (the memory policy above, when ``memory_limit`` is set), or
-            one policy for every layer: ``"keep"``, ``"swap"`` (all stashed activations to host
-            memory) or ``"recompute"`` (activation checkpointing of every layer).
-        static_shapes: what crosses a stage cut has the same shape and dtype whenever the micro-batch
-            has the same tensor shapes (as ``torch.distributed.pipelining`` assumes): each cut's
-            spec is then sent once per distinct micro-batch shape instead of ahead of every
-            activation (one small host message per micro-batch and cut saved), and on CPU each
-            stage posts the next activation's receive while it computes (6-8 % shorter steps on
-            the 2-core benchmark). A stage whose activation breaks the assumption raises naming
-            ``static_shapes``.
-        split_tied_parameters: layers that share a parameter (tied input and output embeddings, a module
-            called twice) may sit on different stages; each of those stages holds a replica, and their
-            gradients are summed over the stages before every optimizer step, so training equals one
-            process's. ``False`` keeps such layers on one stage (a language model whose output layer is
-            tied to its embedding then cannot be split at all).
-        extra_warmup: forwards a 1F1B stage runs before its first backward beyond 1F1B's ``stages - s``.
-            ``"auto"`` (default) decides at each rebalance check from the measured layer times: where a
-            stage is slower than the stages after it, one more warm-up forward lets it run the next
-            micro-batch instead of waiting for a gradient (0-4 % shorter steps on issue 14's skewed
-            stack, ``benchmarks/bench_pipeline_warmup.py``), at the cost of one more micro-batch's
-            activations on it and on the stages before it (on a GPU only where every stage's peak memory,
-            scaled by what it would hold, stays within 90 % of its device); nothing changes on balanced
-            stages, with ``rebalance="never"`` (no times), under a ``memory_limit`` or with
-            ``schedule="gpipe"``. An integer gives every stage but the last that many.
-        split_backward: every stage but the first computes a micro-batch's input gradient first, sends
-            it, and computes its weight gradients afterwards, while it waits for its next activation or
-            at the step's end (zero-bubble pipelines' B/W split, ``pipeline/weight_grad.py``): the
-            previous stage's wait for that gradient no longer includes the weight pass. Only the step's last
-            ``stages - 1`` micro-batches split (the drain, whose input gradients the previous stages
-            wait for with nothing else to do). Gradients are those of a plain backward, to the bit for
-            ``nn.Linear`` layers (the first split pass after each partition change is checked against
-            one; a model whose module reads a parameter outside its own call, or whose autograd refuses
-            ``torch.autograd.grad`` (a reentrant ``torch.utils.checkpoint``), falls back to plain passes
-            with a warning). It holds one more micro-batch's autograd graph until its weights' pass, and
-            recording the forward's module calls costs tens of microseconds per call: on the 2-core
-            benchmark host the split made the step 1-5 % faster in runs switching it every 5 steps
-            (docs/hier_pipeline.md), within what separate runs vary, and it has not run on a GPU yet, so
-            it is off by default. Never combined with a memory policy (``memory_limit``,
-            ``activation_policy``).
+        schedule: ``"1f1b"`` (one forward, one backward; less activation memory) or ``"gpipe"``.
+        partition: the initial split: ``"parameters"`` (balance parameter counts), ``"uniform"`` (equal
+            layer counts), ``"time"`` (re-split from measured times after ``profile_steps``), clusters per
+            stage (``[3, 5, 4]``) or the layer or module names where stages 1..K-1 begin.
+        rebalance: when to re-split from measured times: ``"epoch"``, ``"never"``, every N optimizer steps,
+            or a :class:`~lightning_hier.Rebalance` with the thresholds as well.
+        memory_limit: bytes a stage may hold (parameters, gradients, optimizer state, stashed activations);
+            ``None`` keeps every activation.
+        profile_steps: steps measured before the ``partition="time"`` split and the first memory plan.
+        leaf_modules: submodule names traced as one opaque layer (for code torch.fx cannot trace).
+        activation_policy: ``"auto"`` (the memory policy, with ``memory_limit``), or ``"keep"``, ``"swap"``
+            or ``"recompute"`` for every layer.
+        static_shapes: ``True`` promises that what crosses a stage cut has the same shape and dtype whenever
+            the micro-batch's tensors do; each cut's header is then sent once per shape. A stage seeing
+            otherwise raises naming this option.
+        split_tied_parameters: layers sharing a parameter (tied embeddings) may sit on different stages,
+            each holding a replica whose gradients are summed; ``False`` keeps them on one stage.
+        stages: deprecated; the stages are the processes (devices x num_nodes). A value equal to that
+            number warns, another one is an error.
+
+    The remaining arguments are ``DDPStrategy``'s. Tuning attributes (``_swap_bandwidth``,
+    ``_extra_warmup``, ``_split_backward``) are described in this module's docstring.
     """
 
     _runtime_state = {
@@ -198,23 +170,16 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
 
     def __init__(
         self,
-        stages: int | None = None,
         micro_batches: int = 4,
         schedule: Literal["1f1b", "gpipe"] = "1f1b",
         partition: str | Sequence[int] | Sequence[str] = "parameters",
-        rebalance: str | int = "epoch",
-        imbalance_threshold: float = 0.1,
-        balance_tolerance: float = 0.02,
-        min_rebalance_gain: float = 0.05,
+        rebalance: Literal["epoch", "never"] | int | Rebalance = "epoch",
         memory_limit: int | None = None,
-        swap_bandwidth: float | None = None,
         profile_steps: int = 3,
         leaf_modules: Sequence[str] = (),
         activation_policy: Literal["auto", "keep", "swap", "recompute"] = "auto",
         static_shapes: bool = False,
         split_tied_parameters: bool = True,
-        extra_warmup: int | Literal["auto"] = "auto",
-        split_backward: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -223,25 +188,31 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
+        stages: int | None = None,
     ) -> None:
+        if stages is not None:
+            rank_zero_deprecation(
+                f"HierPipelineStrategy(stages={stages!r}) is deprecated: hier_pipeline runs one stage per "
+                "process (devices x num_nodes), so leave `stages` out; a value other than that number is an "
+                "error."
+            )
+        plan = Rebalance.of(rebalance)
         self.settings = PipelineSettings(
             stages=stages,
             micro_batches=micro_batches,
             schedule=schedule,
             partition=partition,
-            rebalance=rebalance,
-            imbalance_threshold=imbalance_threshold,
-            balance_tolerance=balance_tolerance,
-            min_rebalance_gain=min_rebalance_gain,
+            rebalance=plan.every,
+            imbalance_threshold=plan.imbalance_threshold,
+            balance_tolerance=plan.balance_tolerance,
+            min_rebalance_gain=plan.min_gain,
             memory_limit=memory_limit,
-            swap_bandwidth=swap_bandwidth,
             profile_steps=profile_steps,
             leaf_modules=tuple(leaf_modules),
             activation_policy=activation_policy,
             static_shapes=static_shapes,
             split_tied_parameters=split_tied_parameters,
-            extra_warmup=extra_warmup,
-            split_backward=split_backward,
         )
         super().__init__(
             accelerator=accelerator,
@@ -265,6 +236,31 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         self._user_zero_grad: Callable[..., Any] = _skip_zero_grad
         self._metric_sync: StageMetricsSync | None = None
         self._zero_grad_hook = InstanceHooks()
+
+    # ------------------------------------------------------------------ tuning attributes (module docstring)
+    @property
+    def _swap_bandwidth(self) -> float | None:
+        return self.settings.swap_bandwidth
+
+    @_swap_bandwidth.setter
+    def _swap_bandwidth(self, value: float | None) -> None:
+        self.settings = dataclasses.replace(self.settings, swap_bandwidth=value)
+
+    @property
+    def _extra_warmup(self) -> int | str:
+        return self.settings.extra_warmup
+
+    @_extra_warmup.setter
+    def _extra_warmup(self, value: int | Literal["auto"]) -> None:
+        self.settings = dataclasses.replace(self.settings, extra_warmup=value)
+
+    @property
+    def _split_backward(self) -> bool:
+        return self.settings.split_backward
+
+    @_split_backward.setter
+    def _split_backward(self, value: bool) -> None:
+        self.settings = dataclasses.replace(self.settings, split_backward=value)
 
     # ------------------------------------------------------------------ environment
     def setup_distributed(self) -> None:

@@ -26,6 +26,7 @@ from lightning_hier import (  # noqa: E402
     HierBSPStrategy,
     HierPipelineStrategy,
     HierSlicedStrategy,
+    Rebalance,
     StageRebalancer,
     TimeBuckets,
 )
@@ -157,7 +158,7 @@ def pipeline_tied(out: Path) -> None:
     """A GPT-2-style model over 4 stages: the embedding's replicas on the first and the last stage sum
     their gradients over a group of their own (with clipping, rebalance checks every 2 steps)."""
     strategy = HierPipelineStrategy(
-        partition="uniform", rebalance=2, imbalance_threshold=0.01, min_rebalance_gain=0.0
+        partition="uniform", rebalance=Rebalance(every=2, imbalance_threshold=0.01, min_gain=0.0)
     )
     run = trainer(strategy, out, max_steps=6, gradient_clip_val=1.0)
     run.fit(TinyGPT(), token_loader())

@@ -264,7 +264,7 @@ def pipeline(case: str) -> dict:
     runs = (
         (SingleDeviceStrategy(device=device), dict(accumulate_grad_batches=4), 8),
         (SingleDeviceStrategy(device=device), {}, 32),
-        (HierPipelineStrategy(stages=1, micro_batches=4, rebalance="never", **PIPELINE[case]), {}, 32),
+        (HierPipelineStrategy(micro_batches=4, rebalance="never", **PIPELINE[case]), {}, 32),
     )
     synchronizes = [0]
     synchronize = torch.cuda.synchronize
@@ -388,7 +388,7 @@ def _profiled_strategy(case: str):  # noqa: ANN202
     if case == "profiler_hier_sliced":
         return HierSlicedStrategy()
     if case == "profiler_hier_pipeline":
-        return HierPipelineStrategy(stages=1, micro_batches=2)
+        return HierPipelineStrategy(micro_batches=2)
     return HierBSPStrategy(superstep=1, max_staleness=0)
 
 

@@ -33,13 +33,17 @@ from pipeline_models import (  # noqa: E402
 )
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_hier import HierPipelineStrategy, StageRebalancer  # noqa: E402
+from lightning_hier import HierPipelineStrategy, Rebalance, StageRebalancer  # noqa: E402
+
+# a check every 2 steps that re-splits on any predicted gain: the lopsided starts below must migrate
+EAGER = Rebalance(every=2, imbalance_threshold=0.01, min_gain=0.0)
 
 SCENARIOS: dict[str, dict] = {
     # 4 stages, a deliberately lopsided start (3 tiny stages, everything else on the last one)
     "rebalance_adam_1f1b": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(partition=[1, 1, 1, 17], rebalance=2, micro_batches=4, split_backward=True),
+        strategy=dict(partition=[1, 1, 1, 17], rebalance=2, micro_batches=4),
+        tuning=dict(_split_backward=True),
         # float64: Adam turns float32 summation-order noise (micro-batches vs one batch) into
         # 1e-4-relative differences on a few elements on some CPUs; in float64 that noise is gone and
         # any real error in migration still shows at full size
@@ -57,7 +61,8 @@ SCENARIOS: dict[str, dict] = {
     "tied_split_migrate": dict(
         model=dict(optimizer="adam"),
         model_class="twice",
-        strategy=dict(partition=[1, 1, 1, 28], rebalance=2, micro_batches=4, split_backward=True),
+        strategy=dict(partition=[1, 1, 1, 28], rebalance=2, micro_batches=4),
+        tuning=dict(_split_backward=True),
         trainer=dict(max_steps=8, precision="64-true", gradient_clip_val=0.5),
     ),
     # dropout on every stage, layers migrating every 2 steps, against the same pipeline on one stage
@@ -75,13 +80,13 @@ SCENARIOS: dict[str, dict] = {
         model=dict(optimizer="adamw"),
         model_class="gpt",
         # lopsided start (the last stage holds 7 of 9 clusters): the step-2 check must move blocks
-        strategy=dict(partition=[1, 1, 7], rebalance=2, imbalance_threshold=0.01, min_rebalance_gain=0.0),
+        strategy=dict(partition=[1, 1, 7], rebalance=EAGER),
         trainer=dict(max_steps=6, precision="64-true", gradient_clip_val=1.0),
     ),
     "dropout_migrate": dict(
         model=dict(optimizer="adam"),
         model_class="drop",
-        strategy=dict(partition="uniform", rebalance=2, imbalance_threshold=0.01, min_rebalance_gain=0.0),
+        strategy=dict(partition="uniform", rebalance=EAGER),
         trainer=dict(max_steps=6, precision="64-true"),
     ),
     "dropout_one_stage": dict(
@@ -100,9 +105,8 @@ SCENARIOS: dict[str, dict] = {
     ),
     "gpipe_sgd_clip_accumulate": dict(
         model=dict(optimizer="sgd"),
-        strategy=dict(
-            partition="uniform", schedule="gpipe", rebalance=3, micro_batches=3, split_backward=True
-        ),
+        strategy=dict(partition="uniform", schedule="gpipe", rebalance=3, micro_batches=3),
+        tuning=dict(_split_backward=True),
         trainer=dict(max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=2),
     ),
     "resume_first_2_stages": dict(
@@ -139,9 +143,8 @@ SCENARIOS: dict[str, dict] = {
     ),
     "memory_cap": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(
-            partition="uniform", rebalance="never", micro_batches=4, profile_steps=2, split_backward=True
-        ),
+        strategy=dict(partition="uniform", rebalance="never", micro_batches=4, profile_steps=2),
+        tuning=dict(_split_backward=True),
         trainer=dict(max_steps=5, precision="64-true"),  # float64: see rebalance_adam_1f1b
         memory_probe=True,
         rebalancer=True,
@@ -176,9 +179,8 @@ SCENARIOS: dict[str, dict] = {
     # surplus activations received ahead by the second, with cut specs remembered per shape
     "extra_warmup_static": dict(
         model=dict(optimizer="adam"),
-        strategy=dict(
-            partition=[12, 8], rebalance="never", micro_batches=4, static_shapes=True, extra_warmup=2
-        ),
+        strategy=dict(partition=[12, 8], rebalance="never", micro_batches=4, static_shapes=True),
+        tuning=dict(_extra_warmup=2),
         trainer=dict(max_epochs=2, precision="64-true"),
         batch_size=48,
     ),
@@ -281,7 +283,7 @@ SCENARIOS: dict[str, dict] = {
     "nano_gpt_migrate": dict(
         model=dict(optimizer="adamw"),
         model_class="nano_gpt",
-        strategy=dict(partition=[1, 8], rebalance=2, imbalance_threshold=0.01, min_rebalance_gain=0.0),
+        strategy=dict(partition=[1, 8], rebalance=EAGER),
         # float64: the key bias gets a zero gradient up to rounding, which Adam would scale up
         trainer=dict(max_steps=6, precision="64-true"),
     ),
@@ -599,6 +601,8 @@ def main() -> None:
     if spec.get("every_step_checkpoint"):
         callbacks.append(ModelCheckpoint(dirpath=workdir / "every", every_n_train_steps=1, save_last=True))
     strategy = HierPipelineStrategy(**spec["strategy"])
+    for name, value in spec.get("tuning", {}).items():  # the strategy's tuning attributes
+        setattr(strategy, name, value)
     tied_all_reduces = _count_tied_all_reduces(strategy)
     strategy.skip_flag_on_host = spec.get("skip_flag_on_host")
     trainer = pl.Trainer(
