@@ -851,7 +851,7 @@ def test_boolean_decisions_of_free_running_workers_stay_their_own(lightning_resu
 
 def test_fast_dev_run_trains_its_steps_on_every_worker(lightning_results: dict) -> None:
     """fast_dev_run sets max_steps, which non-lockstep settings refuse; its batches are as few, so every
-    worker runs exactly that many steps (before 2026-11-26: refused with a max_steps error)."""
+    worker runs exactly that many steps (not a max_steps refusal)."""
     result = lightning_results["fast_dev_run"]
     assert result["computed"] == [3, 3, 3, 3]
     assert result["same_model_everywhere"]

@@ -139,7 +139,7 @@ def test_manual_optimization_matches_single_device_strategy(single_results: dict
     result = single_results[f"manual_{variant}"]
     assert result["strategies"] == ["SingleDeviceStrategy", "HierSlicedStrategy"]
     assert result["steps_run"][0] == result["steps_run"][1] > 0
-    # optimizer.zero_grad() unsets every .grad, as torch's does (before 2026-11-27: zero views were left)
+    # optimizer.zero_grad() unsets every .grad, as torch's does (no zeroed views left behind)
     reference, hier = result["grads_unset"]
     assert hier == reference and reference.count(True) > 1, result["grads_unset"]
     assert result["reference_moved"] > 1e-3
