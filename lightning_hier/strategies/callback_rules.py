@@ -24,7 +24,6 @@ stepped model before ``on_train_batch_end``, as ``ddp`` has it. Averaging at epo
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -35,7 +34,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_hier.sliced.engine import HierSlicedEngine, take_in_new_parameters
-from lightning_hier.strategies.lightning_patches import attached_trainer
+from lightning_hier.strategies.lightning_patches import (
+    attached_trainer,
+    restore_finetuning_hooks,
+    run_finetuning_hooks_in,
+)
 
 try:
     from lightning.pytorch.callbacks import WeightAveraging
@@ -90,30 +93,6 @@ def refuse_unsupported_callbacks(
             )
 
 
-# BaseFinetuning's hooks that read or change the optimizer's param groups by parameter
-FINETUNING_HOOKS = ("on_fit_start", "on_train_epoch_start")
-_ABSENT = object()
-
-
-class _InUserView:
-    """A callback's hook run by ``runner(hook, *args, **kwargs)`` for one run; ``previous`` is the callback's
-    own instance attribute it stands in for, if any. Pickles as the hook alone."""
-
-    def __init__(self, hook: Callable[..., Any], runner: Callable[..., Any], previous: Any) -> None:
-        functools.update_wrapper(self, hook)  # Lightning's is_overridden follows __wrapped__
-        self.hook, self.runner, self.previous = hook, runner, previous
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.runner(self.hook, *args, **kwargs)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_itself, (self.hook,))
-
-
-def _itself(hook: Callable[..., Any]) -> Callable[..., Any]:
-    return hook
-
-
 def show_user_param_groups(
     callbacks: Sequence[pl.Callback], engines: Callable[[], Sequence[HierSlicedEngine]]
 ) -> None:
@@ -132,24 +111,9 @@ def show_user_param_groups(
         take_in_new_parameters(running)
         return result
 
-    for callback in callbacks:
-        if not isinstance(callback, BaseFinetuning):
-            continue
-        for name in FINETUNING_HOOKS:
-            if isinstance(callback.__dict__.get(name), _InUserView):
-                continue
-            previous = callback.__dict__.get(name, _ABSENT)
-            setattr(callback, name, _InUserView(getattr(callback, name), run, previous))
+    run_finetuning_hooks_in(callbacks, run)
 
 
 def stop_showing_user_param_groups(module: pl.LightningModule | None) -> None:
     """Give the callbacks of ``module``'s trainer their own hooks back."""
-    trainer = attached_trainer(module)
-    for callback in trainer.callbacks if trainer is not None else ():
-        for name in FINETUNING_HOOKS:
-            hook = callback.__dict__.get(name)
-            if isinstance(hook, _InUserView):
-                if hook.previous is _ABSENT:
-                    del callback.__dict__[name]
-                else:
-                    callback.__dict__[name] = hook.previous
+    restore_finetuning_hooks(attached_trainer(module))

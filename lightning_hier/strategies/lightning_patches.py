@@ -19,6 +19,7 @@ Lightning; CI runs it with the oldest and the newest release of the range.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -60,7 +61,7 @@ check_lightning_version()
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.core.optimizer import _MockOptimizer  # noqa: E402
 from lightning.pytorch.loops.optimization.automatic import ClosureResult  # noqa: E402
 from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: E402
@@ -451,6 +452,59 @@ def clear_predictions(trainer: pl.Trainer) -> None:
         predictions.clear()
     for indices in loop.epoch_batch_indices:
         indices.clear()
+
+
+# ---------------------------------------------------------------------- callbacks
+# BaseFinetuning's hooks that look parameters up in the optimizers' param groups and add groups there
+FINETUNING_HOOKS = ("on_fit_start", "on_train_epoch_start")
+_ABSENT = object()
+
+
+class _RunIn:
+    """A callback's hook run by ``runner(hook, *args, **kwargs)`` for one run; ``previous`` is the callback's
+    own instance attribute it stands in for, if any. Pickles as the hook alone."""
+
+    def __init__(self, hook: Callable[..., Any], runner: Callable[..., Any], previous: Any) -> None:
+        functools.update_wrapper(self, hook)  # Lightning's is_overridden follows __wrapped__
+        self.hook, self.runner, self.previous = hook, runner, previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runner(self.hook, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_itself, (self.hook,))
+
+
+def _itself(hook: Callable[..., Any]) -> Callable[..., Any]:
+    return hook
+
+
+def run_finetuning_hooks_in(callbacks: Sequence[pl.Callback], runner: Callable[..., Any]) -> None:
+    """Replace the :data:`FINETUNING_HOOKS` of every ``BaseFinetuning`` among ``callbacks`` for the run by
+    ``runner(hook, *args, **kwargs)``: those hooks find parameters in the optimizers' param groups (by name
+    for their checkpoint state, by value to skip ones already there) and add groups with what they
+    unfreeze, so a strategy whose param groups hold flat slices runs them with the module's parameters in
+    view and takes in what they added. :func:`restore_finetuning_hooks` gives the callbacks theirs back."""
+    for callback in callbacks:
+        if not isinstance(callback, BaseFinetuning):
+            continue
+        for name in FINETUNING_HOOKS:
+            if isinstance(callback.__dict__.get(name), _RunIn):
+                continue
+            previous = callback.__dict__.get(name, _ABSENT)
+            setattr(callback, name, _RunIn(getattr(callback, name), runner, previous))
+
+
+def restore_finetuning_hooks(trainer: pl.Trainer | None) -> None:
+    """The callbacks of ``trainer`` run their own hooks again (a user's instance attribute is put back)."""
+    for callback in trainer.callbacks if trainer is not None else ():
+        for name in FINETUNING_HOOKS:
+            hook = callback.__dict__.get(name)
+            if isinstance(hook, _RunIn):
+                if hook.previous is _ABSENT:
+                    _unset(callback, name)
+                else:
+                    callback.__dict__[name] = hook.previous
 
 
 # ---------------------------------------------------------------------- logging
