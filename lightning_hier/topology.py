@@ -25,7 +25,7 @@ group, by the user or at exit) the next request starts a fresh registry on the n
 it every group here, at interpreter exit. A group built without a timeout gets the default group's, so
 the strategy's ``timeout`` reaches every group and a stuck NCCL collective is ended after it.
 
-**The device rule** (DESIGN principle 7). NCCL refuses CPU tensors, and some data here lives on the
+**The device rule**. NCCL refuses CPU tensors, and some data here lives on the
 host by design (control flags and plans, node-shared embedding tables). So every group the package
 issues a collective on has a CPU backend: on CUDA the strategies create the default group as
 ``"cuda:nccl,cpu:gloo"`` (:func:`resolve_backend`) and :meth:`Topology.build_groups` builds

@@ -1,4 +1,4 @@
-"""The device rule and one issuing order (DESIGN principle 7), proved on CPU.
+"""The device rule and one issuing order, proved on CPU.
 
 Every strategy runs on 4 gloo processes with its groups built exactly as on CUDA (an emulated
 NCCL registered for the ``cuda`` device type: a group without a CPU backend refuses CPU tensors

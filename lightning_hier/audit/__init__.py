@@ -1,4 +1,4 @@
-"""Proof on CPU that every collective would be legal and deadlock-free under NCCL (DESIGN principle 7).
+"""Proof on CPU that every collective would be legal and deadlock-free under NCCL.
 
 Entry point: :class:`CollectiveAudit` (or the environment variables below, for whole runs).
 

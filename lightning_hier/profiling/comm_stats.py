@@ -14,7 +14,7 @@ operation, not the broadcasts it is made of). Every operation becomes a :class:`
 - **active interval**: from the call to completion. A blocking call completes when it returns; an
   asynchronous one (``async_op=True``, ``isend``, ``batch_isend_irecv``) when its future completes
   (host clock) or, for CUDA tensors, when the training thread waits on it (CUDA events on the
-  current stream of the tensors' device, DESIGN principle 7).
+  current stream of the tensors' device, the device rule).
 - **blocked intervals** of the training thread (the thread that called :meth:`start`): inside a
   blocking call, inside ``Work.wait``, inside a method registered with :meth:`watch`, or a span
   given to :meth:`mark_blocked` (DDP's wait at the end of backward, which happens in C++).

@@ -9,7 +9,7 @@ read next (the next forward, a checkpoint, an export).
 
 The jobs run strictly in submission order, and they issue collectives only on the groups the tables
 were given for the exchange (built for this thread alone, so one thread issues on each group in one
-order on every rank, DESIGN principle 7). A job's exception is raised again by :meth:`TableJobs.wait`
+order on every rank, the device rule). A job's exception is raised again by :meth:`TableJobs.wait`
 in the thread that waits, so a peer lost during an exchange ends training with the collective's error.
 """
 
