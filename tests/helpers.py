@@ -22,6 +22,18 @@ import torch.multiprocessing as mp
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
+# Lightning's DDPStrategy plumbing, which the package's strategies pass through unchanged
+DDP_PLUMBING = {
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "start_method",
+}
+
 
 # imported once in multiprocessing's forkserver; every test process is forked from it. lightning_hier is left
 # out: importing it takes a third of a second, and each process then starts from the package's code as it is

@@ -6,20 +6,10 @@ import inspect
 import warnings
 
 import pytest
+from helpers import DDP_PLUMBING
 
 from lightning_hier import HierBSPStrategy, HierSlicedStrategy
 
-# Lightning's DDPStrategy plumbing, passed through unchanged
-DDP_PLUMBING = {
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    "process_group_backend",
-    "timeout",
-    "start_method",
-}
 IGNORED_DDP = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
 STRATEGIES = [
     pytest.param(HierSlicedStrategy, id="hier_sliced"),

@@ -15,23 +15,12 @@ import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
 import yaml
+from helpers import DDP_PLUMBING
 from lightning.pytorch.cli import LightningCLI
 from scripts.models import EquivModel, loader
 
 from lightning_hier import HierPipelineStrategy, Rebalance, StageRebalancer
 from lightning_hier.pipeline.settings import PipelineSettings
-
-# DDPStrategy's arguments, passed through unchanged
-DDP_PLUMBING = {
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    "process_group_backend",
-    "timeout",
-    "start_method",
-}
 
 
 def test_the_strategy_has_at_most_twelve_options_of_its_own() -> None:
