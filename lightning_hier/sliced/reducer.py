@@ -157,8 +157,11 @@ class HierarchicalReducer:
         raise NotImplementedError
 
     def wait(self, job: ReduceJob) -> torch.Tensor:
-        """Until ``job`` is fully reduced (on CUDA: until the current stream is ordered after it)."""
-        raise NotImplementedError
+        """Until ``job`` is fully reduced (on CUDA: until the current stream is ordered after it); re-raises
+        a communication error of the threaded reducer."""
+        self._finish(job)
+        self.stream.join(job.done_event)
+        return job.out
 
     def wait_all(
         self, jobs: Sequence[ReduceJob], then: Callable[[int, ReduceJob], None] | None = None
@@ -265,11 +268,6 @@ class InlineReducer(HierarchicalReducer):
         job.scatter_done.set()
         return job
 
-    def wait(self, job: ReduceJob) -> torch.Tensor:
-        self._finish(job)
-        self.stream.join(job.done_event)
-        return job.out
-
     def _finish(self, job: ReduceJob) -> None:
         for work in job.works:
             work.wait()
@@ -327,13 +325,6 @@ class ThreadedReducer(HierarchicalReducer):
             self._thread.start()
         self._jobs.put(job)
         return job
-
-    def wait(self, job: ReduceJob) -> torch.Tensor:
-        """Block until ``job`` is fully reduced (on CUDA: issued, and the current stream ordered after it);
-        re-raises a communication error from the thread."""
-        self._finish(job)
-        self.stream.join(job.done_event)
-        return job.out
 
     def _finish(self, job: ReduceJob) -> None:
         job.scatter_done.wait()
