@@ -1,5 +1,26 @@
+import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_process_state():
+    """Each test starts from the environment and process-group state the previous one found: tests that
+    run Lightning in pytest's own process leave ``MASTER_PORT``, ``LOCAL_RANK`` and a default process group
+    behind, which would make a later test reuse a port or meet an initialised group."""
+    environ = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    import torch.distributed as dist
+
+    from lightning_hier.topology import forget_groups
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    forget_groups()

@@ -34,7 +34,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -43,7 +42,6 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_hier.audit import start_from_env
 from lightning_hier.bsp.batch_claims import ClaimingSampler, why_not_claimed
 from lightning_hier.bsp.engine import BSPEngine
 from lightning_hier.bsp.liveness import new_run_key
@@ -52,9 +50,8 @@ from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
 from lightning_hier.bucketing.time_plan import TimePlan
+from lightning_hier.strategies.base import HierStrategy, ddp_arguments
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
-from lightning_hier.strategies.ddp_arguments import warn_ignored_ddp_arguments
-from lightning_hier.strategies.host_layout import warn_if_nodes_span_hosts
 from lightning_hier.strategies.lightning_patches import (
     accumulating,
     agree_after_epoch_end,
@@ -65,7 +62,6 @@ from lightning_hier.strategies.lightning_patches import (
     layer_sync,
     mark_train_data_loading,
     optimizers_to_device,
-    requested_backend,
     restore_epoch_end,
     restore_sigterm_broadcast,
     restore_validation_check,
@@ -82,15 +78,12 @@ from lightning_hier.strategies.lightning_patches import (
     with_train_sampler,
     without_optimizer,
 )
-from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
-from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
-from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
-from lightning_hier.topology import Topology, control_group, emulating_cuda, resolve_backend, validate_layout
+from lightning_hier.topology import Topology, control_group, emulating_cuda, validate_layout
 
 log = logging.getLogger(__name__)
 
 
-class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStrategy):
+class HierBSPStrategy(HierStrategy):
     """Data-parallel training where workers never wait for each other: a bulk-synchronous parameter server.
 
     Each worker trains on its own batches as fast as it can and folds its gradients into a local aggregate;
@@ -129,6 +122,11 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
     _runtime_state = {"topology": lambda: None, "engine": lambda: None}
 
     strategy_name = "hier_bsp"
+    strategy_description = (
+        "Bulk-synchronous parameter server (sharded like hier_sliced) with asynchronous workers that fold "
+        "gradients into a local aggregate"
+    )
+    ignored_ddp_reason = "a parameter without a gradient folds zeros."
 
     def __init__(
         self,
@@ -164,23 +162,7 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
                 "bucketing='time' times the early push of plain BSP: it needs max_staleness=0 with a "
                 f"superstep of a step count and no fill_idle, got {self.settings}."
             )
-        warn_ignored_ddp_arguments(
-            "HierBSPStrategy",
-            "a parameter without a gradient folds zeros.",
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-        )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(**ddp_arguments(locals()))
         self.devices_per_node = devices_per_node
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.log_supersteps = log_supersteps
@@ -206,25 +188,8 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
         self._logged = 0
 
     # ------------------------------------------------------------------ environment
-    def setup_distributed(self) -> None:
-        self._validate_run()  # before the process group (and so before any collective) exists
-        world_size = self.num_nodes * self.num_processes
-        Topology.from_world(world_size, 0, self.devices_per_node, self.num_processes)
-        start_from_env()  # the emulated backend and the audit where the environment asks for them
-        super().setup_distributed()
-        destroy_process_group_at_exit()
-        # every rank here, with the strategy's timeout: the host collectives between drains go over it,
-        # and a default group without a CPU backend (process_group_backend="nccl") gets one beside it
-        control_group(ddp_timeout(self))
-        self.topology = Topology.from_world(
-            world_size, self.global_rank, self.devices_per_node, self.num_processes
-        )
-        warn_if_nodes_span_hosts(self.topology, "hier_bsp")
-
-    def _get_process_group_backend(self) -> str:
-        return resolve_backend(self.root_device, requested_backend(self))
-
-    def _validate_run(self) -> None:
+    def _validate_before_process_group(self) -> None:
+        Topology.from_world(self.planned_world_size, 0, self.devices_per_node, self.num_processes)
         module = self.lightning_module
         if module is None:
             return
@@ -268,6 +233,15 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
                     f"workers reach a step number at different times; save per epoch (every_n_epochs) or "
                     f"{lockstep}."
                 )
+
+    def _after_process_group(self) -> None:
+        # every rank here, with the strategy's timeout: the host collectives between drains go over it,
+        # and a default group without a CPU backend (process_group_backend="nccl") gets one beside it
+        control_group(ddp_timeout(self))
+        self.topology = Topology.from_world(
+            self.planned_world_size, self.global_rank, self.devices_per_node, self.num_processes
+        )
+        self._warn_if_nodes_span_hosts(self.topology)
 
     def _uneven_mode(self) -> str:
         """The setting that lets workers take different numbers of steps, for error messages."""
@@ -814,15 +788,6 @@ class HierBSPStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStr
             restore_epoch_end(trainer)
             unmark_train_data_loading(trainer)
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Bulk-synchronous parameter server (sharded like hier_sliced) with asynchronous "
-            "workers that fold gradients into a local aggregate",
-        )
 
 
 # Lightning's hook names (``LightningModule._current_fx_name``) from a training batch's start to its end

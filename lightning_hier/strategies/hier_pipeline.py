@@ -33,7 +33,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -42,13 +41,13 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
 
-from lightning_hier.audit import start_from_env
 from lightning_hier.pipeline.batch_agreement import stages_disagree
 from lightning_hier.pipeline.batching import input_signature, split_batch
 from lightning_hier.pipeline.delegation import as_forward
 from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.settings import PipelineSettings, Rebalance, initial_partition
+from lightning_hier.strategies.base import HierStrategy, ddp_arguments
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.instance_hooks import InstanceHooks
 from lightning_hier.strategies.lightning_patches import (
@@ -61,19 +60,15 @@ from lightning_hier.strategies.lightning_patches import (
     layer_sync,
     optimizers_to_device,
     remove_global_norm_clipping,
-    requested_backend,
     result_collection,
     step_values_over_micro_batches,
     training_step_loss,
     without_optimizer,
 )
-from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
 from lightning_hier.strategies.posted_broadcasts import PostedBroadcasts
-from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
-from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
 from lightning_hier.strategies.sigterm_broadcast import SigtermBroadcast
 from lightning_hier.strategies.stage_metrics_sync import StageMetricsSync
-from lightning_hier.topology import all_ranks_group, control_group, resolve_backend
+from lightning_hier.topology import all_ranks_group, control_group
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +119,7 @@ def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
     not a lambda, so the strategy pickles for ``start_method="spawn"``)."""
 
 
-class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStrategy):
+class HierPipelineStrategy(HierStrategy):
     """Pipeline-parallel training whose stage split follows measured layer times.
 
     Each process holds one stage: a contiguous part of the LightningModule's traced ``forward``. Every
@@ -167,6 +162,9 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
     }
 
     strategy_name = "hier_pipeline"
+    strategy_description = (
+        "Pipeline stages rebalanced by live layer migration, with keep/swap/recompute per layer"
+    )
 
     def __init__(
         self,
@@ -214,20 +212,10 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             static_shapes=static_shapes,
             split_tied_parameters=split_tied_parameters,
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(**ddp_arguments(locals()))
         self.engine: PipelineEngine | None = None
         # how the step's skip flag reaches the stages (see _skip_flag_on_host); None: by the device
         self.skip_flag_on_host: bool | None = None
-        self._failed = False
         self._loss_broadcasts = PostedBroadcasts()  # the last stage's step losses and flags
         self._loss_receive: tuple[dist.Work, torch.Tensor] | None = None  # see _receive_loss_ahead
         self._sigterm_broadcast = SigtermBroadcast()
@@ -263,8 +251,8 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         self.settings = dataclasses.replace(self.settings, split_backward=value)
 
     # ------------------------------------------------------------------ environment
-    def setup_distributed(self) -> None:
-        self.settings.check_world_size(self.num_nodes * self.num_processes)
+    def _validate_before_process_group(self) -> None:
+        self.settings.check_world_size(self.planned_world_size)
         module = self.lightning_module
         refuse_unsupported_callbacks(module, "hier_pipeline")
         if module is not None and type(module).forward is pl.LightningModule.forward:
@@ -297,13 +285,6 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
             # hooks run: configure_optimizers (or setup) reading trainer.estimated_stepping_batches loads the
             # train data there
             keep_users_sampler(trainer)
-        start_from_env()  # the emulated backend and the audit where the environment asks for them
-        super().setup_distributed()
-        destroy_process_group_at_exit()
-
-    def _get_process_group_backend(self) -> str:
-        # "cuda:nccl,cpu:gloo" on CUDA: host-side control data is legal on every group (topology.py)
-        return resolve_backend(self.root_device, requested_backend(self))
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -811,10 +792,6 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         )
 
     # ------------------------------------------------------------------ teardown
-    def on_exception(self, exception: BaseException) -> None:
-        self._failed = True  # teardown must not wait in a collective for stages that may be gone
-        super().on_exception(exception)
-
     def teardown(self) -> None:
         """After a run every rank's module holds the whole trained model, as under ``ddp``, so the
         user's script can save, export or run it (and ``start_method="spawn"`` can hand it back), and
@@ -834,12 +811,3 @@ class HierPipelineStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, D
         self._remove_metric_sync()
         self._zero_grad_hook.restore()
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Pipeline stages rebalanced by live layer migration, with keep/swap/recompute "
-            "per layer",
-        )

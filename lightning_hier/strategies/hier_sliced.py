@@ -35,12 +35,10 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 
-from lightning_hier.audit import start_from_env
 from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
 from lightning_hier.sliced.checkpoints import PLAN_KEY, SlicedCheckpoints, validate_checkpoint_format
 from lightning_hier.sliced.engine import HierSlicedEngine, TrainedParameters, take_in_new_parameters
@@ -48,14 +46,13 @@ from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
 from lightning_hier.sliced.sharded_optim import refuse_shared_parameters
 from lightning_hier.sliced.slicing import SlicePlan, decide_slice_plan, validate_slice_weights
 from lightning_hier.sparse.node_tables import NodeTables
+from lightning_hier.strategies.base import HierStrategy, ddp_arguments
 from lightning_hier.strategies.callback_rules import (
     refuse_unsupported_callbacks,
     show_user_param_groups,
     stop_showing_user_param_groups,
 )
-from lightning_hier.strategies.ddp_arguments import warn_ignored_ddp_arguments
 from lightning_hier.strategies.gradient_readers import hooks_read_gradients
-from lightning_hier.strategies.host_layout import warn_if_nodes_span_hosts
 from lightning_hier.strategies.lightning_patches import (
     attached_trainer,
     ddp_timeout,
@@ -65,16 +62,12 @@ from lightning_hier.strategies.lightning_patches import (
     optimizers_to_device,
     remove_global_norm_clipping,
     remove_optimizer_toggle,
-    requested_backend,
     route_zero_grad,
     sync_module_states,
     unwrapped_optimizer,
     without_optimizer,
 )
-from lightning_hier.strategies.pickling import PicklesWithoutRuntimeState
-from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
-from lightning_hier.strategies.restore_order import RestoresBeforeFitStart
-from lightning_hier.topology import Topology, resolve_backend, validate_layout
+from lightning_hier.topology import Topology, validate_layout
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +93,7 @@ def _zero_grad_with_buckets(
     return zero_grad
 
 
-class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDPStrategy):
+class HierSlicedStrategy(HierStrategy):
     """Data-parallel training with ``ddp``'s results, gradients moved the way multi-device nodes are wired,
     and a sharded optimizer.
 
@@ -143,6 +136,14 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
     }
 
     strategy_name = "hier_sliced"
+    strategy_description = (
+        "Hierarchical sliced gradient reduction (intra-node reduce-scatter, inter-node all-reduce, sharded "
+        "optimizer, intra-node all-gather)"
+    )
+    ignored_ddp_reason = (
+        "every parameter's gradient is reduced each step (zeros for one that got none), what "
+        "find_unused_parameters=True gives ddp."
+    )
 
     def __init__(
         self,
@@ -179,24 +180,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
                 "precision)."
             )
         validate_checkpoint_format(checkpoint_format)
-        warn_ignored_ddp_arguments(
-            "HierSlicedStrategy",
-            "every parameter's gradient is reduced each step (zeros for one that got none), what "
-            "find_unused_parameters=True gives ddp.",
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-        )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(**ddp_arguments(locals()))
         self.devices_per_node = devices_per_node
         self.slice_weights = (
             slice_weights if isinstance(slice_weights, str) else [float(w) for w in slice_weights]
@@ -218,7 +202,6 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None  # the first optimizer's (the only one, usually)
         self.engines: list[HierSlicedEngine] = []  # one per optimizer
-        self._failed = False
         self._backward_engines: list[HierSlicedEngine] = []  # those the running backward feeds
         self.tables = NodeTables()
         self._checkpoint_engine_state: dict[str, Any] | None = None
@@ -227,26 +210,19 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         self._nodes_span_hosts: str | None = None  # what is wrong where a node's ranks run on several hosts
 
     # ------------------------------------------------------------------ environment
-    def setup_distributed(self) -> None:
-        world_size = self.num_nodes * self.num_processes
-        # validated before the process group (and so before any collective) exists
+    def _validate_before_process_group(self) -> None:
         topology = Topology.from_world(
-            world_size, self.global_rank_hint(), self.devices_per_node, self.num_processes
+            self.planned_world_size, self.global_rank_hint(), self.devices_per_node, self.num_processes
         )
         validate_slice_weights(self.slice_weights, topology.devices_per_node)
         refuse_unsupported_callbacks(self.lightning_module, "hier_sliced")
-        start_from_env()  # the emulated backend and the audit where the environment asks for them
-        super().setup_distributed()
-        destroy_process_group_at_exit()
+
+    def _after_process_group(self) -> None:
         self.topology = Topology.from_world(
-            world_size, self.global_rank, self.devices_per_node, self.num_processes
+            self.planned_world_size, self.global_rank, self.devices_per_node, self.num_processes
         )
         log.info("hier_sliced topology: %s", self.topology.describe())
-        self._nodes_span_hosts = warn_if_nodes_span_hosts(self.topology, "hier_sliced")
-
-    def _get_process_group_backend(self) -> str:
-        # "cuda:nccl,cpu:gloo" on CUDA: host-side control data is legal on every group (topology.py)
-        return resolve_backend(self.root_device, requested_backend(self))
+        self._nodes_span_hosts = self._warn_if_nodes_span_hosts(self.topology)
 
     def global_rank_hint(self) -> int:
         return self.node_rank * self.num_processes + self.local_rank
@@ -607,10 +583,6 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
         return self.checkpoints.module_state(self.engine, super().lightning_module_state_dict())
 
     # ------------------------------------------------------------------ teardown
-    def on_exception(self, exception: BaseException) -> None:
-        self._failed = True  # teardown must not wait in a collective for ranks that may be gone
-        super().on_exception(exception)
-
     def teardown(self) -> None:
         self.tables.close()
         # after a fit the optimizers are given back as ddp leaves them (the module's parameters, the full
@@ -626,17 +598,7 @@ class HierSlicedStrategy(PicklesWithoutRuntimeState, RestoresBeforeFitStart, DDP
             engine.close()
             if give_back:
                 engine.give_back_optimizer()
-        self._failed = False
         remove_global_norm_clipping(self.precision_plugin)
         remove_optimizer_toggle(self.lightning_module)
         stop_showing_user_param_groups(self.lightning_module)
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Hierarchical sliced gradient reduction (intra-node reduce-scatter, inter-node "
-            "all-reduce, sharded optimizer, intra-node all-gather)",
-        )

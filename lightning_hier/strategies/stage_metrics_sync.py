@@ -7,10 +7,10 @@ after the callbacks' plain hooks and before the monitoring callbacks (train) or 
 (validation): metrics the module logs in those hooks are included.
 
 It wraps those module hooks for the run instead of adding a callback: ``trainer.callbacks`` stays the
-user's list during the run as well as after it, as under ``ddp`` (before 2026-11-27 a callback was
-inserted first in the list; a user's callback that captured the list saw one more entry, and the copy
-was taken before the module's ``on_train_epoch_end``, so a metric logged there was missing on the
-other stages). Lightning glue: it lives beside the strategy, which imports no callback module.
+user's list during the run as well as after it, as under ``ddp`` (a callback inserted first in the
+list would show a user's callback that captured the list one more entry, and would take the copy
+before the module's ``on_train_epoch_end``, so a metric logged there would be missing on the other
+stages). Lightning glue: it lives beside the strategy, which imports no callback module.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class StageMetricsSync:
         if trainer.global_rank != 0:
             self._module_hooks.wrap(module, "on_predict_epoch_end", before=self._drop_predictions)
         # trainer.validate() / test() return the last stage's results on every rank, as under ddp each
-        # rank gets a result dict with every logged key (before 2026-11-27 the other stages got empty
-        # dicts, and a script reading metrics[0]["val_loss"] on every rank failed there)
+        # rank gets a result dict with every logged key (otherwise the other stages get empty dicts, and a
+        # script reading metrics[0]["val_loss"] on every rank fails there)
         share_evaluation_results(trainer, self._module_hooks, self._share_results)
 
     def remove(self) -> None:

@@ -1,0 +1,204 @@
+"""What the three strategies share with each other and with Lightning's ``DDPStrategy``.
+
+:class:`HierStrategy` holds the plumbing, so each strategy's own file is the adapter of its technique:
+
+- ``DDPStrategy``'s arguments, so a ``DDPStrategy(...)`` call or config runs unchanged; the three that
+  change nothing here (no ``DistributedDataParallel`` wraps the model) warn once when set;
+- the process-group backend (``"cuda:nccl,cpu:gloo"`` on CUDA, so host-side control data is legal on
+  every group) and the exit handler that destroys the groups before the interpreter shuts down;
+- the order of :meth:`HierStrategy.setup_distributed`: the run is validated before the process group,
+  and so before any collective, exists;
+- pickling (``torch.save(trainer)``, ``copy.deepcopy``) without the live distributed state;
+- restoring a checkpoint's module and callbacks before ``on_fit_start``, as ``ddp`` does;
+- ``on_exception`` / ``teardown``: after a failure, teardown waits in no collective for peers that may be
+  gone;
+- the strategy's registration with Lightning's ``StrategyRegistry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_hier.audit import start_from_env
+from lightning_hier.strategies.lightning_patches import (
+    attached_trainer,
+    requested_backend,
+    restore_modules_and_callbacks,
+    run_arguments,
+)
+from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
+from lightning_hier.topology import Topology, gather_hosts, nodes_across_hosts_problem, resolve_backend
+
+#: ``DDPStrategy.__init__``'s arguments that the strategies take as they are
+DDP_ARGUMENTS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "start_method",
+)
+
+#: ``DDPStrategy`` arguments accepted and ignored (no ``DistributedDataParallel`` here), with their defaults
+IGNORED_DDP_DEFAULTS = {
+    "find_unused_parameters": False,
+    "static_graph": False,
+    "gradient_as_bucket_view": False,
+}
+
+
+def ddp_arguments(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``DDPStrategy`` arguments among a constructor's ``locals()``, for :class:`HierStrategy`."""
+    return {name: given[name] for name in (*DDP_ARGUMENTS, *IGNORED_DDP_DEFAULTS) if name in given}
+
+
+class HierStrategy(DDPStrategy):
+    """Base of ``hier_sliced``, ``hier_bsp`` and ``hier_pipeline``: Lightning's DDP launch and default
+    process group, with the shared plumbing above; a subclass adds its technique."""
+
+    #: the name users pass as ``Trainer(strategy=...)``
+    strategy_name: ClassVar[str]
+    #: one line for Lightning's ``StrategyRegistry``
+    strategy_description: ClassVar[str] = ""
+    #: why the strategy needs none of the ignored DDP arguments (``find_unused_parameters`` ...)
+    ignored_ddp_reason: ClassVar[str] = "no DistributedDataParallel wraps the model."
+    #: attribute name -> factory of the value a strategy has before ``setup_distributed``; pickled copies
+    #: get the fresh value (process groups, threads and shared-memory views mean nothing in another process)
+    _runtime_state: ClassVar[dict[str, Callable[[], Any]]] = {}
+
+    # restore order (see restore_checkpoint_after_setup)
+    _restored_in_setup: bool = False
+    _restores_before_setup: bool = False  # Lightning restores this run's module and callbacks before setup
+    _awaiting_setup: bool = False  # ... and the strategy's setup has not run yet
+
+    def __init__(self, **arguments: Any) -> None:
+        ignored = {name: arguments.pop(name) for name in IGNORED_DDP_DEFAULTS if name in arguments}
+        unknown = sorted(set(arguments) - set(DDP_ARGUMENTS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected arguments {unknown}.")
+        self._warn_ignored_ddp_arguments(ignored)
+        super().__init__(**arguments)
+        self._failed = False  # an exception ended the run: teardown waits for no peer
+
+    def _warn_ignored_ddp_arguments(self, given: Mapping[str, Any]) -> None:
+        changed = [
+            f"{name}={value!r}" for name, value in given.items() if value != IGNORED_DDP_DEFAULTS[name]
+        ]
+        if changed:
+            rank_zero_warn(
+                f"{type(self).__name__} ignores {', '.join(changed)}: these DDPStrategy arguments are "
+                "accepted so that a DDPStrategy call or config runs unchanged, but no "
+                f"DistributedDataParallel wraps the model here: {self.ignored_ddp_reason}"
+            )
+
+    # ------------------------------------------------------------------ process group
+    @property
+    def planned_world_size(self) -> int:
+        """The processes of the run (``num_nodes x devices``), known before the process group exists."""
+        return self.num_nodes * self.num_processes
+
+    def setup_distributed(self) -> None:
+        """Validate the run, then build the default group; nothing is sent before the validation passed."""
+        self._validate_before_process_group()
+        start_from_env()  # the emulated backend and the audit where the environment asks for them
+        super().setup_distributed()
+        destroy_process_group_at_exit()
+        self._after_process_group()
+
+    def _validate_before_process_group(self) -> None:
+        """Raise on a run the strategy cannot serve (settings, callbacks, the module); no collective yet."""
+
+    def _after_process_group(self) -> None:
+        """The strategy's own groups and layout, once the default group exists (every rank calls it)."""
+
+    def _get_process_group_backend(self) -> str:
+        # "cuda:nccl,cpu:gloo" on CUDA: host-side control data is legal on every group (topology.py)
+        return resolve_backend(self.root_device, requested_backend(self))
+
+    def _warn_if_nodes_span_hosts(self, topology: Topology) -> str | None:
+        """Gather every rank's host (a collective) and warn on rank 0 where one node of ``topology`` runs on
+        several hosts (``devices_per_node`` larger than a host's processes, or ranks numbered round-robin
+        over the hosts): the results stay right, but the in-node link is then the network and a node's
+        shared memory cannot be shared. Returns the problem (the same on every rank), or ``None``."""
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        problem = nodes_across_hosts_problem(topology, gather_hosts())
+        if problem is not None:
+            rank_zero_warn(
+                f"{self.strategy_name}: {problem} Until then the job runs, but its in-node traffic crosses "
+                "the network.",
+                category=UserWarning,
+            )
+        return problem
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        for name, fresh in self._runtime_state.items():
+            if name in state:
+                state[name] = fresh()
+        return state
+
+    # ------------------------------------------------------------------ restore order
+    # These strategies can load a checkpoint only once they are set up (flat buckets, pipeline stages and
+    # server shards must exist first). A strategy that says so gets another order from Lightning's
+    # Trainer._run: module and callbacks restored *after* the on_fit_start hooks, without fit's
+    # weights_only. Callbacks acting on their restored state in on_fit_start then go wrong (Timer takes
+    # a step past its budget, StochasticWeightAveraging loads SWALR state into the user's scheduler). So
+    # the module and callbacks are restored at the end of the strategy's own setup, still before
+    # on_fit_start, or, where _can_restore_before_setup allows it, by Lightning exactly where it does for
+    # ddp (before configure_optimizers). Optimizer and loop states are Lightning's, after on_fit_start.
+    def _can_restore_before_setup(self, ckpt_path: Any) -> bool:
+        """Whether the module and callbacks of ``ckpt_path`` load into the module before this strategy's
+        setup (as under ``ddp``); the optimizer states are always restored after it."""
+        return False
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # read twice per run by Lightning, before and after setup: False before it where the checkpoint can
+        # be loaded then (Lightning restores as for ddp); after setup, False once restored (no second time)
+        if self._restored_in_setup or self._restores_before_setup:
+            return False
+        trainer = attached_trainer(getattr(self, "lightning_module", None))
+        # if Lightning renames _run's arguments, nothing is found and Lightning's own order applies
+        arguments = run_arguments(trainer) if trainer is not None else None
+        if arguments is not None and arguments[0] and self._can_restore_before_setup(arguments[0]):
+            self._restores_before_setup = self._awaiting_setup = True
+            return False
+        return True
+
+    def _restore_at_end_of_setup(self, trainer: pl.Trainer) -> None:
+        """Restore the module, the datamodule and the callbacks from the checkpoint this run was given
+        (unless Lightning did before the setup); the last step of every strategy's ``setup``."""
+        self._restored_in_setup = self._awaiting_setup = False
+        if self._restores_before_setup:
+            return
+        arguments = run_arguments(trainer)
+        if arguments is None or not arguments[0]:
+            return
+        ckpt_path, weights_only = arguments
+        restore_modules_and_callbacks(trainer, ckpt_path, weights_only)
+        self._restored_in_setup = True
+
+    # ------------------------------------------------------------------ end of a run
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown must not wait in a collective for ranks that may be gone
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        # the next run asks again before its setup, and starts unfailed
+        self._restored_in_setup = self._restores_before_setup = self._awaiting_setup = False
+        self._failed = False
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description)
