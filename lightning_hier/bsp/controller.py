@@ -4,8 +4,8 @@ Every tick, each rank's local BSP module contributes one status row (what its wo
 it is computing from, whether it can start another micro-step) to an all-gather on a CPU group. The
 controller role belongs to global rank 0: its row carries its clock (``superstep_seconds``), and the
 rules below turn the gathered rows into a decision. Every rank holds the same rows, so every rank
-evaluates the same pure function and reaches rank 0's decision without another broadcast (DESIGN
-principle 3: one decision from identical inputs, one issuing order).
+evaluates the same pure function and reaches rank 0's decision without another broadcast: one decision
+from identical inputs, so every rank issues its collectives in the same order.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def decide(rows: Sequence[Sequence[int]], settings: BSPSettings, version: int) -
         # every worker is inside its drain, so none computes. One inside an accumulation window
         # (validation in the middle of one) keeps its micro-step in flight until after the drain; the
         # close then waits for that fold unless closing now keeps its gradient within max_staleness
-        # (before: the drain waited for a fold that only the draining worker itself could make)
+        # (otherwise the drain would wait for a fold that only the draining worker itself could make)
         in_flight = any(row[INFLIGHT] >= 0 for row in rows)
         close = folded > 0 and (not in_flight or safe_to_close(rows, version, settings.max_staleness))
         return TickDecision(close=close, pause=True)

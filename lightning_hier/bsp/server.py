@@ -91,7 +91,7 @@ class ShardedParameterServer:
             bucket, total, grad = self.buckets[b], sums[b], self._slice_grads[b]
             if self._gloo_intra:
                 # gloo's reduce-scatter is slower than its all-reduce of the whole bucket (4 ranks,
-                # 4.5 MB: 10.0 ms against 7.3 ms on a 2-core host), so sum everything and keep the
+                # 4.5 MB: 10.0 ms against 7.3 ms on a 2-core CPU), so sum everything and keep the
                 # slice; the sums are the aggregate's read-out buffer, zeroed after the push anyway
                 dist.all_reduce(total, group=intra)
                 grad.copy_(total[slice(*bucket.owned_range)])

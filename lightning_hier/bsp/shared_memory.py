@@ -1,4 +1,4 @@
-"""The shared-memory module between a worker and its local BSP module (seed 004's module 104).
+"""The shared-memory module between a worker and its local BSP module.
 
 It holds the newest announced model (one flat tensor per bucket, with its version) and the worker's
 aggregated gradient with its micro-step count, plus the few flags the two sides exchange. The worker

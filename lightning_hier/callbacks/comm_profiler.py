@@ -58,7 +58,7 @@ class CommProfiler(Callback):
             the others count operations and bytes, which costs a few dictionary updates per operation
             instead of clock stamps and completion tracking. ``None`` (default): every 10th step under
             ``hier_pipeline``, whose every message passes the profiler (dozens of small sends per step, a
-            latency-bound link: timing each cost ~6-9 % of the step on a 2-core host, every 10th ~2 %),
+            latency-bound link: timing each cost ~6-9 % of the step on a 2-core CPU, every 10th ~2 %),
             every step otherwise. The CSV marks the timed steps (``timed``); the table and the figure take
             times from them, bytes and counts from every step.
     """

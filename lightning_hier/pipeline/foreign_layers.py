@@ -3,10 +3,10 @@
 Each stage keeps only its own layers' parameters and buffers; the others' are released (empty tensors), and
 only ``self(...)`` runs the model across the stages. A ``training_step`` that calls a submodule itself, as
 Lightning's own ``LitAutoEncoder`` does (``z = self.encoder(x)``, then ``self.decoder(z)``, with a
-``forward`` that returns the encoding only), used to fail deep inside torch on one rank (``mat2 must be a
-matrix, got 1-D tensor``) while the others waited for it. Each module whose own state this stage released
-gets a forward pre-hook that raises with the reason and the fix; the hooks follow every release, migration
-and restore, so the layers this stage holds (the only ones the engine calls) carry none.
+``forward`` that returns the encoding only), would otherwise fail deep inside torch on one rank (``mat2
+must be a matrix, got 1-D tensor``) while the others wait for it. Each module whose own state this stage
+released gets a forward pre-hook that raises with the reason and the fix; the hooks follow every release,
+migration and restore, so the layers this stage holds (the only ones the engine calls) carry none.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ The decision follows a greedy rule: layers are ranked by ``swap cost / recompute
 that order while the summed swap time is below the stage's forward+backward time (the layer
 that crosses it is still swapped); if the estimated peak still exceeds ``memory_limit`` the next
 layers in the same order are recomputed one by one until it fits; everything else is kept. The
-optimisation only runs when the plan in force does not fit, or fits while layers recompute (seed
-claims 7-9), so a stage with enough memory keeps everything. :func:`estimate_peak_bytes` says
+optimisation only runs when the plan in force does not fit, or fits while layers recompute, and then
+starts from scratch, so a stage with enough memory keeps everything. :func:`estimate_peak_bytes` says
 what the estimate counts and what it leaves out.
 
 This module is pure Python (no torch); :mod:`lightning_hier.pipeline.activation_store` applies a
@@ -355,12 +355,11 @@ def decide_memory_plan(
     host-link bytes per second. ``base_bytes``: device bytes already in use that count against the
     limit. ``held_bytes``: bytes per micro-batch the schedule holds whatever the policy (received
     input, output sent on; see :func:`estimate_peak_bytes`). ``previous``: the plan in force
-    (layers it does not name, e.g. just migrated in, count as kept). Following the seed (claims
-    7–9): storage is optimised when the stage's memory under the plan in force does not fit the
-    limit (claim 7), or fits but some layer recomputes (claim 8: memory may have freed up, so
-    recomputation may no longer be needed); optimising runs the greedy swap-then-recompute rule of
-    the module docstring from scratch (claim 9). Otherwise the plan in force is kept as it is (with
-    no plan yet: keep everything).
+    (layers it does not name, e.g. just migrated in, count as kept). Storage is optimised when the
+    stage's memory under the plan in force does not fit the limit, or fits but some layer recomputes
+    (memory may have freed up, so recomputation may no longer be needed); optimising runs the greedy
+    swap-then-recompute rule of the module docstring from scratch. Otherwise the plan in force is kept as
+    it is (with no plan yet: keep everything).
 
     Raises :class:`MemoryLimitError` (a ``ValueError``) when ``memory_limit`` is below
     :func:`minimum_peak_bytes`, or when the greedy rule ends with every layer swapped or recomputed
@@ -410,7 +409,7 @@ def decide_memory_plan(
 
     if memory_limit is None:
         return plan(0.0)
-    # Storage optimisation only when needed (claims 7 and 8); otherwise the plan in force stays.
+    # Storage optimisation only when the plan in force does not fit or recomputes; otherwise it stays.
     in_force = dict(previous.policies) if previous is not None else {}
     policies.update({name: in_force[name] for name in names if name in in_force})
     fits = peak() <= memory_limit
@@ -419,7 +418,7 @@ def decide_memory_plan(
             layer.swap_seconds(swap_bandwidth) for layer in stats if policies[layer.name] == SWAP
         )
         return plan(kept_swaps)
-    policies = {name: KEEP for name in names}  # claim 9 resets every layer's policy
+    policies = {name: KEEP for name in names}  # optimising starts from scratch: every layer kept
 
     order = _swap_order(stats, swap_bandwidth)
     swap_seconds = 0.0

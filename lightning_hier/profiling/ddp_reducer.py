@@ -13,7 +13,7 @@ the default all-reduce sends).
 
 On CUDA DDP's timer waits for its events (``cudaEventSynchronize``) whenever it records an iteration,
 which stalls the host that would otherwise run a step ahead of the device: sampling every iteration cost
-18-33 % of an 8 x 4096 MLP's step on an H100 (2026-11-27). So on CUDA the time is DDP's sample of every
+18-33 % of an 8 x 4096 MLP's step on an H100. So on CUDA the time is DDP's sample of every
 ``timing_every``-th synchronising iteration (and of the first ten, which DDP always samples), and the
 iterations in between carry the latest sample; counts and bytes are exact every iteration. On CPU the
 timer reads the host clock and every iteration is timed. Between samples the numbers are not read again:
