@@ -3,8 +3,8 @@
 ``python tests/fork_launch.py --nproc N [--grace S] SCRIPT [ARGS...]``
 
 torchrun starts every worker as a new interpreter, and each one imports torch, Lightning and
-lightning_hier again. On the 2-core CI host that costs about 7 s of CPU per worker, and four workers
-share two cores. This launcher imports those modules once and forks the workers from that state.
+lightning_hier again. On a 2-core CPU that costs about 7 s of CPU per worker, and four workers share
+two cores. This launcher imports those modules once and forks the workers from that state.
 
 Each worker gets torchrun's environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, and ``TORCHELASTIC_RUN_ID``, so Lightning sees a torchelastic launch. Rank 0 hosts the

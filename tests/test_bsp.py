@@ -162,10 +162,10 @@ def test_a_failure_of_the_bsp_thread_is_named_for_what_it_was() -> None:
 def test_the_servers_optimizer_copy_keeps_hooks_attributes_and_steps_where_torch_sees_a_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The server steps a copy of the user's optimizer. ``copy.copy`` kept only what
+    """The server steps a copy of the user's optimizer. ``copy.copy`` keeps only what
     ``Optimizer.__getstate__`` lists (defaults, state, param groups): the user's step hooks and own
-    attributes were gone, and with torch's ``_warned_capturable_if_run_uncaptured`` gone Adafactor's step
-    on a CUDA machine failed (``KeyError: 'capturable'``, found on an H200)."""
+    attributes would be gone, and with torch's ``_warned_capturable_if_run_uncaptured`` gone Adafactor's
+    step on a CUDA machine fails (``KeyError: 'capturable'``, seen on an H200)."""
     import types
 
     from lightning_hier.bsp.server import server_copy
@@ -183,7 +183,7 @@ def test_the_servers_optimizer_copy_keeps_hooks_attributes_and_steps_where_torch
     user.register_step_post_hook(lambda optimizer, args, kwargs: stepped.append(type(optimizer).__name__))
     copied = server_copy(user)
     weight.grad = torch.full_like(weight, 0.5)
-    copied.step()  # before: KeyError: 'capturable'
+    copied.step()  # a copy.copy would fail here: KeyError: 'capturable'
     assert stepped == ["Adafactor"] and copied.tag == "user's own attribute"
     assert copied.state[weight] and not user.state  # the copy's state is its own
     assert copied.param_groups[0] is not user.param_groups[0]
@@ -410,9 +410,9 @@ def test_superstep_seconds_follow_the_controllers_clock_and_drains_flush() -> No
 
 def test_a_drain_inside_an_accumulation_window_pauses_without_the_suspended_fold() -> None:
     """Validation in the middle of an accumulation window: every worker is in its drain with its micro-step
-    in flight (it folds after the drain). The drain pauses at once (before: it waited for that fold, which
-    only the draining worker itself could make, until the timeout) and closes only what keeps every
-    gradient within max_staleness."""
+    in flight (it folds after the drain). The drain pauses at once (a regression would show as a wait for
+    that fold, which only the draining worker itself could make, until the timeout) and closes only what
+    keeps every gradient within max_staleness."""
     plain = BSPSettings(superstep=1, max_staleness=0)
     Decision = type(decide([row()], plain, 0))
     mid_window = [row(0, in_flight=3, drain=True), row(0, in_flight=3, drain=True)]
@@ -653,8 +653,8 @@ def test_plain_bsp_strategy_matches_ddp(strategy_results: dict, scenario: str) -
 
 def test_skipped_training_steps_on_one_process_equal_the_single_device_run(tmp_path: Path) -> None:
     """training_step returning None on every other batch (allowed on one process): plain BSP takes the
-    same steps and parameters as Lightning's single-device strategy (before: the next step waited for a
-    model that never came, until the timeout)."""
+    same steps and parameters as Lightning's single-device strategy (a regression would show as the next
+    step waiting for a model that never comes, until the timeout)."""
     out = tmp_path / "skipped.json"
     run_torchrun("bsp_skipped_steps.py", 1, str(out), timeout=120)
     result = json.loads(out.read_text())
@@ -794,8 +794,8 @@ def assert_every_worker_stopped_together(result: dict) -> None:
 
 
 def test_max_steps_ends_every_worker_when_the_fastest_reaches_it(lightning_results: dict) -> None:
-    """max_steps with free-running workers (before: refused): the first worker to reach it ends the fit, the
-    others stop after the step they are in; every step taken reached the server, and every worker
+    """max_steps with free-running workers (accepted, not refused): the first worker to reach it ends the
+    fit, the others stop after the step they are in; every step taken reached the server, and every worker
     validated once, at the shortened epoch's end, with the same model."""
     result = lightning_results["max_steps"]
     assert max(result["computed"]) == 11 and result["computed"][3] < 11, result["computed"]
@@ -805,8 +805,8 @@ def test_max_steps_ends_every_worker_when_the_fastest_reaches_it(lightning_resul
 def test_should_stop_set_by_one_worker_ends_every_workers_fit(lightning_results: dict) -> None:
     """One free-running worker sets ``trainer.should_stop`` in ``on_train_batch_end`` (its own ``Timer``, a
     user's own condition): the others stop after the step they are in, every worker validates once with
-    the same model, and every step taken reached the server (before: the others trained on while the
-    stopped worker waited in its teardown, and the fit hung until the timeout)."""
+    the same model, and every step taken reached the server (a regression would show as the others
+    training on while the stopped worker waits in its teardown, the fit hanging until the timeout)."""
     result = lightning_results["stop_one_rank"]
     assert result["computed"][0] == 6, result["computed"]  # stopped after its batch 5
     # nobody trained on into the rest of the epoch (64 batches shared by 4 workers) or a later one
@@ -819,7 +819,8 @@ def test_should_stop_set_by_one_worker_at_its_epochs_last_batch_ends_every_worke
 ) -> None:
     """The same at the epoch's last batch of that worker (fixed shares, so it is batch 15 of 16), where every
     worker has already drained for the epoch's end: the workers agree at the epoch's end and none begins
-    the next epoch (before: the others did, and the fit hung until the timeout)."""
+    the next epoch (a regression would show as the others beginning it, the fit hanging until the
+    timeout)."""
     result = lightning_results["stop_one_rank_at_epoch_end"]
     assert result["computed"][0] == 16 and max(result["computed"]) == 16, result["computed"]
     assert_every_worker_stopped_together(result)
@@ -839,10 +840,10 @@ def test_per_step_collectives_in_lockstep_pair_as_under_ddp(lightning_results: d
 
 def test_boolean_decisions_of_free_running_workers_stay_their_own(lightning_results: dict) -> None:
     """Workers not in lockstep (a straggler, so they take different numbers of steps): ``all=True`` of every
-    worker's ``True`` is ``True`` (ddp's sum compared with the world size gave ``False``, and
-    ``SpikeDetection`` never updated its statistics), ``all=False`` and a broadcast are the worker's own
-    (the broadcast hung Lightning's learning-rate finder), and a barrier in ``training_step`` returns (it
-    cannot pair different steps)."""
+    worker's ``True`` is ``True`` (ddp's sum compared with the world size would give ``False``, and
+    ``SpikeDetection`` would never update its statistics), ``all=False`` and a broadcast are the worker's
+    own (a real broadcast would hang Lightning's learning-rate finder), and a barrier in ``training_step``
+    returns (it cannot pair different steps)."""
     per_rank = lightning_results["decisions_running_free"]["decisions"]
     assert len(per_rank[3]) < min(len(d) for d in per_rank[:3])  # the straggler took fewer steps
     for rank, decisions in enumerate(per_rank):
@@ -935,9 +936,9 @@ def test_a_dead_worker_ends_the_others_with_its_rank_and_the_last_checkpoint_loa
 
 @pytest.mark.parametrize("who", ["every", "one"])
 def test_an_error_in_training_step_ends_every_worker_promptly(tmp_path: Path, who: str) -> None:
-    """A step that raises leaves its micro-step unfinished; before, teardown's drain then waited for that
-    step's gradients until the strategy's timeout (here 120 s). Now the failing worker stops without a
-    drain and the others stop with it, naming the rank."""
+    """A step that raises leaves its micro-step unfinished, whose gradients a drain in teardown would wait
+    for until the strategy's timeout (here 120 s). The failing worker stops without a drain and the others
+    stop with it, naming the rank."""
     log = tmp_path / "log.txt"
     run_separate_ranks("bsp_raising_step.py", [str(tmp_path), who], 2, {"NODE_RANK": "per rank"}, log)
     results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
@@ -952,7 +953,7 @@ def test_an_error_in_training_step_ends_every_worker_promptly(tmp_path: Path, wh
     for result in results.values():
         assert result["ended"] - raised < 30, (results, log.read_text()[-3000:])  # not the 120 s timeout
     # ModelCheckpoint(save_on_exception=True) ran before the strategy heard of the error: it saved the
-    # model every worker last picked up, without a drain (which waited for the unfinished step: hung)
+    # model every worker last picked up, without a drain (which would wait for the unfinished step: a hang)
     saved = results["rank0"]["checkpoint"]
     assert saved == {"keys_match": True, "equals_worker_model": True, "optimizer_groups": 1}, saved
 
@@ -970,13 +971,14 @@ def _heartbeat_stopped(rank: int, world: int, store: str) -> dict:
     time.sleep(0.05)
     beat.stop()
     alive = beat.is_alive()
-    beat.join()  # threading's own join calls Thread._stop, which the heartbeat once shadowed
+    beat.join()  # threading's own join calls Thread._stop, which the heartbeat must not shadow
     return {"alive_after_stop": alive, "threads": [t.name for t in threading.enumerate()]}
 
 
 def test_a_stopped_heartbeat_has_ended_and_joins(tmp_path: Path) -> None:
-    """Lightning's test suite stops leftover daemon threads through their ``stop()`` and asserts they ended;
-    the heartbeat's stop only set its flag, and ``join()`` raised ``'Event' object is not callable``."""
+    """Lightning's test suite stops leftover daemon threads through their ``stop()`` and asserts they ended:
+    the heartbeat's stop must end the thread, not only set its flag, and ``join()`` must not raise
+    ``'Event' object is not callable``."""
     (result,) = run_spawned(_heartbeat_stopped, 1, tmp_path)
     assert result is not None and "error" not in result, result
     assert result["alive_after_stop"] is False
@@ -1000,8 +1002,8 @@ def _lost_among_stopped(rank: int, world: int, store: str) -> dict:
 
 
 def test_a_rank_that_left_in_order_is_not_named_lost(tmp_path: Path) -> None:
-    """After a worker dies the survivors fail too and tear down; one whose teardown ended its heartbeat
-    before rank 0 looked was named lost beside the dead one ('lost rank(s) [1, 2, 3]' for [3], seen in
-    CI). A rank that stops beating because its run ended now says so in the store first."""
+    """After a worker dies the survivors fail too and tear down; one whose teardown ends its heartbeat
+    before rank 0 looks must not be named lost beside the dead one ('lost rank(s) [1, 2, 3]' for [3]): a
+    rank that stops beating because its run ended says so in the store first."""
     (result,) = run_spawned(_lost_among_stopped, 1, tmp_path)
     assert result == {"lost": [2]}, result

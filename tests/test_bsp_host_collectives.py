@@ -24,13 +24,13 @@ def _results(out: Path, world: int = 2) -> list[dict]:
 
 def test_sync_dist_mean_in_lockstep_equals_the_mean_over_ranks(tmp_path: Path) -> None:
     """``self.log(..., sync_dist=True)`` (the default mean) and ``strategy.reduce`` in lockstep, where the
-    default group is ``"cuda:nccl,cpu:gloo"``: Lightning's reduce gave the host backend ``ReduceOp.AVG``
-    (an integer mean failed: "result type Float can't be cast to the desired output type Long"; torch
-    before 2.13 refused AVG outright) and met in ``torch.distributed.barrier`` on the default group, a
-    device collective on CUDA, from the worker's thread. Now the logged value is the mean over the ranks,
-    hand-computed (rank r logs (r + 1) x (batch + 1): 1.5 x (batch + 1) on 2 ranks), an integer mean keeps
-    its dtype, truncated as Lightning does on gloo ((1 + 2) / 2 -> 1), no barrier is issued inside the
-    step, and the strategy's barrier, broadcast and gather pair step by step."""
+    default group is ``"cuda:nccl,cpu:gloo"``: Lightning's own reduce gives the host backend
+    ``ReduceOp.AVG`` (an integer mean fails: "result type Float can't be cast to the desired output type
+    Long"; torch before 2.13 refuses AVG outright) and meets in ``torch.distributed.barrier`` on the
+    default group, a device collective on CUDA, from the worker's thread. Here the logged value is the mean
+    over the ranks, hand-computed (rank r logs (r + 1) x (batch + 1): 1.5 x (batch + 1) on 2 ranks), an
+    integer mean keeps its dtype, truncated as Lightning does on gloo ((1 + 2) / 2 -> 1), no barrier is
+    issued inside the step, and the strategy's barrier, broadcast and gather pair step by step."""
     run_torchrun("bsp_host_collectives.py", 2, str(tmp_path), "lockstep_fit", env=EMULATION, timeout=300)
     for rank, result in enumerate(_results(tmp_path)):
         assert "error" not in result, result

@@ -16,8 +16,8 @@ from lightning_hier.bsp.liveness import PeerWatch, peer_check_seconds
 def test_a_worker_waiting_on_a_stuck_push_names_the_dead_peer_within_the_timeout(tmp_path: Path) -> None:
     """Rank 1 dies inside a superstep's push while rank 0's push never returns (gloo would fail at once;
     NCCL waits until its watchdog ends the process at the timeout, 20 s here, naming no rank). Rank 0's
-    worker, waiting for the model that push would make, names rank 1 well within the timeout (before:
-    "no new model from the parameter server after 20 s (timeout)", no rank named)."""
+    worker, waiting for the model that push would make, names rank 1 well within the timeout (not "no new
+    model from the parameter server after 20 s (timeout)", which names no rank)."""
     run_torchrun("bsp_stuck_collective.py", 2, str(tmp_path), timeout=300)
     died = float((tmp_path / "died_at").read_text())
     result = json.loads((tmp_path / "rank0.json").read_text())

@@ -50,8 +50,8 @@ def test_whole_model_callbacks_are_refused_by_the_pipeline_before_any_process_gr
     tmp_path: Path, averaging: str
 ) -> None:
     """Each pipeline process holds only its stage's parameters; these callbacks average a full copy or mask
-    every parameter (before: EMAWeightAveraging failed at its first update, ModelPruning at the first
-    checkpoint, with size mismatches)."""
+    every parameter (let through, EMAWeightAveraging would fail at its first update, ModelPruning at the
+    first checkpoint, with size mismatches)."""
     from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning
 
     callback = {
@@ -70,8 +70,8 @@ def test_whole_model_callbacks_are_refused_by_the_pipeline_before_any_process_gr
 
 
 def test_a_module_without_forward_is_refused_by_the_pipeline_before_any_process_group(tmp_path: Path) -> None:
-    """A pipeline splits ``forward``; a module whose steps call submodules directly has none (before: an
-    fx error about iterating a Proxy)."""
+    """A pipeline splits ``forward``; a module whose steps call submodules directly has none (let through,
+    it would fail with an fx error about iterating a Proxy)."""
 
     class NoForward(EquivModel):
         forward = pl.LightningModule.forward
@@ -114,8 +114,8 @@ def test_per_step_weight_averaging_under_hier_bsp_warns_off_lockstep(
 
 def test_sync_batchnorm_as_ddp_converts_it_or_said_why_not(tmp_path: Path) -> None:
     """hier_sliced converts BatchNorm to SyncBatchNorm for training and back afterwards, as ddp does
-    (before 2026-11-26 the flag was silently ignored); a pipeline is one replica: nothing to sync, it says
-    so and leaves the layer alone."""
+    (a regression would show as the flag silently ignored); a pipeline is one replica: nothing to sync, it
+    says so and leaves the layer alone."""
     import json
 
     out = tmp_path / "sync_bn.json"

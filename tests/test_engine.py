@@ -308,7 +308,7 @@ def test_unknown_optimizers_are_refused_unless_declared_elementwise() -> None:
 
 def test_hier_bsp_refuses_an_unknown_optimizer_naming_its_own_setting() -> None:
     """The parameter server shards the optimizer as hier_sliced does; the error names HierBSPStrategy's
-    setting (before: HierSlicedStrategy's, which a hier_bsp user cannot pass)."""
+    setting (not HierSlicedStrategy's, which a hier_bsp user cannot pass)."""
     from lightning_hier.bsp.engine import BSPEngine
     from lightning_hier.bsp.settings import BSPSettings
 
@@ -446,7 +446,7 @@ def test_an_optimizer_given_back_equals_the_unsharded_one_and_a_new_engine_goes_
 
 def test_optimizers_not_elementwise_stay_whole_by_default_and_are_refused_when_sharding_is_asked() -> None:
     """``shard_optimizer=None`` shards an elementwise optimizer and keeps any other whole on every rank, with
-    a warning naming why (before: every such optimizer was refused); ``True`` refuses them, pointing to
+    a warning naming why instead of refusing it; ``True`` refuses them, pointing to
     ``shard_optimizer=False``; LBFGS and SparseAdam are refused either way."""
     from lightning_hier.sliced.sharded_optim import decide_sharding
 

@@ -41,8 +41,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_backbone_finetuning_trains_to_ddps_parameters(results: dict, scenario: str) -> None:
     """``BackboneFinetuning`` unfreezes the backbone at epoch 1 (a param group of its own with a tenth of the
     head's lr, raised every epoch; or, ``in_group``, already in the optimizer's group): after 3 epochs on 2
-    processes the parameters are ``ddp``'s, and the backbone really trained (before, the callback was
-    refused at setup)."""
+    processes the parameters are ``ddp``'s, and the backbone really trained (the callback is not refused at
+    setup)."""
     result = results[scenario]
     assert "error" not in result, result
     assert result["backbone_moved"] > 1e-3, result
@@ -202,8 +202,8 @@ def test_zero_redundancy_optimizer_is_refused_at_setup_naming_the_optimizer_to_u
     tmp_path: Path, strategy: type
 ) -> None:
     """``hier_sliced`` shards the optimizer state itself (and ``hier_bsp``'s server does), so torch's
-    ``ZeroRedundancyOptimizer`` is refused before any step (under ``hier_sliced`` it trained and failed at the
-    first checkpoint with torch's own error)."""
+    ``ZeroRedundancyOptimizer`` is refused before any step (under ``hier_sliced`` it would train and fail at
+    the first checkpoint with torch's own error)."""
     trainer = pl.Trainer(strategy=strategy(), default_root_dir=tmp_path, **TRAINER)
     try:
         with pytest.raises(

@@ -98,7 +98,7 @@ def check_gpu_results(results: dict, audit_dir: Path) -> None:
             assert all(forward > 0 for forward, _ in times.values()), (case, times)
             assert sum(backward for _, backward in times.values()) > 0, (case, times)
             # every micro-batch timed, yet the steps' ends did not wait for the device (they read the
-            # CUDA marks it had passed; before, a synchronize per step)
+            # CUDA marks it had passed, not a synchronize per step)
             assert result["synchronizes_in_fit"] < result["steps"], (case, result["synchronizes_in_fit"])
     if "bsp_plain_time_buckets" in results:
         assert results["bsp_plain_time_buckets"]["rebuilt_on_time_plan"], results["bsp_plain_time_buckets"]

@@ -1,9 +1,9 @@
 """A node's ranks must share a host: checked from the host names every rank reports once the group exists.
 
-Before 2026-11-28 nothing looked: ``devices_per_node`` larger than a host's processes, or ranks numbered
-round-robin over the hosts (SLURM ``--distribution=cyclic``), silently made the "fast" in-node groups
-cross the network, and HybridEmbedding's node tables (shared memory, one host's) failed to map on the
-other host's ranks with a bare ``FileNotFoundError`` while the rest waited.
+Unchecked, ``devices_per_node`` larger than a host's processes, or ranks numbered round-robin over the
+hosts (SLURM ``--distribution=cyclic``), would silently make the "fast" in-node groups cross the network,
+and HybridEmbedding's node tables (shared memory, one host's) would fail to map on the other host's ranks
+with a bare ``FileNotFoundError`` while the rest waited.
 """
 
 from __future__ import annotations

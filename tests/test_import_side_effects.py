@@ -5,7 +5,7 @@ them: at a strategy's setup, by :func:`lightning_hier.audit.start_from_env`, or 
 
 The multi-process runs of tests/test_device_rule.py show the same at full scale: their four processes
 set both variables, build every group as ``cuda:emulated_nccl,cpu:gloo`` and write an audit record each,
-which only the strategies' setup starts now.
+which only the strategies' setup starts.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """What Lightning's own tests patch still reaches our strategies (tests/scripts/lightning_patch_checks.py).
 
-- Stochastic-weight-averaging tests count ``Strategy.backward`` patched on the base class; hier_sliced
-  overrode ``backward`` and the count stayed 0. It now reduces the gradients from the precision plugin
+- Stochastic-weight-averaging tests count ``Strategy.backward`` patched on the base class; an override
+  of ``backward`` would leave the count at 0. hier_sliced reduces the gradients from the precision plugin
   between the backward pass and ``on_after_backward``, and Lightning's ``backward`` runs unchanged.
-- ThroughputMonitor tests patch ``time.perf_counter`` with a fixed list of readings; the strategies'
-  own timing called it (66 times in 6 steps under hier_sliced) and used the readings up. Their clocks
-  now hold their own reference to ``perf_counter``.
+- ThroughputMonitor tests patch ``time.perf_counter`` with a fixed list of readings; the strategies' own
+  timing, calling it (66 times in 6 steps under hier_sliced), would use the readings up. Their clocks
+  hold their own reference to ``perf_counter``.
 The reference is the same fit under Lightning's default strategy.
 """
 

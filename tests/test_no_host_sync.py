@@ -256,7 +256,7 @@ def _sigterm_steps(rank: int, world: int, store: str, backend: str) -> dict:
 )
 def test_the_sigterm_flag_goes_from_the_host_over_the_control_group(tmp_path: Path, backend: str) -> None:
     # Lightning broadcasts rank 0's flag before every step; on the root device the receivers' read of
-    # it waited for the device every step. A host flag over the control group (which has a CPU backend
+    # it would wait for the device every step. A host flag over the control group (which has a CPU backend
     # beside NCCL) still stops both ranks at the step rank 0 got the signal in.
     results = run_spawned(_sigterm_steps, 2, tmp_path, backend)
     for result in results:

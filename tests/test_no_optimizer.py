@@ -1,8 +1,9 @@
 """A LightningModule whose ``configure_optimizers`` returns ``None`` fits as under Lightning's own strategies:
 Lightning steps a no-op optimizer, the parameters stay as they were, and checkpoints save and resume
-(``optimizer_states`` as Lightning writes them). Before 2026-11-27 ``hier_sliced`` and ``hier_bsp`` refused
-the no-op optimizer as unknown and ``hier_pipeline`` failed to checkpoint (Lightning's ``test_none_optimizer``
-forced onto them found it). One process per strategy, in this process; ``ddp`` is the reference."""
+(``optimizer_states`` as Lightning writes them). A regression would show as ``hier_sliced`` or ``hier_bsp``
+refusing the no-op optimizer as unknown, or ``hier_pipeline`` failing to checkpoint (as Lightning's
+``test_none_optimizer`` forced onto them checks too). One process per strategy, in this process; ``ddp``
+is the reference."""
 
 from __future__ import annotations
 
@@ -101,10 +102,10 @@ def _two_fits_one_optimizer(strategy: str | None, root: Path) -> tuple[dict, dic
 @pytest.mark.parametrize("strategy", ["hier_sliced", "hier_bsp"])
 def test_an_optimizer_object_fits_twice_as_on_one_device(tmp_path: Path, strategy: str) -> None:
     """After a fit the optimizer is given back with the module's parameters and its full state, as one
-    device leaves it; a second fit (another Trainer) goes on from that state. Before 2026-11-27 hier_sliced's
-    object kept the first run's flat slices and the second fit refused it ("no trainable parameters"); before
-    2026-11-28 hier_bsp's kept no state at all (its server steps a copy), so the second fit began Adam afresh
-    (found on an H100 comparing the optimizer after fit with ddp's)."""
+    device leaves it; a second fit (another Trainer) goes on from that state. A regression would show as
+    hier_sliced's object keeping the first run's flat slices, so that the second fit refuses it ("no
+    trainable parameters"), or as hier_bsp's keeping no state at all (its server steps a copy), so that the
+    second fit begins Adam afresh."""
     reference_params, reference_state = _two_fits_one_optimizer(None, tmp_path / "reference")
     params, state = _two_fits_one_optimizer(strategy, tmp_path / strategy)
     for name, value in reference_params.items():
@@ -129,8 +130,8 @@ def _resume_without_optimizer_states(strategy: str | None, ckpt: Path, root: Pat
 
 
 def test_a_checkpoint_with_no_optimizer_states_resumes_as_on_one_device(tmp_path: Path) -> None:
-    """Lightning loads nothing from an empty ``optimizer_states`` (NeMo writes such files); before 2026-11-27
-    hier_sliced and hier_bsp refused it ("0 optimizer state(s); this run has 1")."""
+    """Lightning loads nothing from an empty ``optimizer_states`` (NeMo writes such files); neither do
+    hier_sliced and hier_bsp (a regression would show as "0 optimizer state(s); this run has 1")."""
     torch.manual_seed(0)
     ckpt = tmp_path / "weights.ckpt"
     torch.save({"state_dict": SharedOptimizer().state_dict(), "optimizer_states": [], "lr_schedulers": [],
@@ -145,7 +146,7 @@ def test_a_checkpoint_with_no_optimizer_states_resumes_as_on_one_device(tmp_path
 def test_a_refit_after_a_raising_fit_goes_on_from_the_optimizer_state_as_ddp(tmp_path: Path) -> None:
     """Two processes on one node: the first fit raises on every rank and leaves the optimizer sharded; the
     same Trainer's next fit gives it back before sharding it again and goes on from its state, as under
-    ddp (tests/scripts/refit_checks.py). Before 2026-11-27 the second fit refused it."""
+    ddp (tests/scripts/refit_checks.py); the second fit must not refuse it."""
     import json
 
     from helpers import run_torchrun

@@ -1,8 +1,8 @@
 """A fitted Trainer pickles (``torch.save(trainer)``, ``copy.deepcopy``) under every strategy.
 
-Before, each strategy kept its process groups and engines in attributes, and pickling a Trainer after
-fit raised ``cannot pickle 'ProcessGroup'`` (Lightning's ``test_model_torch_save``). They are now left out
-of the pickled copy and rebuilt by the copy's next setup.
+Each strategy holds process groups and engines, which would make pickling a Trainer after fit raise
+``cannot pickle 'ProcessGroup'`` (Lightning's ``test_model_torch_save``). They are left out of the pickled
+copy and rebuilt by the copy's next setup.
 """
 
 from __future__ import annotations

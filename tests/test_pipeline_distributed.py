@@ -147,8 +147,8 @@ def assert_every_rank_holds(pattern: str, ranks: int, expected: dict[str, torch.
 
 
 def assert_every_rank_optimizer_holds(pattern: str, ranks: int, expected: dict) -> None:
-    """The user's optimizer on every rank after a fit: the whole state, as one process leaves it (before
-    2026-11-27 each rank kept its own stage's parameters' state only)."""
+    """The user's optimizer on every rank after a fit: the whole state, as one process leaves it (not only
+    the state of the rank's own stage's parameters)."""
     for rank in range(ranks):
         state = torch.load(pattern.format(rank=rank))
         assert state["param_groups"] == expected["param_groups"], rank
@@ -299,7 +299,7 @@ def test_gpipe_sgd_with_global_norm_clipping_and_accumulation(tmp_path: Path) ->
     result = run_scenario("gpipe_sgd_clip_accumulate", 2, tmp_path)
     # Lightning's backward hooks ran on every stage once per batch (4 steps x 2 accumulated), and
     # on_after_backward saw each stage's gradients; on_before_zero_grad once per optimizer step, as under
-    # ddp (before: twice)
+    # ddp (not twice)
     assert result["backward_hooks_by_rank"] == [[8, 8, 8, 4], [8, 8, 8, 4]]
     expected_losses, expected_state = reference(
         "sgd", max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=2
@@ -313,7 +313,8 @@ def test_gpipe_sgd_with_global_norm_clipping_and_accumulation(tmp_path: Path) ->
 def test_a_model_with_an_example_input_and_the_model_summary_on_matches_one_process(tmp_path: Path) -> None:
     """``example_input_array`` set and Lightning's model summary on (it runs the example through the whole
     model on every rank at fit start): the fit runs as one process's, and every rank's module has its
-    example input back afterwards. Before 2026-11-28 the summary's forward failed on both stages."""
+    example input back afterwards (a regression would show as the summary's forward failing on both
+    stages)."""
     result = run_scenario("example_input_summary", 2, tmp_path)
     expected_losses, expected_state = reference(
         "sgd", model_class=ExampleInputNet, max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=2
@@ -377,13 +378,13 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     expected = torch.cat(expected_batches)
     assert torch.equal(torch.tensor(result["predictions"]), expected)
     # one replica: the last stage (rank 0) returns and writes every prediction, the other stage none
-    # (before: a None per batch, which a writer's merge could not concatenate)
+    # (not a None per batch, which a writer's merge could not concatenate)
     assert result["predict_returned_by_rank"] == [len(expected_batches), 0]
     # the metrics copy the strategy installs for a run leaves trainer.callbacks as the user made it, during
-    # the run as well as after it (before 2026-11-27: a callback of its own was first in the list meanwhile)
+    # the run as well as after it (no callback of its own first in the list meanwhile)
     assert result["callbacks_as_before_by_rank"] == [True, True]
     # a metric the module logs in its own on_train_epoch_end reaches the other stage before the monitoring
-    # callbacks run (before: copied before that hook, so the other stage held the previous epoch's value)
+    # callbacks run (a copy taken before that hook would leave the other stage the previous epoch's value)
     last_epoch = result["losses"][-4:]  # limit_train_batches=4
     assert result["train_epoch_loss_by_rank"] == [pytest.approx(sum(last_epoch) / 4, rel=1e-6)] * 2
     assert result["callbacks_during_fit_as_before_by_rank"] == [True, True]
@@ -391,15 +392,15 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
     assert torch.equal(torch.cat(files[0]["predictions"]), expected)
     assert len(files[0]["batch_indices"][0]) == len(expected_batches)
     assert files[1]["predictions"] == [] and files[1]["batch_indices"] == [[]]
-    # a batch-interval writer writes each prediction once too, on the last stage (before: a None per batch
-    # on the other stage)
+    # a batch-interval writer writes each prediction once too, on the last stage (not a None per batch on
+    # the other stage)
     assert torch.equal(torch.cat(files[0]["batch_writes"]), expected) and files[1]["batch_writes"] == []
     # the best checkpoint, validated by a fresh Trainer with another initial split, and by Lightning alone
     best = SkewedNet()
     metrics = _plain_trainer(_Losses()).validate(
         best, loader(batch_size=32, seed=1), ckpt_path=result["best_path"]
     )
-    # trainer.validate() returns the last stage's metrics on every rank (an empty dict on rank 1 before)
+    # trainer.validate() returns the last stage's metrics on every rank (not an empty dict on rank 1)
     for returned in result["fresh_validate_val_loss_by_rank"]:
         assert abs(returned - metrics[0]["val_loss"]) < 1e-5, result["fresh_validate_val_loss_by_rank"]
     assert_every_rank_holds(result["module_after_predict"], 2, model.state_dict())
@@ -407,8 +408,8 @@ def test_validation_metrics_checkpoint_monitor_and_predict(tmp_path: Path) -> No
 
 def test_all_gather_in_steps_and_hooks_returns_what_one_process_returns(tmp_path: Path) -> None:
     """A pipeline is one data-parallel replica: ``self.all_gather`` gives what Lightning gives one process
-    (the tensor unchanged), in the steps only the last stage runs (before: a gather the other stages
-    never joined, a hang) and in hooks every stage runs."""
+    (the tensor unchanged), in the steps only the last stage runs (a gather there would be one the other
+    stages never join, a hang) and in hooks every stage runs."""
     result = run_scenario("all_gather", 2, tmp_path)
     pl.seed_everything(0, verbose=False)
     model = GatherNet(optimizer="adam")
@@ -444,9 +445,9 @@ def test_top_k_checkpoints_follow_an_improving_loss_like_lightning_alone(tmp_pat
     assert result["top_k_files"] == expected
     assert result["top_k_files"] != ["epoch=0.ckpt", "epoch=1.ckpt"]
     # only rank 0 writes, as often as Lightning alone, and the other stage never calls torch.save: its
-    # share of the consolidated state and the metrics it receives travel without it (before, pickled
-    # tensors called it on every rank, and Lightning's test_model_checkpoint_no_extraneous_invocations
-    # failed)
+    # share of the consolidated state and the metrics it receives travel without it (tensors pickled with
+    # torch.save would call it on every rank, and Lightning's
+    # test_model_checkpoint_no_extraneous_invocations counts the calls)
     assert reference_saves.call_count > 0
     assert result["torch_save_calls_by_rank"] == [reference_saves.call_count, 0]
 
@@ -537,7 +538,7 @@ def test_a_model_with_fewer_layers_than_stages_runs_with_relay_stages(tmp_path: 
 def test_a_boring_model_whose_steps_call_its_layer_itself_matches_one_process(tmp_path: Path) -> None:
     """The same one-Linear model with ``training_step`` / ``validation_step`` calling ``self.only(x)``
     (what ``forward`` returns; many of Lightning's own tests write their BoringModel's steps so): on 3
-    stages it trains and validates as one process (before 2026-11-28 the stage without the layer failed)."""
+    stages it trains and validates as one process, the stages without the layer included."""
     result = run_scenario("relay_stages_direct_calls", 3, tmp_path)
     expected_losses, expected_state = reference(
         "sgd", model_class=DirectOneLayerNet, max_epochs=2, limit_train_batches=3
@@ -568,7 +569,7 @@ def test_stages_must_match_processes_before_any_collective() -> None:
 def test_skipped_micro_batches_and_an_overridden_backward_match_one_process(tmp_path: Path) -> None:
     """training_step returning None for a micro-batch adds no gradient (the schedule sends zeros back),
     and the last stage backpropagates through the user's ``backward`` (here doubling the loss under
-    SGD); before, None raised a TypeError and ``backward`` was never called."""
+    SGD); a regression would show as a TypeError on None or ``backward`` never called."""
     result = run_scenario("skipped_micro_batches_custom_backward", 2, tmp_path)
     expected_losses, expected_state = reference("sgd", model_class=SkippingNet, max_steps=5)
     assert_losses_match(result["losses"], expected_losses)
@@ -580,8 +581,8 @@ def test_skipped_micro_batches_and_an_overridden_backward_match_one_process(tmp_
 
 def test_a_further_input_of_forward_reaches_every_stage_that_reads_it(tmp_path: Path) -> None:
     """``forward(x, gain)`` with the gain read after every block: the blocks are still separate clusters
-    (before, the gain blocked every cut and the model was one cluster), and three stages, each binding the
-    gain from its own call of forward, rebalancing every 2 steps, train as one process does."""
+    (the gain does not block every cut, which would make the model one cluster), and three stages, each
+    binding the gain from its own call of forward, rebalancing every 2 steps, train as one process does."""
     from lightning_hier.pipeline.graph import LayerGraph
 
     assert LayerGraph(GainNet()).num_clusters >= 10
@@ -607,7 +608,7 @@ def test_should_stop_set_in_the_last_stages_training_step_stops_every_stage(
 ) -> None:
     """The user's ``training_step`` runs on the last stage only; a ``trainer.should_stop`` it sets there
     reaches every stage with the step's loss, so all stop after the same step as one process does
-    (before: the first stage trained on and the fit hung)."""
+    (a regression would show as the first stage training on and the fit hanging)."""
     result = run_scenario(scenario, 2, tmp_path)
     expected_losses, expected_state = reference("sgd", model_class=StoppingNet, max_epochs=3)
     assert len(expected_losses) == StoppingNet.stop_after_step + 1  # one per step, the epoch has 8
@@ -621,8 +622,9 @@ def test_should_stop_set_in_the_last_stages_training_step_stops_every_stage(
 
 
 def test_compiled_blocks_run_as_layers_and_migrate_matching_one_process(tmp_path: Path) -> None:
-    """Blocks ``torch.compile``'d one by one are opaque layers (fx cannot trace into them; before: a
-    PipelineTraceError) that run compiled and migrate between stages; the result is one process's."""
+    """Blocks ``torch.compile``'d one by one are opaque layers (fx cannot trace into them; traced, they
+    would raise a PipelineTraceError) that run compiled and migrate between stages; the result is one
+    process's."""
     result = run_scenario("compiled_blocks_migrate", 2, tmp_path)
     assert result["history"], "the lopsided start must be rebalanced: compiled blocks migrate"
     expected_losses, expected_state = reference("sgd", model_class=CompiledBlocksNet, max_steps=6)
@@ -632,7 +634,7 @@ def test_compiled_blocks_run_as_layers_and_migrate_matching_one_process(tmp_path
 
 def test_a_compiled_module_runs_uncompiled_and_matches_one_process(tmp_path: Path) -> None:
     """A ``torch.compile``'d LightningModule passed to fit: the compiled steps cannot trace through the
-    stages' exchange (before: a crash inside AOT autograd on the first stage), so it runs uncompiled, with
+    stages' exchange (it would crash inside AOT autograd on the first stage), so it runs uncompiled, with
     a warning, and trains as one process does."""
     result = run_scenario("compiled_module", 2, tmp_path)
     expected_losses, expected_state = reference("sgd", max_steps=4)
@@ -641,9 +643,10 @@ def test_a_compiled_module_runs_uncompiled_and_matches_one_process(tmp_path: Pat
 
 
 def test_a_nanogpt_style_forward_traces_migrates_and_matches_one_process(tmp_path: Path) -> None:
-    """nanoGPT's forward idioms, which fx could not trace (before: ``PipelineTraceError`` at the assert, then
-    at the mask buffer sliced by a traced length): ``b, t = idx.size()``, ``assert t <= block_size``,
-    ``torch.arange(0, t, device=idx.device)``, a causal mask buffer cut to ``[:T, :T]``. Two stages from a
+    """nanoGPT's forward idioms, which plain fx cannot trace (a regression would show as
+    ``PipelineTraceError`` at the assert, then at the mask buffer sliced by a traced length):
+    ``b, t = idx.size()``, ``assert t <= block_size``, ``torch.arange(0, t, device=idx.device)``, a causal
+    mask buffer cut to ``[:T, :T]``. Two stages from a
     lopsided start, blocks (with their mask buffers) migrating, AdamW: one process's losses and weights."""
     result = run_scenario("nano_gpt_migrate", 2, tmp_path)
     assert result["history"], "layers must migrate during the run"
@@ -658,10 +661,10 @@ def test_a_buffer_counted_in_forward_and_a_schedule_sized_in_configure_optimizer
     tmp_path: Path,
 ) -> None:
     """``self.samples_seen += n`` in forward is an in-place node of the graph, run by the stage that holds the
-    buffer (before: the trace left an fx Proxy in the module and setup failed in ``model.to``), and a
+    buffer (the trace must not leave an fx Proxy in the module, or setup fails in ``model.to``), and a
     ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` keeps the user's unshuffled
-    loader (before: Lightning's shuffling DistributedSampler, since the data loaded before the strategy's
-    setup). Losses, weights, schedule and the count equal one process's."""
+    loader (not Lightning's shuffling DistributedSampler, which the data would get if it loaded before the
+    strategy's setup). Losses, weights, schedule and the count equal one process's."""
     result = run_scenario("counting_scheduled", 2, tmp_path)
     expected_losses, expected_state = reference("sgd", model_class=CountingScheduledNet, max_epochs=1)
     assert int(expected_state["samples_seen"]) == 256  # one epoch
@@ -707,7 +710,7 @@ class _PlainBackward(SkippingNet):
 
 def test_whole_steps_skipped_on_one_process_match_lightning(tmp_path: Path) -> None:
     """A step all of whose micro-batches return None is skipped on every stage (no optimizer step), as
-    Lightning skips it on one device; before, a TypeError."""
+    Lightning skips it on one device (a regression would show as a TypeError)."""
     result = run_scenario("skipped_steps_one_stage", 1, tmp_path)
     expected_losses, expected_state = reference(
         "sgd", model_class=SkippingNet, model_kwargs=dict(skip_every=3), max_steps=5
@@ -720,8 +723,8 @@ def test_whole_steps_skipped_on_one_process_match_lightning(tmp_path: Path) -> N
 def test_a_step_pulling_from_dataloader_iter_runs_on_three_stages_like_one_process(tmp_path: Path) -> None:
     """``training_step(dataloader_iter)``: the batch is not visible to the strategy, so the step runs as
     one micro-batch, and every stage (the middle one too) pulls its batches; the extra key the step
-    returns reaches ``on_train_batch_end`` on the last stage. Before: "could not find a batch
-    dimension", and extra keys were dropped."""
+    returns reaches ``on_train_batch_end`` on the last stage (a regression would show as "could not find
+    a batch dimension", or as extra keys dropped)."""
     result = run_scenario("dataloader_iter_three_stages", 3, tmp_path)
     expected_losses, expected_state = reference("adam", max_steps=5)
     assert_losses_match(result["losses"], expected_losses)
@@ -732,8 +735,8 @@ def test_a_step_pulling_from_dataloader_iter_runs_on_three_stages_like_one_proce
 def test_steps_calling_the_submodule_forward_hands_its_input_to_match_one_process(tmp_path: Path) -> None:
     """``forward`` only hands its input to ``self.model`` and the steps call ``self.model(x)`` themselves (a
     wrapped torchvision / timm / Hugging Face model): on 2 stages from a lopsided start, migrating, those
-    calls run as ``self(...)`` and the fit equals one process's, its validation loss included. Before
-    2026-11-28 the stages failed on a layer the calling stage does not hold."""
+    calls run as ``self(...)`` and the fit equals one process's, its validation loss included (a
+    regression would show as the stages failing on a layer the calling stage does not hold)."""
     result = run_scenario("delegating_wrapper", 2, tmp_path)
     expected_losses, expected_state = reference(
         "adam", model_class=WrapperNet, max_epochs=1, precision="64-true"
@@ -752,8 +755,8 @@ def test_steps_calling_the_submodule_forward_hands_its_input_to_match_one_proces
 def test_lightnings_readme_autoencoder_trains_on_two_stages_as_one_process(tmp_path: Path) -> None:
     """Lightning's ``LitAutoEncoder``: ``forward`` returns ``self.encoder(x)``; ``training_step`` calls
     ``self.encoder`` and then ``self.decoder`` (state no layer of forward uses: the last stage's). On 2
-    stages the encoder call runs as ``self(...)``; the fit equals one process's. Before 2026-11-28 it
-    failed inside torch (``mat2 must be a matrix``)."""
+    stages the encoder call runs as ``self(...)``; the fit equals one process's (a regression would show
+    as a failure inside torch, ``mat2 must be a matrix``)."""
     result = run_scenario("lightning_autoencoder", 2, tmp_path)
     expected_losses, expected_state = reference(
         "adam", model_class=LitAutoEncoder, max_steps=8, precision="64-true"
@@ -763,7 +766,7 @@ def test_lightnings_readme_autoencoder_trains_on_two_stages_as_one_process(tmp_p
 
 
 def test_a_sigterm_on_rank_0_ends_every_stage_at_the_step_ddp_ends_at(tmp_path: Path) -> None:
-    # Lightning broadcasts rank 0's SIGTERM flag before each step; hier_pipeline's rank 0 no longer waits
+    # Lightning broadcasts rank 0's SIGTERM flag before each step; hier_pipeline's rank 0 does not wait
     # for the others to receive it, and the flag must still stop every rank where it stops them under ddp
     found = {}
     for kind in ("ddp", "hier_pipeline"):

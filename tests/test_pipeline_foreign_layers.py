@@ -1,8 +1,8 @@
 """A step that calls, outside ``self(...)``, a layer another pipeline stage holds gets the reason and the fix;
 a call of the child ``forward`` only hands its inputs to runs as ``self(...)``.
 
-Before 2026-11-28 a ``training_step`` running ``self.encoder`` and ``self.decoder`` itself (as Lightning's
-``LitAutoEncoder`` does) failed under hier_pipeline inside torch with ``mat2 must be a matrix, got 1-D
+Without that, a ``training_step`` running ``self.encoder`` and ``self.decoder`` itself (as Lightning's
+``LitAutoEncoder`` does) would fail under hier_pipeline inside torch with ``mat2 must be a matrix, got 1-D
 tensor`` on one stage.
 """
 

@@ -244,8 +244,8 @@ class Switched(nn.Module):
 
 
 def test_plain_default_arguments_are_traced_as_their_defaults_and_other_values_fail_loudly() -> None:
-    """Before 2026-11-26 such a forward could not be traced ("symbolically traced variables cannot be
-    used as inputs to control flow"), so hier_pipeline refused the model."""
+    """Plain fx cannot trace such a forward ("symbolically traced variables cannot be used as inputs to
+    control flow"); here the defaults are traced as constants and hier_pipeline takes the model."""
     torch.manual_seed(0)
     model = Switched()
     graph = LayerGraph(model)
@@ -255,7 +255,7 @@ def test_plain_default_arguments_are_traced_as_their_defaults_and_other_values_f
     for kwargs in ({}, {"extra": False, "mask": None, "scale": 2.0}):
         value = executors[0].forward(x, **kwargs)
         torch.testing.assert_close(executors[1].forward(value), model(x), rtol=0, atol=0)
-    # another value is refused before any layer runs, naming the argument and the fix (before: fx's
+    # another value is refused before any layer runs, naming the argument and the fix (not fx's
     # "has been specialized" assertion from inside the graph)
     with pytest.raises(
         ValueError, match=r"traced Switched.forward with extra=False, its default .* passes True"
@@ -285,9 +285,9 @@ class MaskedByDefaultNone(nn.Module):
 
 
 def test_a_none_default_forward_uses_as_a_tensor_is_traced_as_an_input() -> None:
-    """Before 2026-11-28 tracing it as None failed (``'NoneType' object has no attribute 'unsqueeze'``) and
-    the model was refused. Now it is an input (the other defaults stay constants), every call must pass it,
-    and the stages compute the model's own output."""
+    """Tracing it as None would fail (``'NoneType' object has no attribute 'unsqueeze'``) and refuse the
+    model. It is an input instead (the other defaults stay constants), every call must pass it, and the
+    stages compute the model's own output."""
     torch.manual_seed(0)
     model = MaskedByDefaultNone()
     graph = LayerGraph(model)
@@ -302,7 +302,7 @@ def test_a_none_default_forward_uses_as_a_tensor_is_traced_as_an_input() -> None
         executors[0].forward(x)
     with pytest.raises(ValueError, match=r"with extra=False, its default .* passes True"):
         executors[0].forward(x, attention_mask=mask, extra=True)
-    # a None default that traces as None (a branch on it) stays a constant, as before
+    # a None default that traces as None (a branch on it) stays a constant
     assert LayerGraph(Switched()).none_traced_as_input == []
 
 
@@ -399,7 +399,7 @@ class LSTMNet(nn.Module):
 
 
 def test_no_cut_after_a_layer_that_returns_a_tuple() -> None:
-    """``nn.LSTM`` returns ``(output, (h, c))``: a cut there would send a tuple (before: a TypeError at the
+    """``nn.LSTM`` returns ``(output, (h, c))``: a cut there would send a tuple (a TypeError at the
     first step on one stage and a lost connection on the other)."""
     torch.manual_seed(0)
     model = LSTMNet().double()
@@ -429,7 +429,7 @@ class FunctionalDropoutNet(nn.Module):
 @pytest.mark.parametrize("traced_in_train_mode", [True, False])
 def test_functional_dropout_follows_the_mode_it_runs_in(traced_in_train_mode: bool) -> None:
     """``F.dropout(x, p, self.training)`` traces to a constant: the stages re-read the mode at each call
-    (before: dropout stayed on in validation when traced in train mode); a literal ``True`` stays on."""
+    (otherwise dropout would stay on in validation when traced in train mode); a literal ``True`` stays on."""
     torch.manual_seed(0)
     model = FunctionalDropoutNet().double().train(traced_in_train_mode)
     graph = LayerGraph(model)
@@ -553,8 +553,8 @@ def _pipeline_forward(graph: LayerGraph, stages: int, x: torch.Tensor, global_dr
 
 def test_torch_leaves_holding_dropout_draw_from_the_per_layer_stream() -> None:
     """An ``nn.TransformerEncoderLayer`` or ``nn.LSTM(dropout=...)`` leaf gets the same masks on any stage
-    and whatever its process drew before, as ``nn.Dropout`` does (before: only the leaf's own type was
-    asked, so these drew from the process's global stream and their masks followed the placement)."""
+    and whatever its process drew before, as ``nn.Dropout`` does (asking only the leaf's own type would
+    leave these drawing from the process's global stream, their masks following the placement)."""
     torch.manual_seed(0)
     model = TorchContainersWithDropout().double().train()
     graph = LayerGraph(model)
@@ -606,8 +606,8 @@ class MaskedEncoder(nn.Module):
 
 def test_a_further_input_of_forward_does_not_hold_the_layers_that_read_it_on_one_stage() -> None:
     """The mask is read by every encoder layer, yet each layer is its own cluster: a later stage binds the
-    mask from its own call of forward (every process holds the batch) instead of receiving it (before: the
-    mask blocked every cut, so ``emb`` and all encoder layers were one cluster on one stage). Three stages
+    mask from its own call of forward (every process holds the batch) instead of receiving it (otherwise the
+    mask would block every cut, making ``emb`` and all encoder layers one cluster on one stage). Three stages
     of executors, fed the call's inputs, equal the model."""
     torch.manual_seed(0)
     model = MaskedEncoder().double()
@@ -635,7 +635,7 @@ def test_a_further_input_of_forward_does_not_hold_the_layers_that_read_it_on_one
 
 def test_the_first_input_read_again_still_holds_its_block_together() -> None:
     """The first input is what flows through the stages: a residual over it keeps its block in one
-    cluster, as before."""
+    cluster (unlike a further input, which each stage binds itself)."""
 
     class InputSkip(nn.Module):
         def __init__(self) -> None:
@@ -685,9 +685,9 @@ class _Writing(nn.Module):
 
 
 def test_a_trace_leaves_the_model_as_it_was_and_keeps_in_place_buffer_updates() -> None:
-    """fx runs forward once with proxies: before, ``self.seen`` stayed an fx Proxy on the user's model (and
-    Lightning's ``model.to`` failed on it). Now the model is as before the trace, the in-place update is a
-    layer of the graph, and the attribute that the graph cannot set is warned about."""
+    """fx runs forward once with proxies, which could leave ``self.seen`` an fx Proxy on the user's model
+    (and Lightning's ``model.to`` would fail on it). The model is as before the trace, the in-place update is
+    a layer of the graph, and the attribute that the graph cannot set is warned about."""
     model = _Writing()
     seen = model.seen
     with pytest.warns(UserWarning, match=r"_Writing.forward sets last_input"):
@@ -697,7 +697,7 @@ def test_a_trace_leaves_the_model_as_it_was_and_keeps_in_place_buffer_updates() 
     x = torch.randn(3, 4)
     torch.testing.assert_close(executor.forward(x), model.lin(x) + torch.tensor([1.0, -1.0]))
     assert int(model.seen) == 3  # the graph's add_ on the model's own buffer
-    model.to(torch.float64)  # what failed on the proxy before
+    model.to(torch.float64)  # what would fail on a proxy left behind
     assert model.seen.dtype == torch.long
 
 
@@ -759,9 +759,9 @@ def test_batch_fingerprints_compare_shapes_and_integer_values_not_float_values()
 
 
 def test_an_assert_on_a_traced_value_is_checked_at_run_time_and_a_buffer_cut_by_one_traces() -> None:
-    """Before, both failed the trace (fx cannot turn a traced value into a bool, and a buffer was a plain
-    tensor that a traced length cannot index). Now the assert is a layer that raises, with its location,
-    on the stage that runs it, and the split model equals the whole one."""
+    """Plain fx fails on both (it cannot turn a traced value into a bool, and a plain buffer tensor cannot
+    be indexed by a traced length). The assert is a layer that raises, with its location, on the stage that
+    runs it, and the split model equals the whole one."""
     from pipeline_models import MaskedAverage  # outside the tests: pytest rewrites a test module's asserts
 
     torch.manual_seed(0)
@@ -832,9 +832,9 @@ class _Adversarial(nn.Module):
 
 
 def test_a_custom_autograd_function_is_one_layer_keeping_its_backward() -> None:
-    """Before, fx traced through ``Function.apply`` into its forward (a ``view_as``) and the custom backward
-    was gone: the stages trained the feature layer with the domain gradient's sign flipped back, silently.
-    Now the apply is one layer, and the split model's gradients equal the whole model's."""
+    """fx would trace through ``Function.apply`` into its forward (a ``view_as``) and lose the custom
+    backward: the stages would train the feature layer with the domain gradient's sign flipped back,
+    silently. The apply is one layer, and the split model's gradients equal the whole model's."""
     torch.manual_seed(0)
     model = _Adversarial().double()
     graph = LayerGraph(model)
@@ -867,10 +867,10 @@ class _Distilled(nn.Module):
 
 
 def test_a_no_grad_block_in_forward_keeps_its_teacher_without_gradients() -> None:
-    """fx does not record ``with torch.no_grad():``; before, the stages ran the teacher with gradients and
-    the optimizer trained it (0.34 relative off one process's teacher after 16 steps). Now the block's
-    values leave it through a stop-gradient layer: the split model's gradients are the whole model's, and
-    the teacher gets none."""
+    """fx does not record ``with torch.no_grad():``; traced as is, the stages would run the teacher with
+    gradients and the optimizer would train it (0.34 relative off one process's teacher after 16 steps).
+    The block's values leave it through a stop-gradient layer: the split model's gradients are the whole
+    model's, and the teacher gets none."""
     torch.manual_seed(0)
     model = _Distilled().double()
     graph = LayerGraph(model)

@@ -149,7 +149,7 @@ def test_previous_plan_with_recompute_and_free_memory_reruns_the_greedy_rule():
     tight = decide_memory_plan(_stats(), in_flight=2, memory_limit=9000, swap_bandwidth=BANDWIDTH)
     assert tight.count(RECOMPUTE) == 2
     assert needs_new_plan(tight, current_peak=8400, memory_limit=None)
-    # seed claim 8: memory fits but layers recompute -> optimise again (claim 9 from scratch): the
+    # memory fits but layers recompute -> optimise again, from scratch: the
     # swaps within the time budget (d, b, c) stay, and with room to spare nothing recomputes
     relaxed = decide_memory_plan(
         _stats(), in_flight=2, memory_limit=50000, swap_bandwidth=BANDWIDTH, previous=tight
@@ -166,7 +166,7 @@ def test_previous_plan_with_recompute_and_free_memory_reruns_the_greedy_rule():
 def test_a_plan_in_force_that_fits_without_recompute_is_kept():
     swaps_only = decide_memory_plan(_stats(), in_flight=2, memory_limit=19999, swap_bandwidth=BANDWIDTH)
     assert swaps_only.count(SWAP) == 3 and swaps_only.count(RECOMPUTE) == 0
-    # more room now: no optimisation is needed (claim 7), so the plan in force stays, swaps included
+    # more room now: the plan in force fits without recompute, so it stays, swaps included
     later = decide_memory_plan(
         _stats(), in_flight=2, memory_limit=10**6, swap_bandwidth=BANDWIDTH, previous=swaps_only
     )

@@ -126,7 +126,7 @@ class _RecordingLink:
 @pytest.mark.parametrize("keys", [None, ["a", "a", "b", "b"]], ids=["headers", "static"])
 def test_the_next_header_is_received_while_the_stage_computes(kind: str, keys: list | None) -> None:
     """On gloo a message lands only once its receive is posted and the sender's thread answers; posted
-    after the stage's compute it waited on a busy sender (3-4 ms per micro-batch on 2 CPU cores). The
+    after the stage's compute it would wait on a busy sender (3-4 ms per micro-batch on 2 CPU cores). The
     receive of micro-batch m+1's header must be posted before m's forward runs, and none after the last;
     where m+1's spec is known from memory (``static_shapes``), its data receive instead (gloo)."""
     events: list[str] = []

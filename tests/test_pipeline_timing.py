@@ -369,7 +369,8 @@ class _DeviceClock:
 def test_on_a_gpu_a_step_reads_only_finished_marks_and_a_check_waits_for_the_rest() -> None:
     """On a GPU the end of a step never waits for the device: the timed micro-batches the device has
     finished are read, the rest stay pending; the rebalance check's reading of the times resolves the
-    rest with one synchronize. Before, every step ended with a synchronize (a drained queue per step)."""
+    rest with one synchronize (a regression would show as a synchronize ending every step, a drained
+    queue per step)."""
     engine = _engine(rebalance=100, partition="uniform")
     clock = _DeviceClock()
     engine.executor.clock = clock

@@ -1,10 +1,11 @@
 """A checkpoint's callback states are restored before ``on_fit_start`` and ``fit(weights_only=False)`` reaches
 ``torch.load``, as under ``ddp`` (tests/scripts/restore_order_checks.py, 2 processes).
 
-Before: these strategies asked Lightning to restore after their setup, which Lightning 2.6 does after the
-``on_fit_start`` hooks and without ``weights_only``. A resumed ``Timer`` took steps beyond its spent budget,
-``StochasticWeightAveraging`` resumed with the user's ``LambdaLR`` raised ``KeyError: 'lr_lambdas'``, and a
-callback state holding a custom object failed to load ("Weights only load failed").
+A restore that Lightning runs after the strategy's setup comes, in Lightning 2.6, after the
+``on_fit_start`` hooks and without ``weights_only``. A regression would show as a resumed ``Timer`` taking
+steps beyond its spent budget, ``StochasticWeightAveraging`` resumed with the user's ``LambdaLR`` raising
+``KeyError: 'lr_lambdas'``, or a callback state holding a custom object failing to load ("Weights only load
+failed").
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_ema_resumed_ends_where_ddp_ends(results: dict, strategy: str) -> None:
 def test_on_load_checkpoint_runs_before_configure_optimizers_as_ddp(results: dict, strategy: str) -> None:
     """A consolidated checkpoint restores the module before the strategy's setup, where ddp restores it: a
     module that builds its optimizer from state restored in ``on_load_checkpoint`` sees the restored rate
-    (until 2026-11-27 configure_optimizers ran first and saw the constructor's)."""
+    (a regression would show as configure_optimizers running first and seeing the constructor's)."""
     reference, resumed = results["reference"]["hook_order"], results[strategy]["hook_order"]
     assert "error" not in reference and "error" not in resumed, resumed
     assert reference["hooks"] == ["setup", "on_load_checkpoint", "configure_optimizers", "on_fit_start"]

@@ -11,7 +11,7 @@ import pytest
 from lightning_hier.sliced.reducer import _is_equal
 from lightning_hier.sliced.slicing import SLICE_QUANTA, combine_measurements, quantise_weights
 
-# free memory of four equal 80 GB GPUs, a few MB apart, and the weights of the brief case
+# free memory of four equal 80 GB GPUs, a few MB apart, and weights within 0.001 of each other
 NEAR_EQUAL = [[1.0, 0.999, 1.001, 1.0], [79.105e9, 79.098e9, 79.113e9, 79.101e9]]
 
 

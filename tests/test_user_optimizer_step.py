@@ -3,13 +3,13 @@
 non-finite loss) trains as under Lightning's own strategies, and so does one whose ``optimizer_zero_grad``
 clears the gradients on some batches only (the others' add to the next step's).
 
-Before 2026-11-27 two strategies got it wrong (Lightning's ``test_lightning_optimizer`` forced onto them
-found it): ``hier_bsp`` dropped every such step's gradients (``optimizer.step()`` without a closure hands
-the strategy an empty one, which it read as a skipped step), and ``hier_sliced`` kept a skipped step's
-gradients in its local buckets, so they were added to the next step's (a NaN step poisoned the model
-for good); and both cleared the gradients after every step themselves, where ddp leaves them to the next
-``zero_grad``. One process per strategy, in this process; ``ddp`` is the reference (``hier_pipeline``, one
-replica with no distributed sampler: Lightning on one device)."""
+The failure modes checked (Lightning's ``test_lightning_optimizer`` forced onto the strategies checks
+them too): ``optimizer.step()`` without a closure hands the strategy an empty one, which ``hier_bsp`` must
+not read as a skipped step (dropping every such step's gradients); ``hier_sliced`` must not keep a skipped
+step's gradients in its local buckets, where they would be added to the next step's (a NaN step would
+poison the model for good); and neither may clear the gradients after every step itself, where ddp leaves
+them to the next ``zero_grad``. One process per strategy, in this process; ``ddp`` is the reference
+(``hier_pipeline``, one replica with no distributed sampler: Lightning on one device)."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ SCENARIOS: dict[str, dict] = {
         validate=True,
     ),
     # validation every 2 batches inside 3-batch accumulation windows: every worker drains with its micro-step
-    # in flight (before: the drain waited for that worker's own fold and hung until the timeout)
+    # in flight (a regression would show as the drain waiting for that worker's own fold until the timeout)
     "sgd_validation_inside_accumulation_window": dict(
         model=dict(optimizer="sgd"),
         bsp=dict(devices_per_node=2, _early_push=True),

@@ -8,7 +8,7 @@
   Batches are shared (the default): the straggler should take fewer. ``fixed_shards``: the same with
   ``_share_batches=False`` (each worker its own quarter; an epoch ends for all when one runs out), and a
   validation loop with a ``sync_dist`` metric at every epoch end: a worker whose epoch ended with the
-  others' must validate too, or the ranks' collectives do not pair up (hung before the fix).
+  others' must validate too, or the ranks' collectives do not pair up (the fit would hang).
 - ``timed``: ``superstep="0.05s", max_staleness=0`` with the same straggler and validation: no
   gradient is ever stale, yet the fast workers fold more micro-steps per superstep than the straggler.
 - ``fill``: ``superstep=1, max_staleness=0, fill_idle=1, gradient_average="nominal"``, the same
@@ -245,7 +245,8 @@ class DecidingInTraining(EquivModel):
 
 def decisions_running_free(out: Path) -> dict:
     """Non-lockstep workers with a straggler (so they take different numbers of steps): a decision stays
-    the worker's own and the barrier does not wait (before: ``all=True`` read ``True`` as ``False``)."""
+    the worker's own and the barrier does not wait (a regression would show as ``all=True`` reading
+    ``True`` as ``False``)."""
     pl.seed_everything(7, verbose=False)
     model = DecidingInTraining()
     strategy = HierBSPStrategy(superstep=1, max_staleness=1, devices_per_node=2, bucket_cap_mb=0.002)
@@ -258,8 +259,8 @@ def decisions_running_free(out: Path) -> dict:
 
 def synced_in_lockstep(out: Path) -> dict:
     """Lockstep with two micro-steps per superstep and a straggler (so workers are at different steps
-    inside a superstep): per-step collectives pair by step, as under ddp (before: the values stayed each
-    worker's own, and all_gather raised)."""
+    inside a superstep): per-step collectives pair by step, as under ddp (a regression would show as the
+    values staying each worker's own, and all_gather raising)."""
     pl.seed_everything(7, verbose=False)
     model = SyncedInTraining()
     strategy = HierBSPStrategy(superstep=2, max_staleness=0, devices_per_node=2, bucket_cap_mb=0.002)

@@ -1,8 +1,8 @@
 """Run under torchrun (1 process): ``training_step`` returning ``None`` (a skipped step, which Lightning
 allows on one process) under plain ``hier_bsp`` against the default single-device strategy.
 
-Before, the skipped micro-step counted toward the superstep's quota but folded nothing, so the next step
-waited for a model that never came. ``bsp_skipped_steps.py OUT`` writes the comparison as JSON.
+A skipped micro-step counted toward the superstep's quota while folding nothing would leave the next step
+waiting for a model that never comes. ``bsp_skipped_steps.py OUT`` writes the comparison as JSON.
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ SCENARIOS: dict[str, dict] = {
         trainer=dict(max_steps=6),
     ),
     # the whole module torch.compile'd before fit (Lightning compiles forward and the *_step methods;
-    # aot_eager goes through the same AOT autograd that failed inside the stage exchange)
+    # aot_eager goes through the same AOT autograd that would fail inside the stage exchange)
     "compiled_module": dict(
         model=dict(optimizer="sgd"),
         strategy=dict(partition="uniform", rebalance="never", micro_batches=2),

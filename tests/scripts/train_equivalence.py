@@ -102,7 +102,7 @@ SCENARIOS: dict[str, dict] = {
         hier=dict(devices_per_node=2, elementwise_optimizers=["ConstructedStateSGD"]),
     ),
     # nn.Embedding(sparse=True): ddp all-reduces sparse gradients, hier_sliced takes them into its dense
-    # buckets (before: "Cannot access data pointer of Tensor that doesn't have storage")
+    # buckets (a regression would show as "Cannot access data pointer of Tensor that doesn't have storage")
     "sparse_embedding_sgd": dict(
         model=dict(optimizer="sgd_plain", sparse_embedding=True), hier=dict(devices_per_node=2)
     ),
