@@ -1,8 +1,8 @@
 """One ``torch.distributed.run`` job of ``bench_bsp_stream.py`` (one process, CUDA device 0): the same
 fit under ``ddp``, under ``hier_bsp`` with the local BSP module on its own stream (the product), and
-under ``hier_bsp`` with the module forced onto the worker's stream (how it ran before: every push, server
-step and pull queued behind the worker's kernels, a device-wide synchronize per superstep); rank 0 writes
-``JOB_DIR/result.json``.
+under ``hier_bsp`` with the module forced onto the worker's stream (without ``StreamHandoff``: every push,
+server step and pull queued behind the worker's kernels, a device-wide synchronize per superstep); rank 0
+writes ``JOB_DIR/result.json``.
 
 ``_bsp_stream_worker.py CONFIG_JSON JOB_DIR``; CONFIG_JSON holds modes, rounds, hidden, layers,
 batch_size, warmup, steps, max_staleness.
@@ -52,7 +52,7 @@ class Window(Callback):
 
 def on_worker_stream() -> contextlib.AbstractContextManager:
     """The module issues on the calling thread's current stream (the default one) and waits for the whole
-    device before reading a clock: the behaviour before ``StreamHandoff``."""
+    device before reading a clock: the behaviour without ``StreamHandoff``."""
     return mock.patch.multiple(
         StreamHandoff,
         module_stream=lambda self: contextlib.nullcontext(),

@@ -26,9 +26,8 @@ from lightning_hier import CommProfiler, HierBSPStrategy, HierPipelineStrategy, 
 
 class PythonAllReduceHook(Callback):
     """``ddp_python_hook``: DDP's buckets all-reduced through torch's own Python comm hook in both runs
-    (a user's hook: CommProfiler keeps it and reads DDP's timing as under plain ``ddp``); until
-    2026-11-26 the profiler installed this hook itself, so this run's time against ``ddp``'s is what
-    that cost."""
+    (a user's hook: CommProfiler keeps it and reads DDP's timing as under plain ``ddp``); this run's time
+    against ``ddp``'s is what a profiler installing such a hook itself would cost."""
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -37,8 +36,8 @@ class PythonAllReduceHook(Callback):
 
 
 class CpuMarkedWindow(MarkedWindow):
-    """The step window, and the CPU seconds (every thread of every rank) spent per step in it: on this
-    oversubscribed host (4 processes, 2 cores) the step time follows the total CPU work, and CPU time is
+    """The step window, and the CPU seconds (every thread of every rank) spent per step in it: on an
+    oversubscribed 2-core CPU (4 processes) the step time follows the total CPU work, and CPU time is
     far less noisy than wall time."""
 
     cpu_per_step_s = float("nan")

@@ -25,7 +25,7 @@ from lightning_hier import HierPipelineStrategy
 WIDTH = 256  # what every block takes and returns
 MODELS = {  # hidden widths of the 16 blocks
     "heavy-first": [1024] * 8 + [32] + [16] * 7,  # the benchmark's default
-    "narrow-first": [32] * 9 + [512] * 7,  # issue 14's skewed stack: 9 narrow blocks, then 7 wide ones
+    "narrow-first": [32] * 9 + [512] * 7,  # the skewed stack: 9 narrow blocks, then 7 wide ones
 }
 HIDDENS = list(MODELS["heavy-first"])
 SGD = {"lr": 0.01, "momentum": 0.9}

@@ -2,7 +2,7 @@
 
 One process on CUDA device 0 (NCCL, world size 1) trains an MLP with Adam under Lightning ``ddp``, under
 ``hier_bsp`` (``superstep=1``, ``max_staleness=1``: the server applies step n while the worker
-computes step n + 1), and under ``hier_bsp`` with the module put back on the worker's stream (as before
+computes step n + 1), and under ``hier_bsp`` with the module put back on the worker's stream (without
 ``StreamHandoff``), ``--rounds`` fits each, interleaved. Prints the median step times and their ratios::
 
     python benchmarks/bench_bsp_stream.py [--rounds 3] [--hidden 4096] [--layers 8]

@@ -7,7 +7,7 @@ undone, truly absent), so that steps with and without it share the host's drift;
 the median step time of its on steps against that of its off steps. ``--block 0`` runs separate fits
 instead, as many with as without (interleaved, alternating who goes first). The overhead is the ratio
 of the medians over the rounds (target <= 1.03); beside it, the CPU seconds per step summed over every
-thread of every rank, with and without (on the 2-core host the step time follows the total CPU work)::
+thread of every rank, with and without (on a 2-core CPU the step time follows the total CPU work)::
 
     python benchmarks/bench_comm_profiler.py [--rounds 3] [--steps 200] [--block 10]
 

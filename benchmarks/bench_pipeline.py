@@ -27,7 +27,7 @@ LABELS = {
 }
 CONTENDER, REFERENCE = "rebalanced", "uniform"
 TARGET_SPEEDUP, TARGET_MAX_MEAN = 1.5, 1.15  # for one stage per core
-# issue 14: vs one process, vs torch's stages on the same split, engine overhead [ms per micro-batch]
+# targets against one process, against torch's stages on the same split, engine overhead [ms per micro-batch]
 TARGET_VS_SINGLE, TARGET_VS_TORCH, TARGET_OVERHEAD_MS = 1.4, 1.0, 0.5
 BLOCKS, CORES, NAN = 16, os.cpu_count() or 1, float("nan")
 QUICK = {"stages": "2", "steps": 8, "warmup": 3, "repeats": 1, "rebalance_every": 4, "max_settle_steps": 24}
@@ -193,7 +193,7 @@ def summary(stages: int, done: list[Job], all_jobs: list[Job], batch_size: int) 
     overhead = mean([w["engine_overhead_ms_per_micro_batch"] for w in reb])
     own = mean([w.get("engine_own_ms_per_micro_batch", NAN) for w in reb])
     net = mean([w["engine_overhead_without_optimizer_ms_per_micro_batch"] for w in reb])
-    # what these stage times allow against one process, whatever the engine does (issue 14's 1.4x)
+    # what these stage times allow against one process, whatever the engine does (against the 1.4x target)
     single_step_s = batch_size / single
     bound = mean([single_step_s / w["ideal_step_s"] for w in reb])
     floor = mean([single_step_s / (w["ideal_step_s"] + w["first_stage_boundary_s"]) for w in reb])
@@ -210,7 +210,7 @@ def summary(stages: int, done: list[Job], all_jobs: list[Job], batch_size: int) 
         f"migration pause {fmt(mean([w['pause_s'] * 1e3 for w in reb]), '.0f')} ms{note}"
         f"\n  first-step loss {', '.join(losses)} ({same}: same weights and data)"
         f"{split_line}"
-        f"\n  issue 14: {CONTENDER} / single process = {fmt(vs_single)} (target >= {TARGET_VS_SINGLE}: "
+        f"\n  targets: {CONTENDER} / single process = {fmt(vs_single)} (target >= {TARGET_VS_SINGLE}: "
         f"{verdict(vs_single >= TARGET_VS_SINGLE)}), / torch pipelining on its split = {fmt(vs_torch)} "
         f"(target >= {TARGET_VS_TORCH}: {verdict(vs_torch >= TARGET_VS_TORCH)}); engine overhead "
         f"{fmt(overhead)} ms per micro-batch (the step against (micro-batches - 1) x the slowest stage's "

@@ -7,12 +7,12 @@ micro-batching (M small matrix products cost more than one large one) and S busy
 memory bandwidth and clock. This measures both with plain torch loops (the benchmark's blocks, SGD with
 momentum, one thread per process, each pinned to its own core), ``--rounds`` times, interleaved:
 
-- ``whole``: one process, one batch per step (the reference of issue 14's ">= 1.4x one process");
+- ``whole``: one process, one batch per step (the reference of the pipeline's target ">= 1.4x one process");
 - ``micro``: one process, the batch in M micro-batches accumulated;
 - ``micro_busy``: the same loop in S processes at once (the cost per core while every core works);
 
 and prints ``bound = whole / ((M + S - 1) / M x micro_busy / S)``: no split, schedule or engine beats it
-(a zero-bubble schedule does not either on this host: bench_pipeline_schedules.py).
+(nor does a zero-bubble schedule on a 2-core CPU: bench_pipeline_schedules.py).
 
 Two more runs split the blocks into ``--split`` stages (one process each) to show what messages cost:
 
@@ -22,7 +22,7 @@ Two more runs split the blocks into ``--split`` stages (one process each) to sho
   can be here, and the reference for ``bench_pipeline.py``'s contenders.
 
 Each prints its step and every stage's forward + backward per micro-batch; ``bare_1f1b / stages_busy`` of
-the latter is what waiting for messages does to the same computation on this host::
+the latter is what waiting for messages does to the same computation on the machine it runs on::
 
     python benchmarks/bench_pipeline_bound.py [--model narrow-first] [--batch-size 512] [--micro-batches 4]
 """

@@ -13,8 +13,8 @@ samples in ``--micro-batches`` micro-batches:
   step per layer (CUDA events on a GPU).
 
 ``--rounds`` fits each, interleaved; prints the median time per optimizer step, the ratio to ``single``
-and the engine's extra time per micro-batch, ``(pipeline - single) / M`` (issue 14 item 4's target for
-the engine's own work: <= 0.5 ms per micro-batch per stage)::
+and the engine's extra time per micro-batch, ``(pipeline - single) / M`` (the target for the engine's
+own work: <= 0.5 ms per micro-batch per stage)::
 
     python benchmarks/bench_pipeline_one_stage.py [--gpu] [--rounds 3] [--layers 24] [--hidden 1024]
 

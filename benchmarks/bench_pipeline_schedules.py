@@ -1,6 +1,6 @@
-"""What pipelining can buy on this host at all: torch's own schedules against one process.
+"""What pipelining can buy at all on the machine it runs on: torch's own schedules against one process.
 
-Issue 14 item 4 asks the rebalanced 2-stage pipeline for >= 1.4x one process's throughput on the skewed
+The target for the rebalanced 2-stage pipeline is >= 1.4x one process's throughput on the skewed
 stack (``--model narrow-first``, batch 512 in 4 micro-batches). This benchmark takes the engine out: it
 trains the same 16 blocks with ``torch.distributed.pipelining``'s hand-built ``PipelineStage``s (gloo, one
 process per core) under ``Schedule1F1B`` on a 2-stage split, and under the zero-bubble schedules
@@ -11,7 +11,7 @@ one process::
 
     python benchmarks/bench_pipeline_schedules.py [--rounds 3] [--split 0,12] [--split4 0,11,13,15]
 
-The defaults are the splits that were fastest on the 2-core host: ``0,12`` is the split the engine's
+The defaults are the splits that were fastest on a 2-core CPU: ``0,12`` is the split the engine's
 rebalancing settles on; ``0,11,13,15`` the best of the 4-stage splits tried (benchmarks/README.md).
 """
 

@@ -1,13 +1,13 @@
 """Extra 1F1B warm-up forwards against none, in one run: ``hier_pipeline`` on a fixed split where the
 first stage is the slower one, switching ``extra_warmup`` between 0 and ``--extra`` every ``--block``
-steps on every rank, so that both settings meet the same host load (on a shared 2-core host the speed
+steps on every rank, so that both settings meet the same host load (on a shared 2-core CPU the speed
 drifts by 10-25 % between runs minutes apart, more than the effect measured here).
 
 Prints the median step time of each setting and their ratio (below 1: the extra forwards pay)::
 
     python benchmarks/bench_pipeline_warmup.py [--partition 12,4] [--extra 1] [--steps 600]
 
-The default is issue 14's skewed stack (9 narrow blocks, then 7 wide ones, batch 512 in 4 micro-batches)
+The default is a skewed stack (9 narrow blocks, then 7 wide ones, batch 512 in 4 micro-batches)
 on the split the rebalancer finds for it (12 and 4 blocks): stage 0 about 13.7 ms per micro-batch, stage
 1 about 11.9 ms. There ``extra_warmup="auto"`` chooses one extra forward on stage 0
 (``lightning_hier/pipeline/warmup.py`` simulates 64.9 -> 61.3 ms).
@@ -22,7 +22,7 @@ from harness import cli, jobs, report
 WORKER = jobs.BENCH_DIR / "_pipeline_warmup_worker.py"
 OPTIONS = """
 --partition      str   12,4         blocks per stage (one process per stage)
---model          str   narrow-first narrow-first (issue 14's stack) or heavy-first
+--model          str   narrow-first narrow-first (the skewed stack) or heavy-first
 --batch-size     int   512          samples per step
 --micro-batches  int   4            micro-batches per step
 --extra          int   1            extra warm-up forwards per stage in the contender's blocks

@@ -1,4 +1,4 @@
-"""Worker processes on this host: launch, handshake, stop, and the checks that the host is quiet.
+"""Worker processes on the local machine: launch, handshake, stop, and the checks that the host is quiet.
 
 A benchmark job is one ``torch.distributed.run --standalone`` launch (or one worker per rank in an
 emulated cluster, see :mod:`harness.cluster`) with its own temp dir for logs, results and marker

@@ -24,7 +24,7 @@ def setup(interop_threads: bool = False) -> None:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     # torchmetrics' Metric is an ABC with hundreds of subclasses: the first isinstance(tensor, Metric),
-    # made by the first self.log of a run, walks them all (~0.45 s once on the 2-core host). Pay it here,
+    # made by the first self.log of a run, walks them all (~0.45 s once on a 2-core CPU). Pay it here,
     # before any clock starts, for every contender alike (otherwise it lands in whichever first step
     # happens to make that check first).
     from torchmetrics import Metric
