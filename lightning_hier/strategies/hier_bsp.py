@@ -569,8 +569,8 @@ class HierBSPStrategy(HierStrategy):
         """The server starts from the module as training starts, after every restore hook and the
         callbacks' and module's ``on_train_start``, as ``ddp`` trains whatever the module then holds.
         ``WeightAveraging`` loads its ``current_model_state`` into the module directly, after
-        :meth:`load_model_state_dict` gave the server the averaged weights; the server then trained from
-        those instead (Lightning's ``test_ema_resume`` found it)."""
+        :meth:`load_model_state_dict` gave the server the averaged weights; starting the server from the
+        module here makes it train from the module's weights, as ``ddp`` does."""
         if self.engine is not None:
             self.engine.load_params()
 
@@ -630,7 +630,7 @@ class HierBSPStrategy(HierStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Where workers keep their own values (:meth:`reduce`), a decision is the worker's own too: ddp's sum
         compared with the world size would read every worker's ``True`` as ``False`` under ``all=True``
-        (``SpikeDetection`` then never updated its statistics; Lightning's own test found it). A worker that
+        (``SpikeDetection`` would then never update its statistics). A worker that
         raises on its decision stops the others through the engine's abort."""
         if self._keeps_own:
             return bool(decision)

@@ -320,7 +320,7 @@ class HierPipelineStrategy(HierStrategy):
         if batch_idx % max(int(trainer.accumulate_grad_batches), 1) != 0:
             return
         # on_before_zero_grad stays Lightning's to call (once per optimizer step, after training_step, as
-        # under ddp); it reaches the skipped optimizer_zero_grad then (before: called here as well, twice)
+        # under ddp); it reaches the skipped optimizer_zero_grad then (calling it here too would make two)
         for optimizer in self.optimizers:
             self._user_zero_grad(trainer.current_epoch, batch_idx, optimizer)
 
@@ -569,8 +569,8 @@ class HierPipelineStrategy(HierStrategy):
 
         The last stage's ``trainer.should_stop`` travels with it: the user's ``training_step`` runs there
         only, so a step that stops the fit on its own condition (``if loss < x: self.trainer.should_stop
-        = True``, as each ``ddp`` rank would decide for itself) stops every stage; before, the other stages
-        trained on and the fit hung."""
+        = True``, as each ``ddp`` rank would decide for itself) stops every stage; otherwise the other stages
+        would train on and the fit would hang."""
         assert self.engine is not None
         all_skipped = self._skipped_micro_batches == num_micro
         self._loss_broadcasts.wait()
@@ -610,12 +610,12 @@ class HierPipelineStrategy(HierStrategy):
     def _receive_loss_ahead(self) -> None:
         """On the host (gloo), a stage other than the last posts the receive of the step's loss and flags as
         soon as it has issued its last message of the step (the schedule calls this): on the first stage
-        before its last backward, so the loss lands while that backward runs. Posted after the backward,
-        as before, the receive waited for the last stage's communication thread: 0.35 ms per step on the
-        first stage, whose last backward and next forward bound every step. Every stage issues it after
-        all its point-to-point messages, as the last stage issues the broadcast after its own, so the
-        ranks keep one issuing order (DESIGN principle 7; ``tests/test_device_rule.py``); posted as the
-        step began it was out of that order. Not on a GPU: there the loss travels on the device."""
+        before its last backward, so the loss lands while that backward runs (posted after that backward,
+        the receive waits for the last stage's communication thread: 0.35 ms per step on the first stage,
+        whose last backward and next forward bound every step). Every stage issues it after all its
+        point-to-point messages, as the last stage issues the broadcast after its own, so the ranks keep one
+        issuing order of collectives (``tests/test_device_rule.py``); posted as the step begins it would be
+        out of that order. Not on a GPU: there the loss travels on the device."""
         assert self.engine is not None
         if self.num_stages == 1 or self.engine.is_last or self._skip_flag_on_host():
             return

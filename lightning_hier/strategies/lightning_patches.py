@@ -519,8 +519,8 @@ def step_values_over_micro_batches(results: Any) -> Iterator[None]:
     value logged with ``on_step=True``; afterwards each such metric's step value (its private
     ``_forward_cache``) becomes what its ``reduce_fx`` makes of the micro-batches' values (the mean weighted
     as Lightning weighs the epoch's mean, the max, min or sum), as one process logging the whole batch would
-    see. Values logged ``on_epoch`` accumulate per call as before; torchmetrics objects keep their own step
-    value (their ``forward`` on the last micro-batch)."""
+    see. Values logged ``on_epoch`` accumulate per call, as Lightning accumulates them; torchmetrics objects
+    keep their own step value (their ``forward`` on the last micro-batch)."""
     if results is None or not hasattr(results, "update_metrics"):
         yield
         return

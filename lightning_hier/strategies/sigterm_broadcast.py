@@ -6,8 +6,8 @@ once the receiver has posted its receive, so rank 0 waits until the slowest rank
 Under ``hier_pipeline`` rank 0 holds the last stage, which finishes its step first, so that wait put the
 other stages' last backward in front of its next step (about 2.5 ms per step on the CPU benchmark's
 bottleneck stage). Here rank 0 issues the broadcast and goes on; it waits for it at the next step or
-when the fit ends. The flag reaches every rank at the same step as Lightning's own broadcast, and a set flag ends the fit
-on every rank the way Lightning does it (a barrier, then ``SIGTERMException``).
+when the fit ends. The flag reaches every rank at the same step as Lightning's own broadcast, and a set
+flag ends the fit on every rank the way Lightning does it (a barrier, then ``SIGTERMException``).
 
 Lightning makes the flag on the root device, so on a GPU every receiver's read of it waited for the
 device to finish its queued work, every step. The flag here is a host tensor sent over the control group
