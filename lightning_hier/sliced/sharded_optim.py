@@ -19,6 +19,7 @@ resumes under any topology, or under plain ``ddp``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -451,13 +452,17 @@ class OptimizerSharding:
         """
         grads = [shard.grad for shard in self.shards if shard.grad is not None]
         device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        # float32 at least (half gradients' powers overflow), float64 where a bucket is (ddp's norm is in the
+        # gradients' dtype); decided from the buckets, alike on every rank, so the all-reduces pair up
+        dtype = functools.reduce(torch.promote_types, (b.dtype for b in self.buckets), torch.float32)
+        zero = torch.zeros((), dtype=dtype, device=device)
         norm_type = float(norm_type)
         if norm_type == math.inf:
-            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
-            total = local.detach().float().clone()
+            local = max((g.abs().max() for g in grads if g.numel()), default=zero)
+            total = local.detach().to(dtype).clone()
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.intra_group)
         else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            local = sum((g.to(dtype).abs().pow(norm_type).sum() for g in grads), zero)
             total = local.detach().clone()
             dist.all_reduce(total, group=self.intra_group)
             total = total.pow(1.0 / norm_type)

@@ -16,8 +16,10 @@ before ``fit``:
   pipeline's head and tail).
 - ``_full_gradients_in_hooks``: ``"auto"`` (default) makes every ``.grad`` the averaged (``ddp``) gradient in
   ``on_after_backward`` and ``on_before_optimizer_step`` where the module or a callback overrides one of
-  them (one intra-node all-gather of the gradients per step), and leaves this rank's unreduced gradient
-  there otherwise; ``True`` / ``False`` force it on / off. The optimizer always steps the averaged slices.
+  them (one intra-node all-gather of the gradients per step) or the module overrides
+  ``configure_gradient_clipping`` (clipped there after ``super()``: one more all-gather on a clipping step),
+  and leaves this rank's unreduced gradient there otherwise; ``True`` / ``False`` force it on / off. The
+  optimizer always steps the averaged slices.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from lightning_hier.strategies.callback_rules import (
     show_user_param_groups,
     stop_showing_user_param_groups,
 )
-from lightning_hier.strategies.gradient_readers import hooks_read_gradients
+from lightning_hier.strategies.gradient_readers import hooks_read_gradients, reads_clipped_gradients
 from lightning_hier.strategies.lightning_patches import (
     attached_trainer,
     ddp_timeout,
@@ -198,6 +200,7 @@ class HierSlicedStrategy(HierStrategy):
         self._comm_chunk_mb: float | None = None
         self._full_gradients_in_hooks: bool | Literal["auto"] = "auto"
         self._full_gradients = False  # decided at setup
+        self._full_gradients_after_clipping = False  # decided at setup
         self.topology: Topology | None = None
         self.slice_plan: SlicePlan | None = None
         self.engine: HierSlicedEngine | None = None  # the first optimizer's (the only one, usually)
@@ -244,6 +247,8 @@ class HierSlicedStrategy(HierStrategy):
             if wanted == "auto":
                 wanted = hooks_read_gradients(self.lightning_module, trainer.callbacks)
             self._full_gradients = bool(wanted)
+            module_reads = reads_clipped_gradients(self.lightning_module)
+            self._full_gradients_after_clipping = self._full_gradients and module_reads
         sharding = fitting and not without_optimizer(self.optimizers)
         checkpoint_engine_state, self._checkpoint_engine_state = self._checkpoint_engine_state, None
         if sharding:
@@ -511,6 +516,14 @@ class HierSlicedStrategy(HierStrategy):
         if self._full_gradients and scaled:
             for engine in self._backward_engines:
                 engine.expose_full_gradients()
+
+    def gradients_clipped(self, optimizer: Optimizer) -> None:
+        """Called by the precision plugin right after Lightning clipped ``optimizer``'s slices: a module's own
+        ``configure_gradient_clipping`` reads ``.grad`` next, so the full gradients are gathered again from
+        the clipped slices, what ``ddp`` shows there (one more intra-node all-gather on a clipping step)."""
+        engine = self.engine_for(optimizer)
+        if self._full_gradients_after_clipping and engine.syncing:
+            engine.expose_full_gradients()
 
     def optimizer_step(
         self,

@@ -67,6 +67,7 @@ from lightning.pytorch.loops.optimization.automatic import ClosureResult  # noqa
 from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.data import _update_dataloader  # noqa: E402
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
 from torch import nn  # noqa: E402
@@ -275,6 +276,19 @@ def _clip_grad_by_norm(self: Precision, optimizer: Optimizer, clip_val: int | fl
     engine.clip_grad_norm_(float(clip_val))
 
 
+def _clip_gradients_then_tell(
+    self: Precision,
+    optimizer: Optimizer,
+    clip_val: int | float = 0.0,
+    gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+) -> None:
+    base = type(self)._hier_base  # type: ignore[attr-defined]
+    base.clip_gradients(self, optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+    hook = getattr(self._hier_strategy, "gradients_clipped", None)  # type: ignore[attr-defined]
+    if hook is not None and clip_val > 0:  # Lightning clips nothing at 0
+        hook(optimizer)
+
+
 def _after_closure(self: Precision, model: Any, optimizer: Optimizer) -> None:
     hook = getattr(self._hier_strategy, "before_optimizer_step_hooks", None)  # type: ignore[attr-defined]
     if hook is not None:
@@ -294,7 +308,9 @@ def install_global_norm_clipping(plugin: Precision, strategy: Any) -> None:
     clips by the global norm where each rank holds part of the model (a slice under ``hier_sliced``, a
     stage under ``hier_pipeline``): ``clip_grad_by_norm`` goes to ``strategy.engine.clip_grad_norm_``
     (which all-reduces the squared norm). The strategy also gets a call right before
-    ``on_before_optimizer_step`` (``before_optimizer_step_hooks``, from the private ``_after_closure``) and
+    ``on_before_optimizer_step`` (``before_optimizer_step_hooks``, from the private ``_after_closure``), one
+    right after Lightning's clipping, by norm or by value (``gradients_clipped(optimizer)``, from
+    ``clip_gradients``, which a module's own ``configure_gradient_clipping`` reaches through ``super()``) and
     one right after the backward pass, before ``on_after_backward`` (``backward_pass_done``, from
     ``post_backward``), so Lightning's own ``Strategy.backward`` runs unchanged (tests and tools patch it on
     the base class). A subclass rather than a wrapper keeps every ``isinstance`` check Lightning makes on
@@ -304,6 +320,7 @@ def install_global_norm_clipping(plugin: Precision, strategy: Any) -> None:
     if not getattr(base, "_hier_global_norm", False):
         methods = {
             "clip_grad_by_norm": _clip_grad_by_norm,
+            "clip_gradients": _clip_gradients_then_tell,
             "_after_closure": _after_closure,
             "post_backward": _post_backward,
         }
