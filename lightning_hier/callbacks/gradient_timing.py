@@ -30,7 +30,17 @@ log = logging.getLogger(__name__)
 
 
 class GradientTimingProfiler(Callback):
-    """Logs gradient-ready timing and communication overlap of ``hier_sliced``; draws a timeline."""
+    """Logs gradient-ready timing and communication overlap of ``hier_sliced``; draws a timeline.
+
+    Args:
+        reprofile_every_n_epochs: ask the strategy for a fresh profile (and a new time plan) every this many
+            epochs; ``None``: only the strategy's own re-profiling.
+        log_every_n_steps: log the timing metrics every this many optimizer steps.
+        max_logged_buckets: log size, send time and completion time of this many buckets at most.
+        save_figure: draw ``gradient_timeline.png`` after each new plan and at the end of training (rank 0).
+        output_dir: where ``time_plan.json`` and the figure go; ``None``: the logger's directory, else the
+            Trainer's ``default_root_dir``.
+    """
 
     def __init__(
         self,

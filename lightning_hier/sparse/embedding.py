@@ -129,8 +129,9 @@ class HybridEmbedding(nn.Module):
     """An embedding table held once per node in shared host memory, with a row-wise optimizer.
 
     Args:
-        num_embeddings, embedding_dim: table shape. With ``path`` they may be left ``None`` (the
-            file's header decides); given, they must match the file's.
+        num_embeddings: rows of the table. With ``path`` it may be left ``None`` (the file's header
+            decides); given, it must match the file's.
+        embedding_dim: columns of the table; ``None`` with ``path`` as for ``num_embeddings``.
         mode: ``None`` (like ``nn.Embedding``), ``"sum"`` or ``"mean"`` (like ``nn.EmbeddingBag``).
         optimizer: ``"sgd"``, ``"adagrad"`` or ``"adam"`` (``SparseAdam`` semantics), with ``lr``.
         init: ``"normal"`` (std ``init_scale``, default ``1/sqrt(dim)``), ``"uniform"``
