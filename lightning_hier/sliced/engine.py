@@ -160,6 +160,8 @@ class HierSlicedEngine:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
+        if not self.replicated:
+            self._route_state_dict()
 
     def _take_params(self) -> None:
         """The trainable parameters of ``_original_groups`` (the optimizer's groups as the user built them,
@@ -776,15 +778,64 @@ class HierSlicedEngine:
 
     # ------------------------------------------------------------------ checkpoints and teardown
     def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict()`` as ``ddp`` gives it: ``params`` numbered as the param groups were
+        built, each parameter's state shaped like the parameter, the same on every rank. Checkpoints hold it,
+        and the user's optimizer object answers it to ``state_dict()`` while sharded.
+
+        With a sharded optimizer this is a collective: call it on every rank, as Lightning's checkpointing
+        does (each node gathers its ranks' slices)."""
         if self.optimizer_given_back:
             return self.optimizer.state_dict()
         return self.sharding.consolidated_state_dict()
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` in ``ddp``'s layout (:meth:`optimizer_state_dict`): each rank takes its
+        slices, without communication. The user's optimizer object does this on ``load_state_dict()`` while
+        sharded."""
         if self.optimizer_given_back:
             self.optimizer.load_state_dict(state_dict)
         else:
             self.sharding.load_consolidated_state_dict(state_dict)
+
+    def _sharded_now(self) -> bool:
+        """Whether the optimizer's param groups hold this engine's flat slices now."""
+        sharding = self.sharding
+        sharded = isinstance(sharding, OptimizerSharding) and sharding.holds_slices
+        return sharded and not self.optimizer_given_back
+
+    def _user_state_dict(self) -> dict[str, Any]:
+        """What the user's optimizer object answers to ``state_dict()``: while sharded,
+        :meth:`optimizer_state_dict` (``ddp``'s layout, consolidated on demand); else its class's own.
+
+        While sharded this is a collective: call it on every rank, as Lightning's checkpointing does."""
+        if self._sharded_now():
+            return self.optimizer_state_dict()
+        return type(self.optimizer).state_dict(self.optimizer)
+
+    def _user_load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """What the user's optimizer object does on ``load_state_dict()``: while sharded,
+        :meth:`load_optimizer_state_dict` (``ddp``'s layout, each rank takes its slices); else its class's
+        own."""
+        if self._sharded_now():
+            self.load_optimizer_state_dict(state_dict)
+        else:
+            type(self.optimizer).load_state_dict(self.optimizer, state_dict)
+
+    def _route_state_dict(self) -> None:
+        """The sharded optimizer's ``state_dict()`` and ``load_state_dict()`` speak the layout of the
+        optimizer the user built, not that of the flat slices its param groups hold: attributes of the
+        object over its class's methods, until :meth:`give_back_optimizer`. (``torch.optim.Optimizer``
+        pickles and copies without them.)"""
+        self.optimizer.state_dict = self._user_state_dict  # type: ignore[method-assign]
+        self.optimizer.load_state_dict = self._user_load_state_dict  # type: ignore[method-assign]
+
+    def _unroute_state_dict(self) -> None:
+        """The optimizer's class's ``state_dict`` and ``load_state_dict`` again (unless another engine has
+        routed them since)."""
+        routed = {"state_dict": self._user_state_dict, "load_state_dict": self._user_load_state_dict}
+        for name, method in routed.items():
+            if self.optimizer.__dict__.get(name) == method:
+                del self.optimizer.__dict__[name]
 
     def give_back_optimizer(self) -> None:
         """The optimizer steps the module's parameters again, with its full state (a collective over the
@@ -792,6 +843,7 @@ class HierSlicedEngine:
         assert self.sharding is not None
         if self.optimizer_given_back:
             return
+        self._unroute_state_dict()
         self.sharding.unshard()
         self.optimizer.__dict__.pop("zero_grad", None)  # a routed zero_grad (manual optimization)
         self.optimizer_given_back = True

@@ -298,6 +298,7 @@ class OptimizerSharding:
         optimizer.state.clear()
         if held is not None:
             self.load_consolidated_state_dict(held)
+        self.holds_slices = True  # the optimizer steps this object's slices (until unshard or unshard_into)
 
     def _optimizer_params(self, group_index: int) -> list[nn.Parameter]:
         """What the optimizer steps for param group ``group_index``: one slice per bucket."""
@@ -370,6 +371,7 @@ class OptimizerSharding:
         for group, original in zip(self.optimizer.param_groups, self._original_groups):
             group["params"] = list(original)
         self.optimizer.state.clear()
+        self.holds_slices = False
         self.optimizer.load_state_dict(state)
 
     def unshard_into(self, groups: Sequence[Sequence[nn.Parameter]]) -> None:
@@ -381,6 +383,7 @@ class OptimizerSharding:
         for group, params in zip(self.optimizer.param_groups, groups):
             group["params"] = list(params)
         self.optimizer.state.clear()
+        self.holds_slices = False
         for index, entry in state.items():
             self.optimizer.state[param_at[index]] = entry
 
