@@ -54,11 +54,12 @@ def assert_same_state_dict(actual: dict[str, Any], expected: dict[str, Any]) -> 
         assert got == group  # hyperparameters (lr after the scheduler's step, betas, ...) and 'params'
 
 
-@pytest.mark.parametrize("moment", ["epoch_end", "on_train_start"])
+@pytest.mark.parametrize("moment", ["epoch_end", "on_train_start", "wrapper_epoch_end"])
 @pytest.mark.parametrize("rank", RANKS)
 def test_state_dict_during_fit_is_ddps(runs: dict[str, Any], moment: str, rank: int) -> None:
-    """In ``on_train_epoch_end`` after one epoch and in ``on_train_start`` of a resumed fit: ddp's dict, on
-    every rank; the bias of 32 elements has state of 32 elements, not the slice layout."""
+    """In ``on_train_epoch_end`` after one epoch (also through the ``LightningOptimizer`` that
+    ``self.optimizers()`` returns) and in ``on_train_start`` of a resumed fit: ddp's dict, on every rank;
+    the bias of 32 elements has state of 32 elements, not the slice layout."""
     records = runs["records"]
     expected = records["ddp", rank][moment]
     actual = records["hier_sliced", rank][moment]

@@ -58,6 +58,7 @@ from lightning_hier.strategies.gradient_readers import hooks_read_gradients, rea
 from lightning_hier.strategies.lightning_patches import (
     attached_trainer,
     ddp_timeout,
+    delegate_state_dict,
     install_global_norm_clipping,
     install_optimizer_toggle,
     layer_sync,
@@ -317,6 +318,7 @@ class HierSlicedStrategy(HierStrategy):
         keep_views = self.lightning_module.automatic_optimization
         for index, (optimizer, engine) in enumerate(zip(self.optimizers, self.engines)):
             route_zero_grad(self, index, _zero_grad_with_buckets(optimizer.zero_grad, engine, keep_views))
+            delegate_state_dict(self, index)
 
     def _build_engine(self) -> None:
         assert self.topology is not None and self.lightning_module is not None

@@ -225,6 +225,17 @@ def route_zero_grad(strategy: Any, index: int, zero_grad: Callable[..., None]) -
     _set_for_run(strategy._lightning_optimizers[index], "zero_grad", zero_grad)
 
 
+def delegate_state_dict(strategy: Any, index: int) -> None:
+    """The ``LightningOptimizer`` of the strategy's optimizer ``index`` (what ``self.optimizers()`` returns)
+    hands ``state_dict()`` and ``load_state_dict()`` to the optimizer object it wraps. Its class inherits the
+    optimizer class's methods, which would read the wrapped optimizer's flat slices; an engine that shards
+    the optimizer answers on the object in the user's layout. The wrappers are recreated every run."""
+    optimizer = strategy.optimizers[index]
+    wrapper = strategy._lightning_optimizers[index]
+    _set_for_run(wrapper, "state_dict", lambda: optimizer.state_dict())
+    _set_for_run(wrapper, "load_state_dict", lambda state_dict: optimizer.load_state_dict(state_dict))
+
+
 def unroute_zero_grad(strategy: Any, index: int) -> None:
     """The strategy's optimizer ``index`` and its ``LightningOptimizer`` zero with torch's own ``zero_grad``
     again: after the run, ``optimizer.zero_grad()`` no longer reaches the closed engine's buckets."""

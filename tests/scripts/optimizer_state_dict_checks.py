@@ -72,6 +72,8 @@ class Record(pl.Callback):
         if self.save_to is None:
             return
         self.records["epoch_end"] = copy.deepcopy(trainer.optimizers[0].state_dict())
+        # the LightningOptimizer that self.optimizers() returns answers as the object it wraps
+        self.records["wrapper_epoch_end"] = copy.deepcopy(pl_module.optimizers().state_dict())
         calls = _count_consolidations()
         trainer.save_checkpoint(self.save_to)
         self.records["consolidations_per_save"] = _count_consolidations() - calls
