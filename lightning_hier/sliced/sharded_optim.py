@@ -288,7 +288,7 @@ class OptimizerSharding:
         self._param_of_index = list(param_of_index)
         # state the optimizer already holds for its own parameters: made at construction (Adagrad's "sum"
         # in torch 2.11 and before), loaded by the user in configure_optimizers, or left by an earlier fit
-        # of the same optimizer object; each rank keeps its slices of it (before 2026-11-27 it was dropped)
+        # of the same optimizer object; each rank keeps its slices of it rather than dropping it
         original_ids = set(self._state_index)
         held = None
         if optimizer.state and all(id(key) in original_ids for key in optimizer.state):
