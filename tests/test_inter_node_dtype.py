@@ -21,7 +21,7 @@ def test_bf16_inter_node_hop_keeps_the_digits_loss_within_one_percent(tmp_path: 
     assert abs(losses["bf16"] - losses["fp32"]) / losses["fp32"] < 0.01, losses
 
 
-@pytest.mark.parametrize("bad", ["int8", "float32", 16])
+@pytest.mark.parametrize("bad", ["int4", "float32", 16])
 def test_an_unknown_inter_node_dtype_is_refused_by_name(bad: object) -> None:
     with pytest.raises(ValueError, match="inter_node_dtype="):
         HierSlicedStrategy(inter_node_dtype=bad)  # type: ignore[arg-type]

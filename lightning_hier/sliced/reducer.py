@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from lightning_hier.single_rank import alone, alone_in
 from lightning_hier.sliced.comm_stream import HostStream, comm_stream_for
+from lightning_hier.sliced.int8_codec import int8_all_reduce
 from lightning_hier.topology import runs_as_cuda
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,10 @@ class ReduceJob:
     error: BaseException | None = None
     # inter_node_dtype: what rounding to the narrower dtype left out of this slice last time (error
     # feedback; added to the next step's node sum), and the narrow copies to copy back after the reduce
+    # (int8: what decodes each piece's gathered sum into the slice)
     residual: torch.Tensor | None = None
     narrowed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    decoders: list[Callable[[], None]] = field(default_factory=list)
     submitted_at: float = 0.0  # perf_counter() clock
     scatter_done_at: float = 0.0
     done_at: float = 0.0
@@ -128,6 +131,9 @@ class ReduceJob:
         for narrow, out in self.narrowed:
             out.copy_(narrow)
         self.narrowed = []
+        for decode in self.decoders:
+            decode()
+        self.decoders = []
 
 
 Piece = tuple[list[tuple[int, int]] | None, tuple[int, int]]
@@ -234,6 +240,13 @@ class HierarchicalReducer:
         out = job.out[lo:hi]
         if self.inter_dtype is None or out.dtype == self.inter_dtype:
             return dist.all_reduce(out, group=self.inter_group, async_op=True)
+        if self.inter_dtype == torch.int8:
+            # all-to-all, sum, all-gather (int8_codec); on gloo this waits for the all-to-all, so the next
+            # piece's reduce-scatter starts once the all-gather is issued
+            residual = job.residual[lo:hi] if job.residual is not None else None
+            work, decode = int8_all_reduce(out, residual, self.inter_group)
+            job.decoders.append(decode)
+            return work
         with torch.no_grad():  # the slow hop in the narrow dtype, with error feedback
             if job.residual is not None:
                 out.add_(job.residual[lo:hi])
