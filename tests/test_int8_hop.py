@@ -244,3 +244,36 @@ def test_every_collective_of_the_int8_hop_is_legal_under_nccl_and_in_one_order(t
     for r in ours:  # int8 messages only, on a device group among the same-index ranks of the two nodes
         assert {t[1] for t in r["tensors"]} == {"int8"}, r["tensors"]
         assert sorted(r["group_devices"]) == ["cpu", "cuda"] and r["group_ranks"] in ([0, 2], [1, 3]), r
+
+
+# ---------------------------------------------------------------------- a non-finite step
+@pytest.fixture
+def one_process_group() -> dist.ProcessGroup:
+    import os
+
+    from helpers import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_a_non_finite_step_leaves_the_next_steps_finite(dtype: torch.dtype, one_process_group) -> None:  # noqa: ANN001
+    """An fp16 loss scale that overflows gives one step of inf gradients, which the grad scaler skips; the
+    residual must not carry inf - inf into every later step (the scaler would skip them all)."""
+    from lightning_hier.sliced.reducer import InlineReducer
+
+    reducer = InlineReducer(one_process_group, one_process_group, inter_dtype=dtype)
+    reducer._inter_size = 2  # the one-process group stands in for the inter-node hop (a sum of one)
+    residual = torch.zeros(4)
+    overflowed = torch.tensor([1.0, float("inf"), 2.0, 3.0])
+    out = reducer.wait(reducer.submit(ReduceJob(overflowed, [(0, 4)], torch.zeros(4), residual=residual)))
+    assert not torch.isfinite(out).all()  # the overflow reaches the scaler, which skips the step
+    gradient = torch.tensor([1.0, 1.0, 2.0, 3.0])
+    job = ReduceJob(gradient.clone(), [(0, 4)], torch.zeros(4), residual=residual)
+    out = reducer.wait(reducer.submit(job))
+    assert torch.isfinite(residual).all() and torch.isfinite(out).all(), (out, residual)
+    # bf16 holds these exactly; int8 within half a scale of the block (max 3 / 127)
+    torch.testing.assert_close(out, gradient, rtol=0, atol=3 / 254 * 1.0001)

@@ -253,6 +253,9 @@ class HierarchicalReducer:
             narrow = out.to(self.inter_dtype)
             if job.residual is not None:
                 torch.sub(out, narrow, out=job.residual[lo:hi])
+                # inf - inf: a non-finite gradient (an overflowed fp16 loss scale) goes with its skipped
+                # step, not into every later one
+                job.residual[lo:hi].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         job.narrowed.append((narrow, out))
         return dist.all_reduce(narrow, group=self.inter_group, async_op=True)
 
