@@ -1,6 +1,6 @@
 """``HierPipelineStrategy``'s options: the ``Rebalance`` config (in Python and from a LightningCLI YAML),
-the deprecated ``stages``, the tuning attributes, and ``StageRebalancer`` holding none of the strategy's
-settings."""
+``stages`` (a divisor of the processes), the tuning attributes, and ``StageRebalancer`` holding none of the
+strategy's settings."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import inspect
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -117,24 +118,25 @@ def test_lightning_cli_refuses_a_bad_rebalance_field_naming_it(
         _cli(_cli_config(rebalance), tmp_path, monkeypatch)
 
 
-def test_stages_is_deprecated_and_must_equal_the_processes(tmp_path: Path) -> None:
-    """The stages are the processes: ``stages`` equal to their number warns and changes nothing, another
-    number is refused before any process group exists."""
-    with pytest.warns(DeprecationWarning, match=r"stages=1\) is deprecated"):
+def test_stages_must_divide_the_processes(tmp_path: Path) -> None:
+    """``stages`` is the stages per pipeline replica: a divisor of the processes is accepted without a warning
+    (the processes run that many replicas), another number is refused before any process group exists."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
         same = HierPipelineStrategy(stages=1, micro_batches=2)
     same.settings.check_world_size(1)  # no error: one process, one stage
+    same.settings.check_world_size(4)  # four replicas of one stage
     assert "stages" in inspect.signature(HierPipelineStrategy).parameters
     assert inspect.signature(HierPipelineStrategy).parameters["stages"].kind is inspect.Parameter.KEYWORD_ONLY
 
-    with pytest.warns(DeprecationWarning):
-        other = HierPipelineStrategy(stages=2)
+    other = HierPipelineStrategy(stages=2)
     with mock.patch.dict(os.environ):  # Lightning sets MASTER_PORT and LOCAL_RANK: none left for later tests
         trainer = pl.Trainer(
             accelerator="cpu", devices=1, strategy=other, max_steps=1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=tmp_path,
         )  # fmt: skip
-        with pytest.raises(ValueError, match="stages=2 but the Trainer launches 1 process"):
+        with pytest.raises(ValueError, match=r"stages=2 but the Trainer launches 1 process.*must divide"):
             trainer.fit(EquivModel(), train_dataloaders=loader())
     assert not dist.is_initialized()
 

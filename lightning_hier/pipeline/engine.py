@@ -2,10 +2,10 @@
 
 Every process holds the whole model object, but only its stage's parameters, buffers and
 optimizer state have storage; the rest are empty tensors that stay registered, so the module,
-its ``state_dict`` names and the optimizer's parameter groups keep their structure. Stage ``s``
-runs on global rank ``num_stages - 1 - s``: the last stage, which computes the loss, is rank 0, where
-Lightning logs and saves. Repartitions are decided on every stage alike, from the times all of them
-gathered.
+its ``state_dict`` names and the optimizer's parameter groups keep their structure. Stage ``s`` of
+replica ``r`` runs on global rank ``r * num_stages + num_stages - 1 - s`` (``pipeline/replicas.py``): the
+last stage of replica 0, which computes the loss, is rank 0, where Lightning logs and saves. Repartitions
+are decided on every stage of every replica alike, from the times all of them gathered.
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ from lightning_hier.pipeline.migration import (
 from lightning_hier.pipeline.object_wire import from_wire, to_wire
 from lightning_hier.pipeline.partition import StagePartition, stage_costs
 from lightning_hier.pipeline.rebalance import RebalanceDecision, cluster_costs, decide_rebalance
+from lightning_hier.pipeline.replicas import (
+    ReplicaGradients,
+    ReplicaLayout,
+    averaged_over_replicas,
+    broadcast_from_replica_0,
+)
 from lightning_hier.pipeline.schedule import PipelineSchedule, StageLink
 from lightning_hier.pipeline.settings import PipelineSettings
 from lightning_hier.pipeline.stage import StageExecutor
@@ -59,15 +65,21 @@ from lightning_hier.pipeline.tied_parameters import (
     start_replicas_equal,
     sum_tied_gradients,
 )
-from lightning_hier.pipeline.time_table import GatheredTimes, merge_stage_times, pack_stage_times
+from lightning_hier.pipeline.time_table import (
+    _DEVICE_COLUMNS,
+    GatheredTimes,
+    merge_stage_times,
+    pack_stage_times,
+)
 from lightning_hier.pipeline.warmup import choose_extra_warmup, fits_in_memory
 from lightning_hier.pipeline.weight_grad import WeightGradients
-from lightning_hier.topology import all_ranks_group, subset_group
+from lightning_hier.topology import all_ranks_group, control_group, subset_group
 
 log = logging.getLogger(__name__)
 
 
 def rank_of_stage(num_stages: int, stage: int) -> int:
+    """The global rank of ``stage`` in a single pipeline (replica 0's: :class:`ReplicaLayout`)."""
     return num_stages - 1 - stage
 
 
@@ -121,8 +133,12 @@ class PipelineEngine:
         stage: this process's stage; ``num_stages == partition.num_stages`` processes take part.
         device: where this stage computes.
         schedule: ``"1f1b"`` or ``"gpipe"``.
-        group: all stage processes, with a CPU backend beside the device one (the device rule of
-            :mod:`lightning_hier.topology`); default :func:`~lightning_hier.topology.all_ranks_group`.
+        group: the stage processes of this replica, with a CPU backend beside the device one (the device
+            rule of :mod:`lightning_hier.topology`); default :func:`~lightning_hier.topology.all_ranks_group`.
+        layout: where every replica's stages run (default: one replica, ``partition.num_stages`` processes).
+        replica: this process's replica.
+        replica_group: this stage's replicas (``pipeline/replicas.py``: ``build_groups``); ``None`` with one
+            replica. Their gradients are averaged before the optimizer step.
     """
 
     def __init__(
@@ -135,6 +151,9 @@ class PipelineEngine:
         settings: PipelineSettings | None = None,
         group: dist.ProcessGroup | None = None,
         timeout: timedelta | None = None,
+        layout: ReplicaLayout | None = None,
+        replica: int = 0,
+        replica_group: Any = None,
     ) -> None:
         self.settings = settings or PipelineSettings(schedule=schedule)
         self.timeout = timeout  # of the groups this engine makes (the stages holding a tied parameter)
@@ -145,6 +164,17 @@ class PipelineEngine:
         self.stage = stage
         self.num_stages = partition.num_stages
         self.device = device
+        self.layout = layout or ReplicaLayout(self.num_stages)
+        if self.layout.stages != self.num_stages or (self.layout.replicas > 1) != (replica_group is not None):
+            raise ValueError(
+                f"PipelineEngine: {self.layout} does not fit a partition of {self.num_stages} stages with "
+                f"replica_group={replica_group!r}."
+            )
+        self.replica = replica
+        self.replica_group = replica_group
+        self.replica_gradients: ReplicaGradients | None = None
+        if replica_group is not None:
+            self.replica_gradients = ReplicaGradients(replica_group, self.layout.replicas, device)
         self.optimizers: list[Optimizer] = []
         self.executor = StageExecutor(graph, partition, stage, device)
         self.link = StageLink(stage, self.num_stages, self._rank_of_stage, device, group=self.group)
@@ -180,10 +210,14 @@ class PipelineEngine:
         self._tied_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # stages -> their group
         self._find_tied()
         if self.num_stages > 1:
-            start_replicas_equal(self.tied, self._params, self.group)
+            # rank 0's values, over a group holding rank 0 (every rank still holds the whole model)
+            world = self.group if replica_group is None else all_ranks_group(timeout)
+            start_replicas_equal(self.tied, self._params, world)
         delegate = forward_delegate(self.root)
         self.foreign_layers = ForeignLayerGuard(self.root, self.stage, self.num_stages, delegate)
         self.release_foreign_state()
+        if replica_group is not None:  # every replica starts from replica 0's stage, as ddp from rank 0
+            broadcast_from_replica_0(self._owned_state_tensors(), self.layout, self.stage, replica_group)
         self._enable_memory_policy()
         if self._splits_backward():
             executor = self.executor
@@ -204,7 +238,7 @@ class PipelineEngine:
         split.watch(self.executor.stage_modules(), owned, self.executor.functional_parameters())
 
     def _rank_of_stage(self, stage: int) -> int:
-        return rank_of_stage(self.num_stages, stage)
+        return self.layout.rank(self.replica, stage)
 
     @property
     def _last_rank(self) -> int:
@@ -252,18 +286,46 @@ class PipelineEngine:
 
     def _find_tied(self) -> None:
         """The parameters tied across stages under the current split, and a process group of the stages
-        holding each (every rank calls this at the same points, the same list: building a group is a
-        collective of all ranks; :func:`~lightning_hier.topology.subset_group` builds one per set of
-        stages and process, later fits reuse it)."""
+        holding each in this replica (every rank calls this at the same points, the same list: building a
+        group is a collective of all ranks, so each rank builds every replica's group in replica order;
+        :func:`~lightning_hier.topology.subset_group` builds one per set of ranks and process, later fits
+        reuse it)."""
         self.tied = find_tied(self.graph, self.partition, self._canonical, self._shapes)
         for tied in self.tied:
             if tied.stages in self._tied_groups:
                 continue
             if len(tied.stages) == self.num_stages:
                 self._tied_groups[tied.stages] = self.group
-            else:
-                ranks = sorted(self._rank_of_stage(stage) for stage in tied.stages)
-                self._tied_groups[tied.stages] = subset_group(ranks, self.timeout, role="tied")
+                continue
+            for replica in range(self.layout.replicas):
+                ranks = sorted(self.layout.rank(replica, stage) for stage in tied.stages)
+                group = subset_group(ranks, self.timeout, role="tied")
+                if replica == self.replica:
+                    self._tied_groups[tied.stages] = group
+
+    def _owned_state_tensors(self) -> list[torch.Tensor]:
+        """This stage's parameters and buffers, each tensor once, in the order of its names (the same list
+        in every replica)."""
+        state = named_state(self.root)
+        seen: set[int] = set()
+        tensors = []
+        for name in self.owned_state_names():
+            tensor = state.get(name)
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors.append(tensor)
+        return tensors
+
+    def average_replica_gradients(self) -> None:
+        """Before the optimizer step: this stage's gradients averaged over its replicas (collective over
+        them; nothing with one replica). Before the sums of tied parameters and the clipping norm, which
+        then see the averaged gradients, as under ``ddp``."""
+        if self.replica_gradients is None:
+            return
+        trainable = [
+            t for t in self._owned_state_tensors() if isinstance(t, torch.nn.Parameter) and t.requires_grad
+        ]
+        self.replica_gradients.average(trainable)
 
     def sum_tied_gradients(self) -> None:
         """Before the optimizer step: every replica of a parameter tied across stages gets the sum of the
@@ -462,6 +524,13 @@ class PipelineEngine:
         if self.num_stages > 1:
             rows = [torch.empty_like(row) for _ in range(self.num_stages)]
             dist.all_gather(rows, row, group=self.group)
+        if self.replica_group is not None:
+            # every replica's table, averaged (each device's peak: the largest), so that every replica
+            # decides the same split from the same numbers and they migrate alike
+            table = averaged_over_replicas(
+                torch.stack(rows), self.replica_group, self.layout.replicas, max_columns=_DEVICE_COLUMNS
+            )
+            rows = list(table.unbind(0))
         return merge_stage_times(rows, num_layers, num_clusters)
 
     def _choose_extra_warmup(self, partition: StagePartition, memory: Sequence[tuple[int, int]]) -> list[int]:
@@ -500,7 +569,7 @@ class PipelineEngine:
         not limited by memory."""
         if self.device.type != "cuda":
             return None
-        by_stage = [memory[self._rank_of_stage(stage)] for stage in range(self.num_stages)]
+        by_stage = [memory[self.layout.position(stage)] for stage in range(self.num_stages)]
         peaks, capacities = zip(*by_stage)
         current = self.schedule.warmups(self.settings.micro_batches)
         return lambda counts: fits_in_memory(peaks, capacities, current, counts)
@@ -601,6 +670,7 @@ class PipelineEngine:
         return {
             "partition": self.partition.to_dict(),
             "num_stages": self.num_stages,
+            "replicas": self.layout.replicas,
             "layers": [layer.name for layer in self.graph.layers],
             "history": [event.to_dict() for event in self.history],
         }
@@ -779,8 +849,11 @@ class PipelineEngine:
                 )
             except MemoryLimitError as exc:
                 error = (f"stage {self.stage}: {exc}", exc.required_bytes)
-        errors: list[Any] = [None] * self.num_stages
-        dist.all_gather_object(errors, error, group=self.group)
+        # with replicas, over every rank: a replica whose stage fails stops the others too (their
+        # next gradient average would wait for it)
+        group = self.group if self.replica_group is None else control_group()
+        errors: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
         failed = [e for e in errors if e is not None]
         if failed:  # every stage raises, so none waits for the others in the next step
             raise MemoryLimitError(

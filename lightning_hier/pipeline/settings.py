@@ -9,6 +9,7 @@ from typing import Literal
 
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.partition import StagePartition, partition_balanced, partition_uniform
+from lightning_hier.pipeline.replicas import ReplicaLayout
 from lightning_hier.pipeline.schedule import SCHEDULES
 
 PARTITION_MODES = ("parameters", "uniform", "time")
@@ -156,20 +157,19 @@ class PipelineSettings:
         )
 
     def check_world_size(self, world_size: int) -> None:
-        """One stage per process (called before the process group exists)."""
-        if self.stages is not None and self.stages != world_size:
-            raise ValueError(
-                f"hier_pipeline runs one stage per process: stages={self.stages} but the Trainer launches "
-                f"{world_size} process(es) (devices x num_nodes); leave the deprecated `stages` out."
-            )
+        """``stages`` divides the processes, which run ``world_size / stages`` replicas of the pipeline, and a
+        partition list describes that many stages (called before the process group exists)."""
+        stages = ReplicaLayout.of_world(world_size, self.stages).stages
         if not isinstance(self.partition, str):
             items = list(self.partition)
             expected = len(items) if isinstance(items[0], int) else len(items) + 1
-            if expected != world_size:
-                raise ValueError(
-                    f"partition={items} describes {expected} stages but the Trainer launches {world_size} "
-                    "process(es)."
+            if expected != stages:
+                launched = (
+                    f"the Trainer launches {world_size} process(es)"
+                    if self.stages is None
+                    else f"stages={self.stages}"
                 )
+                raise ValueError(f"partition={items} describes {expected} stages but {launched}.")
 
 
 def _module_start(graph: LayerGraph, module: str) -> int | None:

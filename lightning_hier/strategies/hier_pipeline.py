@@ -36,7 +36,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
@@ -44,8 +44,9 @@ from torch.utils.data import RandomSampler
 from lightning_hier.pipeline.batch_agreement import stages_disagree
 from lightning_hier.pipeline.batching import input_signature, split_batch
 from lightning_hier.pipeline.delegation import as_forward
-from lightning_hier.pipeline.engine import PipelineEngine, rank_of_stage
+from lightning_hier.pipeline.engine import PipelineEngine
 from lightning_hier.pipeline.graph import LayerGraph
+from lightning_hier.pipeline.replicas import ReplicaLayout, build_groups
 from lightning_hier.pipeline.settings import PipelineSettings, Rebalance, initial_partition
 from lightning_hier.strategies.base import HierStrategy, ddp_arguments
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
@@ -147,8 +148,9 @@ class HierPipelineStrategy(HierStrategy):
             otherwise raises naming this option.
         split_tied_parameters: layers sharing a parameter (tied embeddings) may sit on different stages,
             each holding a replica whose gradients are summed; ``False`` keeps them on one stage.
-        stages: deprecated; the stages are the processes (devices x num_nodes). A value equal to that
-            number warns, another one is an error.
+        stages: stages per pipeline; it must divide the processes (devices x num_nodes), which then run
+            ``processes / stages`` data-parallel replicas of the pipeline, each reading its own shard of the
+            data. ``None``: one pipeline over every process.
 
     The remaining arguments are ``DDPStrategy``'s. Tuning attributes (``_swap_bandwidth``,
     ``_extra_warmup``, ``_split_backward``) are described in this module's docstring.
@@ -189,12 +191,6 @@ class HierPipelineStrategy(HierStrategy):
         *,
         stages: int | None = None,
     ) -> None:
-        if stages is not None:
-            rank_zero_deprecation(
-                f"HierPipelineStrategy(stages={stages!r}) is deprecated: hier_pipeline runs one stage per "
-                "process (devices x num_nodes), so leave `stages` out; a value other than that number is an "
-                "error."
-            )
         plan = Rebalance.of(rebalance)
         self.settings = PipelineSettings(
             stages=stages,
@@ -271,15 +267,19 @@ class HierPipelineStrategy(HierStrategy):
                 "compile of the whole module cannot trace."
             )
             to_uncompiled(module)
+        replicas = ReplicaLayout.of_world(self.planned_world_size, self.settings.stages).replicas
         if layer_sync(self) is not None:
             rank_zero_warn(
                 "sync_batchnorm=True with HierPipelineStrategy: a pipeline is one data-parallel replica, so "
                 "there is nothing to synchronize; its BatchNorm layers stay as they are (each sees a "
                 "micro-batch, as in every micro-batched pipeline)."
+                if replicas == 1
+                else "sync_batchnorm=True with HierPipelineStrategy: BatchNorm is not synchronized across "
+                "the pipeline's replicas; its layers stay as they are (each sees its replica's micro-batch)."
             )
             drop_layer_sync(self)
         trainer = attached_trainer(module)
-        if trainer is not None:  # Lightning attached it with the data
+        if trainer is not None and replicas == 1:  # Lightning attached it with the data
             # stages are not data-parallel replicas: each reads the user's loader as it is, where Lightning
             # would inject a (shuffling) DistributedSampler because the run is distributed. Before the user's
             # hooks run: configure_optimizers (or setup) reading trainer.estimated_stepping_batches loads the
@@ -288,8 +288,9 @@ class HierPipelineStrategy(HierStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage reads the same batches: stage 0 needs the inputs, the last stage the targets
-        return {"num_replicas": 1, "rank": 0}
+        # every stage of a replica reads the same batches (stage 0 needs the inputs, the last stage the
+        # targets); each replica its own shard, as a ddp rank
+        return {"num_replicas": self.layout.replicas, "rank": self.replica}
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Every stage must read the same batches in the same order.
@@ -325,12 +326,26 @@ class HierPipelineStrategy(HierStrategy):
             self._user_zero_grad(trainer.current_epoch, batch_idx, optimizer)
 
     @property
+    def layout(self) -> ReplicaLayout:
+        """Where each replica's stages run (``pipeline/replicas.py``)."""
+        return ReplicaLayout.of_world(self.world_size, self.settings.stages)
+
+    @property
     def num_stages(self) -> int:
-        return self.world_size
+        return self.layout.stages
 
     @property
     def stage(self) -> int:
-        return self.world_size - 1 - self.global_rank
+        return self.layout.stage_of(self.global_rank)
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica_of(self.global_rank)
+
+    @property
+    def _last_stage_rank(self) -> int:
+        """The global rank of this replica's last stage (rank 0 in replica 0)."""
+        return self.layout.rank(self.replica, self.num_stages - 1)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer) -> None:
@@ -399,11 +414,13 @@ class HierPipelineStrategy(HierStrategy):
                 decided = [(initial_partition(graph, self.settings, self.num_stages), torch.initial_seed())]
             except ValueError as exc:  # every stage raises it, none waits for the others
                 decided = [str(exc)]
-        group = all_ranks_group(ddp_timeout(self))  # the stages' activations too: device and host tensors
-        dist.broadcast_object_list(decided, src=0, group=group)
+        # one replica: all ranks carry the stages' activations too (device and host tensors)
+        dist.broadcast_object_list(decided, src=0, group=all_ranks_group(ddp_timeout(self)))
         if isinstance(decided[0], str):
             raise ValueError(decided[0])
         partition, rng_base = decided[0]
+        layout = self.layout
+        groups = build_groups(layout, self.global_rank, ddp_timeout(self))
         self.engine = PipelineEngine(
             graph,
             partition,
@@ -411,8 +428,11 @@ class HierPipelineStrategy(HierStrategy):
             self.root_device,
             self.settings.schedule,
             self.settings,
-            group,
+            groups.pipeline,
             timeout=ddp_timeout(self),
+            layout=layout,
+            replica=self.replica,
+            replica_group=groups.replicas,
         )
         self.engine.executor.rng_base = int(rng_base)
         log.info("hier_pipeline: %d clusters, partition %s", graph.num_clusters, partition)
@@ -423,7 +443,8 @@ class HierPipelineStrategy(HierStrategy):
         self._remove_metric_sync()
         module = self.lightning_module
         assert module is not None
-        self._metric_sync = StageMetricsSync(trainer, module)
+        assert self.engine is not None
+        self._metric_sync = StageMetricsSync(trainer, module, last_stage=self.engine.is_last)
 
     def _remove_metric_sync(self) -> None:
         if self._metric_sync is not None:
@@ -545,19 +566,21 @@ class HierPipelineStrategy(HierStrategy):
         loss = loss.to(torch.float64 if self.precision_plugin.precision == "64-true" else torch.float32)
         return {"loss": loss, **self._extra} if self._extra else loss
 
-    @staticmethod
-    def _check_every_stage_reads(batch: Any, where: str) -> None:
-        """Refuse stages that read different batches (at the first batch of each epoch and of each validation
-        or test loader, before the step's first layer): the pipeline would pair one sample's inputs with
-        another's targets and go on silently."""
-        if stages_disagree(batch, control_group()):
+    def _check_every_stage_reads(self, batch: Any, where: str) -> None:
+        """Refuse stages of a replica that read different batches (at the first batch of each epoch and of
+        each validation or test loader, before the step's first layer): the pipeline would pair one sample's
+        inputs with another's targets and go on silently. Compared over the replica's stages (host data:
+        with one replica the control group, else the replica's group, which has a CPU backend)."""
+        assert self.engine is not None
+        group = control_group() if self.engine.replica_group is None else self.engine.group
+        if stages_disagree(batch, group):
             raise RuntimeError(
                 f"hier_pipeline: the stages read different batches ({where}'s first batch differs in "
                 "its integer tensors, such as labels or token ids, or in its shapes). Stage 0 computes on "
                 "a batch's inputs and the last stage on its targets, so every process must read the same "
                 "batches. A loader that shards by rank (torch.distributed.get_rank(), webdataset's "
-                "split_by_node) should shard by trainer.strategy.distributed_sampler_kwargs instead (one "
-                "replica here: num_replicas=1, rank=0), and random masks or labels drawn in a collate "
+                "split_by_node) should shard by trainer.strategy.distributed_sampler_kwargs instead (the "
+                "pipeline replica's num_replicas and rank), and random masks or labels drawn in a collate "
                 "function should come from a generator seeded the same on every process."
             )
 
@@ -576,7 +599,7 @@ class HierPipelineStrategy(HierStrategy):
         self._loss_broadcasts.wait()
         if self.num_stages == 1:  # this process is the last stage: no broadcast, no wait for the device
             return None if all_skipped else torch.stack(self._losses).sum().to(torch.float64)
-        last = rank_of_stage(self.num_stages, self.num_stages - 1)
+        last = self._last_stage_rank
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if self._skip_flag_on_host():
             # the flags on the group's host backend and the loss on the device: every stage reads the
@@ -620,7 +643,7 @@ class HierPipelineStrategy(HierStrategy):
         if self.num_stages == 1 or self.engine.is_last or self._skip_flag_on_host():
             return
         result = torch.zeros(3, dtype=torch.float64, device=self.root_device)
-        last = rank_of_stage(self.num_stages, self.num_stages - 1)
+        last = self._last_stage_rank
         work = dist.broadcast(result, src=last, group=self.engine.group, async_op=True)
         self._loss_receive = (work, result)
 
@@ -693,17 +716,32 @@ class HierPipelineStrategy(HierStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        # stages are not replicas: a value logged on the last stage is already the whole batch's, and
-        # only the last stage logs in a step, so this must not be a collective
-        return tensor
+        """A value logged with ``sync_dist=True``, reduced over the replicas of this rank's stage as ``ddp``
+        reduces it over its ranks (default: the mean). Stages are not replicas: a value logged on the last
+        stage is already the whole batch's, and only the last stage of each replica logs in a step, so with
+        one replica the value comes back as it is, without a collective."""
+        engine = self.engine
+        if engine is None or engine.replica_group is None:
+            return tensor
+        return super().reduce(tensor, group=self._replicas_unless(group), reduce_op=reduce_op)
 
     def all_gather(
         self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
     ) -> torch.Tensor:
-        """``LightningModule.all_gather`` gathers over data-parallel replicas, and a pipeline is one
-        replica: the tensor comes back as Lightning returns it for one process (unchanged). A gather
-        over the stage processes would wait forever in a step, which only the last stage runs."""
-        return tensor
+        """``LightningModule.all_gather`` gathers over data-parallel replicas: over the replicas of this
+        rank's stage (a leading dimension of their number, as under ``ddp``); with one replica the tensor
+        comes back as Lightning returns it for one process (unchanged). A gather over the stage processes
+        would wait forever in a step, which only the last stage runs."""
+        engine = self.engine
+        if engine is None or engine.replica_group is None:
+            return tensor
+        return super().all_gather(tensor, group=self._replicas_unless(group), sync_grads=sync_grads)
+
+    def _replicas_unless(self, group: Any) -> Any:
+        """The replicas of this rank's stage, for a reduction or gather over "every process" (``None``, or
+        the default group, which ``LightningModule.all_gather`` passes); a group of the user's as it is."""
+        assert self.engine is not None
+        return self.engine.replica_group if group is None or group is dist.group.WORLD else group
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """The last stage (rank 0), which computes the loss and the metrics, decides for every stage.
@@ -714,13 +752,15 @@ class HierPipelineStrategy(HierStrategy):
         if not dist.is_initialized() or self.world_size == 1:
             return decision
         flag = torch.tensor([int(bool(decision))], dtype=torch.int64)  # host control data: CPU backend
-        dist.broadcast(flag, src=rank_of_stage(self.num_stages, self.num_stages - 1), group=control_group())
+        dist.broadcast(flag, src=self.layout.rank(0, self.num_stages - 1), group=control_group())
         return bool(flag.item())
 
     def before_optimizer_step_hooks(self) -> None:
         """Called by the precision plugin after the closure, before ``on_before_optimizer_step`` and
-        clipping: replicas of a parameter tied across stages get the whole gradient."""
+        clipping: each stage's gradients averaged over the pipeline's replicas, then the copies of a parameter
+        tied across stages get the whole gradient."""
         if self.engine is not None:
+            self.engine.average_replica_gradients()
             self.engine.sum_tied_gradients()
 
     def optimizer_step(

@@ -32,13 +32,17 @@ class StageMetricsSync:
     copies rank 0's logged metrics to every stage at epoch ends and keeps predictions on the last stage
     only (the others have none: a ``None`` per batch)."""
 
-    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    def __init__(
+        self, trainer: pl.Trainer, module: pl.LightningModule, last_stage: bool | None = None
+    ) -> None:
         self.trainer = trainer
+        # where predictions are kept: the last stage of each pipeline replica (default: rank 0)
+        self.last_stage = trainer.global_rank == 0 if last_stage is None else last_stage
         self._module_hooks = InstanceHooks()
         self._writer_hooks = InstanceHooks()
         self._module_hooks.wrap(module, "on_train_epoch_end", after=self._sync)
         self._module_hooks.wrap(module, "on_validation_epoch_end", after=self._sync_unless_sanity)
-        if trainer.global_rank != 0:
+        if not self.last_stage:
             self._module_hooks.wrap(module, "on_predict_epoch_end", before=self._drop_predictions)
         # trainer.validate() / test() return the last stage's results on every rank, as under ddp each
         # rank gets a result dict with every logged key (otherwise the other stages get empty dicts, and a
@@ -76,7 +80,7 @@ class StageMetricsSync:
     def on_predict_start(self) -> None:
         """A stage other than the last: its writers write nothing per batch, and empty lists at the
         epoch's end (the last stage writes every prediction once)."""
-        if self.trainer.global_rank == 0:
+        if self.last_stage:
             return
         for callback in self.trainer.callbacks:
             if isinstance(callback, BasePredictionWriter):

@@ -1,0 +1,144 @@
+"""hier_pipeline as pipeline x data parallel: 2 replicas of a 2-stage pipeline on 4 gloo processes against
+Lightning's ``ddp`` on 2 processes, each ddp rank reading its replica's shard in the same batches (the
+pipeline's micro-batch losses are weighted by their share of the batch, so a replica's gradient is its whole
+batch's, as a ddp rank's). float64, so any real difference shows at full size. The layout, the bucketing of
+the averaged gradients and the stage-count checks are checked without processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import run_torchrun
+
+from lightning_hier.pipeline.replicas import ReplicaGradients, ReplicaLayout
+from lightning_hier.pipeline.settings import PipelineSettings
+
+SCENARIOS = ("adam_clip_accumulate", "rebalance_tied")
+RTOL = 1e-9  # float64: micro-batches against whole batches differ by rounding only
+
+
+# ---------------------------------------------------------------------------------------------- no processes
+def test_layout_keeps_each_replica_contiguous_with_replica_0s_last_stage_on_rank_0() -> None:
+    layout = ReplicaLayout(stages=3, replicas=2)
+    assert [[layout.rank(r, s) for s in range(3)] for r in range(2)] == [[2, 1, 0], [5, 4, 3]]
+    assert [layout.stage_of(rank) for rank in range(6)] == [2, 1, 0, 2, 1, 0]
+    assert [layout.replica_of(rank) for rank in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert layout.pipeline_ranks(1) == [3, 4, 5]
+    assert layout.replica_ranks(0) == [2, 5]  # stage 0 of every replica
+    # a gather over a pipeline group lists its stages from the last to the first
+    assert [layout.pipeline_ranks(1)[layout.position(s)] for s in range(3)] == [5, 4, 3]
+    # one replica is the plain pipeline: stage s on rank S - 1 - s
+    assert [ReplicaLayout(4).rank(0, s) for s in range(4)] == [3, 2, 1, 0]
+    # 2 nodes x 2 devices, 2 stages: each replica inside a node, each stage's replicas on different nodes
+    two_by_two = ReplicaLayout(stages=2, replicas=2)
+    assert {rank // 2 for rank in two_by_two.replica_ranks(0)} == {0, 1}
+    assert {rank // 2 for rank in two_by_two.pipeline_ranks(1)} == {1}
+
+
+def test_stages_must_divide_the_processes_before_any_collective() -> None:
+    assert ReplicaLayout.of_world(8, 2) == ReplicaLayout(stages=2, replicas=4)
+    assert ReplicaLayout.of_world(8, None) == ReplicaLayout(stages=8, replicas=1)
+    with pytest.raises(ValueError, match=r"stages=3 but the Trainer launches 4 .*Valid values: \[1, 2, 4\]"):
+        PipelineSettings(stages=3).check_world_size(4)
+    PipelineSettings(stages=2, partition=[3, 5]).check_world_size(4)
+    with pytest.raises(ValueError, match=r"describes 4 stages but stages=2"):
+        PipelineSettings(stages=2, partition=[1, 1, 1, 1]).check_world_size(4)
+
+
+def test_gradients_go_in_buckets_of_one_dtype_in_the_order_given() -> None:
+    averager = ReplicaGradients(group=None, replicas=2, device=torch.device("cpu"), bucket_bytes=64)
+    grads = [
+        torch.zeros(8, dtype=torch.float64),  # 64 bytes: fills a bucket
+        torch.zeros(4, dtype=torch.float32),
+        torch.zeros(2, dtype=torch.float64),
+        torch.zeros(20, dtype=torch.float32),  # 80 bytes: a bucket of its own
+        torch.zeros(1, dtype=torch.float32),
+    ]
+    buckets = averager._buckets(grads)
+    shapes = [[(g.dtype, g.numel()) for g in bucket] for bucket in buckets]
+    assert shapes == [
+        [(torch.float64, 8)],
+        [(torch.float32, 4)],
+        [(torch.float32, 20)],
+        [(torch.float64, 2)],
+        [(torch.float32, 1)],
+    ]
+
+
+# ----------------------------------------------------------------------------------------------- processes
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """Both scenarios under the pipeline (4 processes: 2 stages x 2 replicas) and under ddp (2 processes)."""
+    workdir = tmp_path_factory.mktemp("replicas")
+    names = ",".join(SCENARIOS)
+    results = []
+    for kind, processes in (("pipeline", 4), ("ddp", 2)):
+        out = workdir / f"{kind}.json"
+        run_torchrun("pipeline_replicas.py", processes, kind, str(out), str(workdir), names, timeout=300)
+        results.append(json.loads(out.read_text()))
+    return results[0], results[1]
+
+
+def _close(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) and len(want) > 0, (got, want)
+    for a, b in zip(got, want):
+        assert abs(a - b) <= RTOL * abs(b), (got, want)
+
+
+def _assert_states_equal_ddp(pipeline: dict, ddp: dict, ranks: int = 4) -> dict[str, torch.Tensor]:
+    """Every pipeline rank's module after fit (its replica's whole model) equals ddp's rank 0 module, and the
+    replicas are exactly equal to each other."""
+    reference = torch.load(ddp["module"].format(rank=0))
+    states = [torch.load(pipeline["module"].format(rank=rank)) for rank in range(ranks)]
+    moved = max(float((reference[k] - states[0][k]).abs().max()) for k in reference)
+    for rank, state in enumerate(states):
+        assert set(state) == set(reference)
+        for key, value in reference.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-7, atol=1e-10, msg=f"rank {rank}: {key}")
+            assert torch.equal(state[key], states[0][key]), f"rank {rank} differs from rank 0 in {key}"
+    assert moved < 1e-7  # (the comparison above bounds it; this keeps the figure in a failure's report)
+    return reference
+
+
+def test_two_stages_by_two_replicas_train_as_ddp_on_two_processes(runs: tuple[dict, dict]) -> None:
+    """Adam, accumulation of 2 batches, clipping by the global norm, 2 epochs with validation: the losses,
+    the ``sync_dist`` means the logger received, ``self.all_gather`` in the validation steps and every
+    parameter after fit equal ddp's; each replica read its own shard and averaged its gradients once per
+    optimizer step."""
+    pipeline, ddp = (run["adam_clip_accumulate"] for run in runs)
+    _close(pipeline["losses"], ddp["losses"])  # rank 0: replica 0's batches, as ddp's rank 0
+    for key in ("train_loss", "val_loss"):  # means over the replicas, as over ddp's ranks
+        got = [row[key] for row in pipeline["logged"] if key in row]
+        want = [row[key] for row in ddp["logged"] if key in row]
+        _close(got, want)
+    assert pipeline["gathered"] == ddp["gathered"] and len(ddp["gathered"][0]) == 2  # both replicas'
+    reference = _assert_states_equal_ddp(pipeline, ddp)
+    checkpoint = torch.load(pipeline["checkpoint"], map_location="cpu", weights_only=False)
+    assert checkpoint["hier_pipeline"]["replicas"] == 2 and checkpoint["hier_pipeline"]["num_stages"] == 2
+    for key, value in reference.items():
+        torch.testing.assert_close(checkpoint["state_dict"][key], value, rtol=1e-7, atol=1e-10, msg=key)
+    engines = sorted(pipeline["engines"], key=lambda e: e["rank"])
+    assert [(e["stage"], e["replica"]) for e in engines] == [(1, 0), (0, 0), (1, 1), (0, 1)]
+    assert [e["sampler"] for e in engines] == [{"num_replicas": 2, "rank": r} for r in (0, 0, 1, 1)]
+    assert [e["averaged_steps"] for e in engines] == [pipeline["steps"]] * 4 == [4] * 4
+
+
+def test_a_rebalance_migrates_alike_in_both_replicas_which_stay_equal_to_ddp(runs: tuple[dict, dict]) -> None:
+    """A lopsided start checked every 2 steps: the layers move, the same ones in both replicas (every rank
+    ends on the same partition after the same moves), and the training still equals ddp's, with a weight
+    tied across the stages and the second replica's processes starting from other values."""
+    pipeline, ddp = (run["rebalance_tied"] for run in runs)
+    _close(pipeline["losses"], ddp["losses"])
+    _close(
+        [row["train_loss"] for row in pipeline["logged"] if "train_loss" in row],
+        [row["train_loss"] for row in ddp["logged"] if "train_loss" in row],
+    )
+    assert pipeline["history"], "the lopsided start must be rebalanced"
+    assert pipeline["history"][0]["old"]["starts"] != pipeline["history"][0]["new"]["starts"]
+    engines = pipeline["engines"]
+    assert engines[0]["moves"]
+    for engine in engines:
+        assert (engine["moves"], engine["partition"]) == (engines[0]["moves"], engines[0]["partition"])
+    _assert_states_equal_ddp(pipeline, ddp)
