@@ -60,6 +60,8 @@ from lightning_hier.topology import Topology
 log = logging.getLogger(__name__)
 
 _BACKWARD_END = "backward_end"
+# the user's optimizer's attribute naming the engine whose slices its param groups hold, until given back
+_HELD_BY = "_hier_sliced_engine"
 
 
 class HierSlicedEngine:
@@ -91,6 +93,7 @@ class HierSlicedEngine:
         if topology.intra_group is None or topology.inter_group is None or topology.world_group is None:
             raise ValueError("HierSlicedEngine needs a topology with built groups (Topology.build_groups()).")
         validate_time_settings(bucketing, 1, 0, 0.5)
+        give_back_left_sharded(optimizer)  # before its param groups are read
         # False: the optimizer stays whole on every rank (replicated_optim.py), for non-elementwise updates
         self.replicated = not decide_sharding(optimizer, elementwise_optimizers, shard_optimizer)
         self.module = module
@@ -162,6 +165,7 @@ class HierSlicedEngine:
         ]
         if not self.replicated:
             self._route_state_dict()
+            optimizer.__dict__[_HELD_BY] = self
 
     def _take_params(self) -> None:
         """The trainable parameters of ``_original_groups`` (the optimizer's groups as the user built them,
@@ -846,6 +850,8 @@ class HierSlicedEngine:
         self._unroute_state_dict()
         self.sharding.unshard()
         self.optimizer.__dict__.pop("zero_grad", None)  # a routed zero_grad (manual optimization)
+        if self.optimizer.__dict__.get(_HELD_BY) is self:
+            del self.optimizer.__dict__[_HELD_BY]
         self.optimizer_given_back = True
 
     def close(self) -> None:
@@ -854,6 +860,16 @@ class HierSlicedEngine:
             handle.remove()
         self._hooks = []
         self._reducer.close()
+
+
+def give_back_left_sharded(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` back to its module parameters, with its full state, if an earlier engine still holds
+    it sharded: a fit that raised leaves it so (its peers may be gone, so teardown waits in no collective),
+    and a later fit on a new Trainer starts from what ``ddp`` would have left. A collective over that
+    engine's node, which every rank reaches alike (a new engine is built at setup)."""
+    engine = optimizer.__dict__.get(_HELD_BY)
+    if engine is not None and engine._sharded_now():
+        engine.give_back_optimizer()
 
 
 def trainable_params(groups: Sequence[Sequence[nn.Parameter]]) -> tuple[list[nn.Parameter], list[int]]:
