@@ -7,13 +7,17 @@ the averaged gradients and the stage-count checks are checked without processes.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import run_torchrun
 
+from lightning_hier.audit import analyze
+from lightning_hier.audit.emulation import EMULATED_NCCL
 from lightning_hier.pipeline.replicas import ReplicaGradients, ReplicaLayout
 from lightning_hier.pipeline.settings import PipelineSettings
+from lightning_hier.topology import DEVICE_BACKEND_ENV
 
 SCENARIOS = ("adam_clip_accumulate", "rebalance_tied")
 RTOL = 1e-9  # float64: micro-batches against whole batches differ by rounding only
@@ -104,9 +108,9 @@ def _assert_states_equal_ddp(pipeline: dict, ddp: dict, ranks: int = 4) -> dict[
 
 def test_two_stages_by_two_replicas_train_as_ddp_on_two_processes(runs: tuple[dict, dict]) -> None:
     """Adam, accumulation of 2 batches, clipping by the global norm, 2 epochs with validation: the losses,
-    the ``sync_dist`` means the logger received, ``self.all_gather`` in the validation steps and every
-    parameter after fit equal ddp's; each replica read its own shard and averaged its gradients once per
-    optimizer step."""
+    the ``sync_dist`` means the logger received, ``self.all_gather`` in the validation steps, every
+    parameter after fit and the predictions after it equal ddp's; each replica read its own shard and
+    averaged its gradients once per optimizer step."""
     pipeline, ddp = (run["adam_clip_accumulate"] for run in runs)
     _close(pipeline["losses"], ddp["losses"])  # rank 0: replica 0's batches, as ddp's rank 0
     for key in ("train_loss", "val_loss"):  # means over the replicas, as over ddp's ranks
@@ -123,6 +127,10 @@ def test_two_stages_by_two_replicas_train_as_ddp_on_two_processes(runs: tuple[di
     assert [(e["stage"], e["replica"]) for e in engines] == [(1, 0), (0, 0), (1, 1), (0, 1)]
     assert [e["sampler"] for e in engines] == [{"num_replicas": 2, "rank": r} for r in (0, 0, 1, 1)]
     assert [e["averaged_steps"] for e in engines] == [pipeline["steps"]] * 4 == [4] * 4
+    # trainer.predict: each replica's last stage returns its shard's predictions, as each ddp rank its own
+    predicted, expected = pipeline["predictions_by_rank"], ddp["predictions_by_rank"]
+    assert expected[0] and expected[0] != expected[1]
+    assert predicted == [expected[0], [], expected[1], []]
 
 
 def test_a_rebalance_migrates_alike_in_both_replicas_which_stay_equal_to_ddp(runs: tuple[dict, dict]) -> None:
@@ -142,3 +150,25 @@ def test_a_rebalance_migrates_alike_in_both_replicas_which_stay_equal_to_ddp(run
     for engine in engines:
         assert (engine["moves"], engine["partition"]) == (engines[0]["moves"], engines[0]["partition"])
     _assert_states_equal_ddp(pipeline, ddp)
+
+
+def test_replicas_issue_every_collective_legally_under_nccl_in_one_order(tmp_path: Path) -> None:
+    """The rebalancing scenario with the groups built as on CUDA and every collective recorded: the
+    replica groups' gradient averages, the averaged rebalance tables, the migrations inside each replica and
+    the ``sync_dist`` means on the last stages mid-schedule are legal under NCCL (device tensors on groups
+    with a device backend, host tensors on their CPU backend) and leave one issuing order without a cycle of
+    waits between the ranks. (Validation is left out: the emulation's gloo refuses ``ReduceOp.AVG`` on the
+    integer batch sizes Lightning's epoch means reduce, which NCCL accepts; see docs/gpu.md.)"""
+    audit_dir = tmp_path / "audit"
+    env = {DEVICE_BACKEND_ENV: EMULATED_NCCL, "LIGHTNING_HIER_AUDIT_DIR": str(audit_dir)}
+    out = tmp_path / "pipeline.json"
+    run_torchrun("pipeline_replicas.py", 4, "pipeline", str(out), str(tmp_path), "rebalance_tied", env=env)
+    assert json.loads(out.read_text())["rebalance_tied"]["history"], "the layers must have migrated"
+    report = analyze(audit_dir, require_main_thread=True)
+    assert sorted(report.records) == [0, 1, 2, 3]
+    report.raise_if_problems()
+    callers = {record["caller"] for record in report.select(package=True)}
+    for where in ("pipeline/replicas.py", "pipeline/migration.py", "pipeline/tied_parameters.py"):
+        assert any(where in caller for caller in callers), f"no collective from {where} was recorded"
+    served = {tuple(sorted(r["group_devices"])) for records in report.records.values() for r in records}
+    assert served == {("cpu", "cuda")}

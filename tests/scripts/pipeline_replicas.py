@@ -207,10 +207,16 @@ def run(kind: str, name: str, workdir: Path) -> dict[str, Any]:
             "checks": len(engine.checks),
             "averaged_steps": averages,
         }
-        by_rank: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(by_rank, mine)
-        result["engines"] = by_rank
+        engines: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(engines, mine)
+        result["engines"] = engines
         result["history"] = [event.to_dict() for event in engine.history]
+    if validates:  # each replica predicts its shard: its last stage returns it, as a ddp rank its own
+        predictions = trainer.predict(model, loader(batch_size=BATCH_SIZE, seed=2))
+        predicted = [batch.tolist() for batch in predictions if batch is not None]
+        by_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(by_rank, predicted)
+        result["predictions_by_rank"] = by_rank
     return result
 
 
