@@ -26,7 +26,6 @@ before a rebuild is not measured against the new plan.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from lightning_hier.bucketing.size_plan import ParamInfo
 from lightning_hier.bucketing.time_plan import TimePlan, plan_time_buckets
+from lightning_hier.checks import MAX_MB
 
 BUCKETING_MODES = ("size", "time", "none")
 # the clustering's gap (a fraction of backward's length) and the drift's smoothing: fixed, not user settings
@@ -70,7 +70,8 @@ class TimeBuckets:
         in_unit = "a number in (0, 1]"
         _check_real(self.reprofile_threshold, "reprofile_threshold", in_unit, lambda x: 0 < x <= 1)
         _check_int(self.reprofile_check_every, "reprofile_check_every", 1)
-        _check_real(self.min_bucket_mb, "min_bucket_mb", "a number >= 0", lambda x: 0 <= x < math.inf)
+        in_size = f"a number in [0, {MAX_MB}]"  # its bytes fit in 64 bits
+        _check_real(self.min_bucket_mb, "min_bucket_mb", in_size, lambda x: 0 <= x <= MAX_MB)
 
 
 TimeBucketingConfig = TimeBuckets  # the name the engines take it by

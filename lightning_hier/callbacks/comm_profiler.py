@@ -24,6 +24,7 @@ kind, leaving DDP's reducer (and a user's comm hook) as they are.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_hier.checks import check_flag, check_integer, check_path
 from lightning_hier.profiling.comm_stats import PS, CommStats, KindStats, StepStats
 from lightning_hier.profiling.ddp_reducer import DDPReducerStats
 from lightning_hier.profiling.report import save_figure, step_rows, summary_table, write_csv
@@ -78,13 +80,14 @@ class CommProfiler(Callback):
         ddp_timing_every: int | None = None,
         time_every_n_steps: int | None = None,
     ) -> None:
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1 or None, got {log_every_n_steps!r}.")
-        if ddp_timing_every is not None and ddp_timing_every < 1:
-            raise ValueError(f"ddp_timing_every must be >= 1 or None, got {ddp_timing_every!r}.")
-        every = time_every_n_steps
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f"time_every_n_steps must be an integer >= 1 or None, got {every!r}.")
+        for name, every in [("log_every_n_steps", log_every_n_steps), ("ddp_timing_every", ddp_timing_every),
+                            ("time_every_n_steps", time_every_n_steps)]:  # fmt: skip
+            check_integer(name, every, 1, allow_none=True)
+        if not isinstance(filename, str) or not filename or "/" in filename or os.sep in filename:
+            raise ValueError(f"filename must be a file stem (directories: output_dir), got {filename!r}.")
+        check_path("output_dir", output_dir)
+        check_flag("save_figure", save_figure)
+        check_flag("print_summary", print_summary)
         self.time_every_n_steps = time_every_n_steps
         self.ddp_timing_every = ddp_timing_every
         self.log_every_n_steps = log_every_n_steps

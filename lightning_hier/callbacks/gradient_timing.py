@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_hier.bucketing.time_bucketing import StepTimeline
 from lightning_hier.bucketing.time_plan import TimePlan
+from lightning_hier.checks import check_flag, check_integer, check_path
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,11 @@ class GradientTimingProfiler(Callback):
         save_figure: bool = True,
         output_dir: str | None = None,
     ) -> None:
-        if reprofile_every_n_epochs is not None and reprofile_every_n_epochs < 1:
-            raise ValueError(
-                f"reprofile_every_n_epochs must be >= 1 or None, got {reprofile_every_n_epochs!r}."
-            )
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps!r}.")
+        check_integer("reprofile_every_n_epochs", reprofile_every_n_epochs, 1, allow_none=True)
+        check_integer("log_every_n_steps", log_every_n_steps, 1)
+        check_integer("max_logged_buckets", max_logged_buckets, 0)
+        check_flag("save_figure", save_figure)
+        check_path("output_dir", output_dir)
         self.reprofile_every_n_epochs = reprofile_every_n_epochs
         self.log_every_n_steps = log_every_n_steps
         self.max_logged_buckets = max_logged_buckets

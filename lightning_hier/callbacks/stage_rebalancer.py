@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_hier.checks import check_flag, check_path
 from lightning_hier.strategies.hier_pipeline import HierPipelineStrategy
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class StageRebalancer(Callback):
     """
 
     def __init__(self, save_figure: bool = True, output_dir: str | None = None) -> None:
+        check_flag("save_figure", save_figure)
+        check_path("output_dir", output_dir)
         self.save_figure = save_figure
         self.output_dir = output_dir
         self._events_seen = 0

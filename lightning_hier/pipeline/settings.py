@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_hier.checks import check_names, is_integer, is_real
 from lightning_hier.pipeline.graph import LayerGraph
 from lightning_hier.pipeline.partition import StagePartition, partition_balanced, partition_uniform
 from lightning_hier.pipeline.replicas import ReplicaLayout
@@ -14,6 +15,10 @@ from lightning_hier.pipeline.schedule import SCHEDULES
 
 PARTITION_MODES = ("parameters", "uniform", "time")
 ACTIVATION_POLICIES = ("auto", "keep", "swap", "recompute")
+
+
+def _plain_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _finite_non_negative(value: object) -> bool:
@@ -91,11 +96,11 @@ class PipelineSettings:
     split_backward: bool = False
 
     def __post_init__(self) -> None:
-        if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
+        if self.stages is not None and (not is_integer(self.stages) or self.stages < 1):
             raise ValueError(f"stages must be a positive integer or None, got {self.stages!r}.")
-        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+        if not is_integer(self.micro_batches) or self.micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive integer, got {self.micro_batches!r}.")
-        if self.schedule not in SCHEDULES:
+        if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {list(SCHEDULES)}.")
         if isinstance(self.partition, str):
             if self.partition not in PARTITION_MODES:
@@ -104,25 +109,29 @@ class PipelineSettings:
                     "per stage, or a list of layer names where stages begin."
                 )
         else:
-            items = list(self.partition)
+            sequence = isinstance(self.partition, Sequence) and not isinstance(self.partition, bytes)
+            items = list(self.partition) if sequence else []
             if not items or not (
-                all(isinstance(i, int) for i in items) or all(isinstance(i, str) for i in items)
+                all(_plain_int(i) for i in items) or all(isinstance(i, str) and i for i in items)
             ):
                 raise ValueError(
                     f"partition={self.partition!r}: give clusters per stage (positive integers) or the layer "
                     "names where stages 1..K-1 begin (strings)."
                 )
-            if isinstance(items[0], int) and any(i < 1 for i in items):
+            if _plain_int(items[0]) and any(i < 1 for i in items):
                 raise ValueError(f"partition={items}: every stage needs at least one cluster.")
+            if isinstance(items[0], str) and len(set(items)) != len(items):
+                raise ValueError(f"partition={items}: a layer name where a stage begins appears twice.")
         self.rebalance_config()  # the rebalance family's checks, in one place
-        if self.memory_limit is not None and (
-            not isinstance(self.memory_limit, int) or self.memory_limit < 1
-        ):
+        if self.memory_limit is not None and (not is_integer(self.memory_limit) or self.memory_limit < 1):
             raise ValueError(
                 f"memory_limit must be a positive number of bytes or None, got {self.memory_limit!r}."
             )
-        if self.swap_bandwidth is not None and not self.swap_bandwidth > 0:
+        if self.swap_bandwidth is not None and not (
+            is_real(self.swap_bandwidth) and 0 < self.swap_bandwidth < math.inf
+        ):
             raise ValueError(f"swap_bandwidth must be positive bytes/s or None, got {self.swap_bandwidth!r}.")
+        object.__setattr__(self, "leaf_modules", check_names("leaf_modules", self.leaf_modules))
         if self.activation_policy not in ACTIVATION_POLICIES:
             raise ValueError(
                 f"activation_policy={self.activation_policy!r} is not one of {list(ACTIVATION_POLICIES)}."
@@ -144,7 +153,7 @@ class PipelineSettings:
             )
         if not isinstance(self.split_backward, bool):
             raise ValueError(f"split_backward must be True or False, got {self.split_backward!r}.")
-        if not isinstance(self.profile_steps, int) or self.profile_steps < 1:
+        if not is_integer(self.profile_steps) or self.profile_steps < 1:
             raise ValueError(f"profile_steps must be a positive integer, got {self.profile_steps!r}.")
 
     def rebalance_config(self) -> Rebalance:

@@ -88,7 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         nodes = args.nodes
+        if args.world_size is not None and nodes is not None:
+            raise ValueError(
+                f"give --nodes or --world-size, not both (nodes={nodes}, world_size={args.world_size})."
+            )
         if args.world_size is not None:
+            if args.world_size < 1:
+                raise ValueError(f"world_size must be a positive integer, got {args.world_size}.")
             if args.devices_per_node < 1 or args.world_size % args.devices_per_node:
                 raise ValueError(
                     f"devices_per_node={args.devices_per_node} does not divide world_size={args.world_size}."

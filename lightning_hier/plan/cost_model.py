@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lightning_hier.checks import check_integer, check_megabytes, is_real
+
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
 
 
@@ -154,14 +156,24 @@ def plan(
     step_seconds: float | None = None,
 ) -> Plan:
     """Every technique's predicted communication for a model of ``params`` parameters."""
-    if not (params > 0):
-        raise ValueError(f"params must be positive, got {params!r}.")
-    if dtype not in DTYPE_BYTES:
+    if not (is_real(params) and 0 < params < math.inf):
+        raise ValueError(f"params must be positive and finite, got {params!r}.")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPE_BYTES)}.")
-    if not (bucket_mb > 0):
-        raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}.")
+    check_megabytes("bucket_mb", bucket_mb)
+    for name, seconds in (("backward_seconds", backward_seconds), ("step_seconds", step_seconds)):
+        if seconds is not None and not (is_real(seconds) and 0 <= seconds < math.inf):
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}.")
+    check_integer("superstep_steps", superstep_steps, 1)
     nbytes = float(params) * DTYPE_BYTES[dtype]
-    buckets = max(1, math.ceil(nbytes / (bucket_mb * 2**20)))
+    if not math.isfinite(nbytes):
+        raise ValueError(f"params={params!r} of {dtype} is beyond floating point ({nbytes} bytes).")
+    per_bucket = nbytes / (bucket_mb * 2**20)
+    if not math.isfinite(per_bucket):
+        raise ValueError(
+            f"bucket_mb={bucket_mb!r} is too small: params={params!r} fill {per_bucket} buckets."
+        )
+    buckets = max(1, math.ceil(per_bucket))
     estimates = [flat_ring(cluster, nbytes), hierarchical(cluster, nbytes)]
     if slice_weights is not None:
         estimates.append(hierarchical(cluster, nbytes, slice_weights))
@@ -171,16 +183,25 @@ def plan(
     compute = step_seconds if step_seconds is not None else (backward_seconds or 0.0) * 1.5
     estimates.append(bsp_superstep(cluster, nbytes, superstep_steps, compute))
     estimates.append(bandwidth_bound(cluster, nbytes))
+    for e in estimates:  # finite inputs at the edges of float range (1e300 params) may still overflow
+        numbers = (e.seconds, e.exposed_seconds, e.inter_bytes_per_node, e.intra_bytes_per_device)
+        if not all(map(math.isfinite, numbers)):
+            raise ValueError(
+                f"params={params!r} on {cluster.nodes} x {cluster.devices_per_node} devices at "
+                f"intra_bandwidth={cluster.intra_bandwidth!r}, inter_bandwidth={cluster.inter_bandwidth!r}: "
+                f"{e.name} times or bytes beyond floating point."
+            )
     return Plan(cluster, nbytes, estimates)
 
 
 def _shares(weights: list[float] | None, local: int) -> list[float]:
     if weights is None:
         return [1.0 / local] * local
-    if len(weights) != local or any(not (w > 0) for w in weights):
+    if len(weights) != local or not all(is_real(w) and 0 < w < math.inf for w in weights):
         raise ValueError(f"slice weights must be {local} positive numbers, got {weights!r}.")
-    total = float(sum(weights))
-    return [w / total for w in weights]
+    largest = max(weights)  # scaled first: a sum of weights near the float maximum overflows
+    total = sum(w / largest for w in weights)
+    return [w / largest / total for w in weights]
 
 
 def _sliced_ring_seconds(largest_slice: float, endpoints: int, bandwidth: float, latency: float) -> float:

@@ -32,6 +32,8 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
+from lightning_hier.checks import is_real
+
 WEIGHT_MODES = ("equal", "memory", "memory+compute")
 SLICE_QUANTA = 64  # measured weights are cut in whole 64ths of a bucket (more where a node has more devices)
 
@@ -43,10 +45,13 @@ class SlicePlan:
     weights: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        if not self.weights or any(w <= 0 for w in self.weights):
-            raise ValueError(f"slice weights must be positive, got {self.weights}.")
-        total = sum(self.weights)
-        object.__setattr__(self, "weights", tuple(w / total for w in self.weights))
+        if not self.weights or any(not 0 < w < math.inf for w in self.weights):
+            raise ValueError(f"slice weights must be positive and finite, got {self.weights}.")
+        # scaled by the largest first: the sum of weights near the float maximum would overflow to inf
+        largest = max(self.weights)
+        scaled = [w / largest for w in self.weights]
+        total = sum(scaled)
+        object.__setattr__(self, "weights", tuple(w / total for w in scaled))
 
     @property
     def num_slices(self) -> int:
@@ -86,14 +91,17 @@ def validate_slice_weights(slice_weights: str | Sequence[float], devices_per_nod
             )
         return
     try:
-        values = [float(w) for w in slice_weights]
-    except (TypeError, ValueError) as err:
+        items = list(slice_weights)
+    except TypeError:
+        items = [None]
+    if not all(is_real(w) for w in items):  # not "1" or True: a misplaced value, not a weight
         raise ValueError(
             f"slice_weights must be one of {list(WEIGHT_MODES)} or a list of positive numbers, "
             f"got {slice_weights!r}."
-        ) from err
+        )
+    values = [float(w) for w in items]
     if not values or any(not (w > 0) or w == float("inf") for w in values):
-        raise ValueError(f"slice_weights entries must be positive and finite, got {list(slice_weights)}.")
+        raise ValueError(f"slice_weights entries must be positive and finite, got {items}.")
     if devices_per_node is not None and len(values) != devices_per_node:
         raise ValueError(
             f"slice_weights has {len(values)} entries but a node has devices_per_node={devices_per_node} "

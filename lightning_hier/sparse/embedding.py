@@ -26,6 +26,7 @@ autocast without ``hier_sliced`` (the loss scale is unknown to the table: use ``
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 import weakref
 from collections.abc import Callable
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from lightning_hier.checks import check_flag, check_integer, check_path, is_integer, is_real
 from lightning_hier.sparse.background import TableJobs
 from lightning_hier.sparse.id_index import SharedIdIndex, hashed_init
 from lightning_hier.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer, state_names
@@ -51,12 +53,13 @@ from lightning_hier.sparse.shared_store import (
 )
 from lightning_hier.sparse.staging import NodeStaging
 from lightning_hier.sparse.sync import coalesce, hierarchical_frequency_average, release_from_leader
-from lightning_hier.sparse.table_file import map_table, read_header, save_table
+from lightning_hier.sparse.table_file import DTYPE_CODES, element_size, map_table, read_header, save_table
 
 INITS = ("normal", "uniform", "zeros")
 NODE_MERGES = ("leader", "shared")
 _PENDING_WARNING = 64  # backward passes recorded without an update before the user is told
 _INIT_ROWS_PER_CHUNK = 1 << 16
+MAX_TABLE_BYTES = 2**62  # a table's bytes, plus a header, must fit the 64-bit sizes of files and tensors
 
 # Tables trained without a strategy, stepped by any optimizer's step (see the module docstring).
 _UNMANAGED: weakref.WeakSet[HybridEmbedding] = weakref.WeakSet()
@@ -125,6 +128,25 @@ def _match_file(
     return rows, dim, file_dtype
 
 
+def _check_hyperparameters(
+    lr: float, init_scale: float | None, eps: float | None, betas: tuple[float, float], seed: int
+) -> None:
+    """Raise ``ValueError`` naming the setting for a value the row optimizer or the initialisation
+    cannot use (ranges as torch's optimizers check them)."""
+    if not (is_real(lr) and 0 < lr < math.inf):
+        raise ValueError(f"lr must be positive and finite, got {lr!r}.")
+    if init_scale is not None and not (is_real(init_scale) and 0 <= init_scale < math.inf):
+        raise ValueError(f"init_scale must be a finite number >= 0 or None, got {init_scale!r}.")
+    if eps is not None and not (is_real(eps) and 0 <= eps < math.inf):
+        raise ValueError(f"eps must be a finite number >= 0 or None, got {eps!r}.")
+    if not (
+        isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_real(b) and 0 <= b < 1 for b in betas)
+    ):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}.")
+    if not (is_integer(seed) and 0 <= seed < 2**64):  # what the hashed initialisation mixes as a uint64
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}.")
+
+
 class HybridEmbedding(nn.Module):
     """An embedding table held once per node in shared host memory, with a row-wise optimizer.
 
@@ -184,8 +206,14 @@ class HybridEmbedding(nn.Module):
             raise ValueError(f"optimizer={optimizer!r} is not one of {list(ROW_OPTIMIZERS)}.")
         if init not in INITS:
             raise ValueError(f"init={init!r} is not one of {list(INITS)}.")
-        if not lr > 0:
-            raise ValueError(f"lr must be positive, got {lr!r}.")
+        _check_hyperparameters(lr, init_scale, eps, betas, seed)
+        check_flag("hashed_ids", hashed_ids)
+        check_flag("prefault", prefault)
+        check_path("path", path)
+        for name, size in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            check_integer(name, size, 1, allow_none=True)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in DTYPE_CODES):
+            raise ValueError(f"dtype={dtype!r} is not one of {list(DTYPE_CODES)} (None: float32).")
         if path is not None:
             num_embeddings, embedding_dim, dtype = _match_file(path, num_embeddings, embedding_dim, dtype)
         if num_embeddings is None or embedding_dim is None:
@@ -194,6 +222,11 @@ class HybridEmbedding(nn.Module):
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(
                 f"the table needs at least one row and one column, got {num_embeddings}x{embedding_dim}."
+            )
+        if num_embeddings * embedding_dim * element_size(dtype) > MAX_TABLE_BYTES:
+            raise ValueError(
+                f"num_embeddings x embedding_dim = {num_embeddings}x{embedding_dim} of {dtype} is beyond any "
+                f"memory (more than 2**62 bytes); give the table's real size."
             )
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim

@@ -50,6 +50,7 @@ from lightning_hier.bsp.settings import BSPSettings
 from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
 from lightning_hier.bucketing.time_plan import TimePlan
+from lightning_hier.checks import check_flag, check_megabytes, check_names
 from lightning_hier.strategies.base import HierStrategy, ddp_arguments
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.lightning_patches import (
@@ -154,8 +155,9 @@ class HierBSPStrategy(HierStrategy):
         self.settings = BSPSettings(superstep, max_staleness, fill_idle, gradient_average)
         if devices_per_node is not None:
             validate_layout(devices_per_node, devices_per_node)
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
+        check_megabytes("bucket_cap_mb", bucket_cap_mb)
+        check_flag("log_supersteps", log_supersteps)
+        elementwise_optimizers = check_names("elementwise_optimizers", elementwise_optimizers)
         mode, time_buckets = resolve_bucketing(bucketing, modes=("size", "time"))
         if mode == "time" and not self.settings.lockstep:
             raise ValueError(

@@ -203,7 +203,7 @@ class HierPipelineStrategy(HierStrategy):
             min_rebalance_gain=plan.min_gain,
             memory_limit=memory_limit,
             profile_steps=profile_steps,
-            leaf_modules=tuple(leaf_modules),
+            leaf_modules=leaf_modules,  # checked and kept as a tuple by the settings
             activation_policy=activation_policy,
             static_shapes=static_shapes,
             split_tied_parameters=split_tied_parameters,

@@ -42,6 +42,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 
 from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
+from lightning_hier.checks import check_flag, check_megabytes, check_names
 from lightning_hier.sliced.checkpoints import PLAN_KEY, SlicedCheckpoints, validate_checkpoint_format
 from lightning_hier.sliced.engine import HierSlicedEngine, TrainedParameters, take_in_new_parameters
 from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
@@ -176,10 +177,12 @@ class HierSlicedStrategy(HierStrategy):
         if devices_per_node is not None:
             validate_layout(devices_per_node, devices_per_node)
         validate_slice_weights(slice_weights, devices_per_node)
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
+        check_megabytes("bucket_cap_mb", bucket_cap_mb)
         mode, time_config = resolve_bucketing(bucketing)
-        if inter_node_dtype not in INTER_NODE_DTYPES:
+        check_flag("broadcast_buffers", broadcast_buffers)
+        check_flag("shard_optimizer", shard_optimizer, allow_none=True)
+        elementwise_optimizers = check_names("elementwise_optimizers", elementwise_optimizers)
+        if not isinstance(inter_node_dtype, (str, type(None))) or inter_node_dtype not in INTER_NODE_DTYPES:
             raise ValueError(
                 f"inter_node_dtype={inter_node_dtype!r} is not one of {list(INTER_NODE_DTYPES)} (None: full "
                 "precision)."
