@@ -627,6 +627,7 @@ def _plan_case(wrong: str, **options: Any) -> Case:
         _plan_case("intra-bandwidth", intra_bandwidth="1e-320"),  # a table of inf
         _plan_case("world-size", nodes=None, world_size="0"),  # the message named nodes only
         _plan_case("", slice_weights=["1e308", "1e308", "1", "1"]),  # valid: the shares are computed scaled
+        _plan_case("", nodes="1", devices_per_node="1"),  # valid: no communication, and no "vs ddp" of nan
     ]
 )
 def test_plan_command(case: Case) -> None:

@@ -76,10 +76,12 @@ def table(result: Plan) -> str:
         f"{'technique':<34}{'comm ms':>10}{'exposed ms':>12}{'inter MiB/node':>16}{'vs ddp':>8}",
     ]
     for e in result.estimates:
-        ratio = e.exposed_seconds / flat.exposed_seconds if flat.exposed_seconds > 0 else float("nan")
+        # no ratio where ddp exposes nothing (one device: no communication at all)
+        exposed = flat.exposed_seconds
+        ratio = f"{e.exposed_seconds / exposed:>8.2f}" if exposed > 0 else f"{'-':>8}"
         lines.append(
             f"{e.name:<34}{e.seconds * 1e3:>10.2f}{e.exposed_seconds * 1e3:>12.2f}"
-            f"{e.inter_bytes_per_node / 2**20:>16.1f}{ratio:>8.2f}" + (f"  ({e.notes})" if e.notes else "")
+            f"{e.inter_bytes_per_node / 2**20:>16.1f}{ratio}" + (f"  ({e.notes})" if e.notes else "")
         )
     return "\n".join(lines)
 
