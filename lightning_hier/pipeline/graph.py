@@ -1,16 +1,18 @@
 """A model's forward as a list of layers in execution order, grouped into clusters.
 
 The forward is traced with ``torch.fx``: every ``call_module`` / ``call_function`` /
-``call_method`` / ``get_attr`` node is a *layer*. A pipeline cut is only allowed where exactly
-one value produced by a layer is still needed later (the cut carries one tensor, so each stage
-has a single entry and a single exit). The layers between two allowed cuts form a *cluster*:
-an Inception- or ResNet-like block, whose branches keep several values alive between the fork
-and the join, becomes one cluster; in a plain stack every layer is its own cluster. Layers that
-share a buffer (a normalisation module called twice) are kept in one cluster, so a buffer always
-lives on exactly one stage. Layers that share only parameters (tied embedding and output weights, a
-module called twice) may be split: each stage using such a parameter holds a replica, and the engine
-sums the replicas' gradients before the optimizer step (``split_tied_parameters=False`` keeps them in one
-cluster instead).
+``call_method`` / ``get_attr`` node is a *layer*. A forward fx cannot trace is captured with
+``torch.export`` instead (``export_capture.py``): each layer is then one module's operations.
+A pipeline cut is only allowed where exactly one value produced by a layer is still needed later
+(the cut carries one tensor, so each stage has a single entry and a single exit). The layers
+between two allowed cuts form a *cluster*: an Inception- or ResNet-like block, whose branches keep
+several values alive between the fork and the join, becomes one cluster; in a plain stack every
+layer is its own cluster. Layers that share a buffer (a normalisation module called twice) are kept
+in one cluster, so a buffer always lives on exactly one stage, unless no exported layer writes it
+(a rotary embedding's frequencies): each stage reading such a buffer holds it. Layers that share only
+parameters (tied embedding and output weights, a module called twice) may be split: each stage using
+such a parameter holds a replica, and the engine sums the replicas' gradients before the optimizer
+step (``split_tied_parameters=False`` keeps them in one cluster instead).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ import torch.fx as fx
 from torch import nn
 
 from lightning_hier.pipeline import trace_writes
+from lightning_hier.pipeline.export_capture import (
+    ExportCaptureError,
+    ExportedLayer,
+    export_forward,
+    forward_example,
+)
 from lightning_hier.pipeline.tracer import PipelineTracer, is_tracing_machinery
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
@@ -42,6 +50,15 @@ def relay(value: Any) -> Any:
 
 class PipelineTraceError(ValueError):
     """The model's forward could not be traced into layers."""
+
+
+class FxTraceError(PipelineTraceError):
+    """torch.fx could not trace the forward: ``reason`` and ``location`` (``file:line `code```) say where."""
+
+    def __init__(self, message: str, reason: str, location: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.location = location
 
 
 @dataclass(frozen=True)
@@ -112,11 +129,14 @@ def trace_model(
             failure = failure or exc
     else:
         assert failure is not None
-        raise PipelineTraceError(
+        location = _offending_call(failure)
+        raise FxTraceError(
             f"hier_pipeline could not trace {type(module).__name__}.forward: {failure} "
-            f"(at {_offending_call(failure)}). Make that call traceable by torch.fx, list the submodule "
+            f"(at {location}). Make that call traceable by torch.fx, list the submodule "
             "that contains it in `leaf_modules` (it then runs as one opaque layer), or build the "
-            "model as an nn.Sequential of such blocks."
+            "model as an nn.Sequential of such blocks.",
+            str(failure),
+            location,
         ) from failure
     writes = trace_writes.restore(saved, graph)
     if check_writes:
@@ -141,6 +161,37 @@ def trace_model(
     traced.meta["specialized"] = concrete  # the defaults traced as constants
     traced.meta["none_traced_as_input"] = sorted(name for name in as_inputs if name not in concrete)
     return traced
+
+
+def _export_instead(
+    module: nn.Module,
+    fx_failure: FxTraceError,
+    leaf_modules: Sequence[str],
+    split_points: Sequence[str],
+    example_input: Any,
+) -> fx.GraphModule:
+    """``module.forward`` captured with ``torch.export`` where fx failed; one error naming both failures
+    where export fails too."""
+    try:
+        if callable(example_input):
+            example = example_input()
+        elif example_input is not None:
+            example = example_input
+        else:
+            example = forward_example(module)
+        return export_forward(module, example, leaf_modules, split_points)
+    except ExportCaptureError as export_failure:
+        name = type(module).__name__
+        raise PipelineTraceError(
+            f"hier_pipeline could not capture {name}.forward into layers.\n"
+            f"- torch.fx: {fx_failure.reason} (at {fx_failure.location}).\n"
+            f"- torch.export (non-strict): {export_failure}.\n"
+            "Make that code traceable (no Python branch on a tensor's value), list the submodule that holds "
+            "it in `leaf_modules` (torch.fx then runs it as one opaque layer), or set `example_input_array` "
+            "where torch.export had no example input. With the untraceable code inside leaf modules, "
+            "`split_points=[...]` names the modules where stages begin, as torch.distributed.pipelining's "
+            "split points do."
+        ) from export_failure
 
 
 ModeArgs = dict[str, list[tuple[int | str, bool, bool]]]
@@ -203,7 +254,9 @@ def _specialized_defaults(module: nn.Module) -> dict[str, Any]:
     }
 
 
-def _state_names(root: nn.Module, node: fx.Node) -> tuple[str, tuple[str, ...]] | tuple[None, tuple]:
+def _state_names(root: nn.Module, node: fx.Node) -> tuple[str | None, tuple[str, ...]]:
+    if node.op == "call_function" and isinstance(node.target, ExportedLayer):
+        return node.target.owner, node.target.state_names
     if node.op == "call_module":
         sub = root.get_submodule(str(node.target))
         prefix = f"{node.target}."
@@ -213,6 +266,11 @@ def _state_names(root: nn.Module, node: fx.Node) -> tuple[str, tuple[str, ...]] 
     if node.op == "get_attr":
         return str(node.target), (str(node.target),)
     return None, ()
+
+
+def _under(owner: str | None, module: str) -> bool:
+    """Whether a layer whose module is ``owner`` runs inside ``module``."""
+    return owner is not None and (owner == module or owner.startswith(module + "."))
 
 
 def _unpacked_later(node: fx.Node) -> bool:
@@ -240,21 +298,43 @@ class LayerGraph:
             with data-dependent control flow that fx cannot trace).
         split_tied_parameters: allow a cut between layers that share a parameter (each stage then
             holds a replica of it); ``False`` keeps such layers in one cluster.
+        example_input: what ``forward`` is called with, ``(args, kwargs)`` or a function returning them,
+            for the ``torch.export`` capture of a forward fx cannot trace; by default the module's
+            ``example_input_array``, else the first batch of its Trainer's loader (``export_capture.py``).
+        split_points: module names where stages will begin: under ``torch.export`` each begins a layer.
     """
 
     def __init__(
-        self, module: nn.Module, leaf_modules: Sequence[str] = (), split_tied_parameters: bool = True
+        self,
+        module: nn.Module,
+        leaf_modules: Sequence[str] = (),
+        split_tied_parameters: bool = True,
+        example_input: Any = None,
+        split_points: Sequence[str] = (),
     ) -> None:
         self.root = module
         self.split_tied_parameters = split_tied_parameters
-        self.graph_module = trace_model(module, leaf_modules)
+        try:
+            self.graph_module = trace_model(module, leaf_modules)
+            self.capture = "fx"
+        except FxTraceError as fx_failure:
+            self.graph_module = _export_instead(module, fx_failure, leaf_modules, split_points, example_input)
+            self.capture = "export"
         # forward's arguments traced as their plain default: a call passing another value is refused
         self.specialized: dict[str, Any] = self.graph_module.meta["specialized"]
         # defaults of None that only trace as inputs: a call must pass a value (stage.py checks)
         self.none_traced_as_input: list[str] = self.graph_module.meta["none_traced_as_input"]
-        self.mode_args = _mode_dependent_args(module, leaf_modules, self.graph_module)
+        # an exported layer runs the graph of the model's mode itself (export_capture.ExportedLayer)
+        self.mode_args = (
+            _mode_dependent_args(module, leaf_modules, self.graph_module) if self.capture == "fx" else {}
+        )
+        # buffers no exported layer writes (a rotary embedding's frequencies): like a tied parameter, each
+        # stage whose layers read one holds it, so they do not keep those layers on one stage
+        self.replicable_buffers: frozenset[str] = self.graph_module.meta.get("read_only_buffers", frozenset())
         self.num_relays = 0
         self._index_nodes()
+        if split_points:  # the same on every rank: each raises its error, before any collective
+            self.split_point_starts(split_points)
 
     def _index_nodes(self) -> None:
         module = self.root
@@ -356,6 +436,8 @@ class LayerGraph:
             for name in layer.state_names:
                 if self.split_tied_parameters and name in params:
                     continue  # replicated on each stage that uses it (the engine sums the gradients)
+                if name in self.replicable_buffers:
+                    continue  # never written: each stage reading it holds the same values
                 key = id(tensors[name]) if name in tensors else hash(name)
                 first.setdefault(key, layer.index)
                 last[key] = layer.index
@@ -393,6 +475,49 @@ class LayerGraph:
             names = self.state_names(c.index, c.index + 1)
             counts.append(sum(params[n].numel() for n in names if n in params))
         return counts
+
+    def split_point_starts(self, names: Sequence[str]) -> tuple[int, ...]:
+        """The clusters where stages begin at the modules ``names`` (stage k at the k-th name's first layer in
+        execution order), after ``0``. A ``ValueError`` names a module that runs no layer, one whose first
+        layer cannot begin a stage (with the values a cut there would carry) and names out of order."""
+        begins = {cluster.start: cluster.index for cluster in self.clusters}
+        firsts: list[int] = []
+        for name in names:
+            first = next((layer.index for layer in self.layers if _under(layer.owner, name)), None)
+            if first is None:
+                raise ValueError(
+                    f"split_points: {name!r} runs no layer of {type(self.root).__name__}.forward (never "
+                    f"called, or inside a layer of its parent). Layers: {[lay.name for lay in self.layers]}"
+                )
+            if first not in begins:
+                carried = ", ".join(self._values_crossing(first)) or "state shared with earlier layers"
+                raise ValueError(
+                    f"split_points: a stage cannot begin at {name!r}: a cut before its first layer "
+                    f"({self.layers[first].name}) would carry {carried}, and a cut carries one tensor. "
+                    f"Modules that can begin a stage: {self._split_point_names()}"
+                )
+            firsts.append(first)
+        if any(b <= a for a, b in zip(firsts, firsts[1:])):
+            order = [name for _, name in sorted(zip(firsts, names))]
+            raise ValueError(f"split_points={list(names)} must follow the order forward runs them: {order}.")
+        return (0, *(begins[first] for first in firsts))
+
+    def _values_crossing(self, position: int) -> list[str]:
+        """The values computed before layer ``position`` and read at or after it (forward's further inputs
+        excluded: every stage binds them), with the module computing each."""
+        last = self._last_use()
+        crossing = []
+        for node in self.placeholders[:1] + self.nodes[:position]:
+            if node.name in self.further_inputs or last[node.name] < position:
+                continue
+            owner = self.layers[self.index_of[node.name]].owner if node.name in self.index_of else None
+            crossing.append(f"`{node.name}`" + (f" (from {owner})" if owner else ""))
+        return crossing
+
+    def _split_point_names(self) -> list[str]:
+        return [
+            self.layers[c.start].owner or self.layers[c.start].name for c in self.clusters[1:]
+        ]
 
     def describe(self) -> str:
         lines = []

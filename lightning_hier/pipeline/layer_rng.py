@@ -72,8 +72,8 @@ def may_draw_random(node: fx.Node, module: nn.Module | None) -> bool:
     one, or user modules)."""
     if node.op == "call_module" and module is not None:
         return module_draws_random(module)
-    if node.op == "call_function":
-        return node.target in _RANDOM_FUNCTIONS
+    if node.op == "call_function":  # an exported layer (export_capture.ExportedLayer) says so itself
+        return node.target in _RANDOM_FUNCTIONS or getattr(node.target, "draws_random", False) is True
     return False
 
 

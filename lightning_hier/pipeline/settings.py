@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_hier.checks import check_names, is_integer, is_real
 from lightning_hier.pipeline.graph import LayerGraph
@@ -94,6 +95,7 @@ class PipelineSettings:
     split_tied_parameters: bool = True
     extra_warmup: int | str = "auto"
     split_backward: bool = False
+    split_points: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stages is not None and (not is_integer(self.stages) or self.stages < 1):
@@ -155,6 +157,48 @@ class PipelineSettings:
             raise ValueError(f"split_backward must be True or False, got {self.split_backward!r}.")
         if not is_integer(self.profile_steps) or self.profile_steps < 1:
             raise ValueError(f"profile_steps must be a positive integer, got {self.profile_steps!r}.")
+        self._check_split_point_names()
+
+    def _check_split_point_names(self) -> None:
+        points = self.split_points
+        if isinstance(points, (str, bytes)) or not isinstance(points, Iterable):
+            raise ValueError(f"split_points must be a list of module names (strings), got {points!r}.")
+        points = tuple(points)
+        if not all(isinstance(point, str) and point for point in points):
+            raise ValueError(f"split_points must be a list of module names (strings), got {points!r}.")
+        if len(set(points)) != len(points):
+            raise ValueError(f"split_points={list(points)}: a module where a stage begins appears twice.")
+        if points and self.partition != "parameters":
+            raise ValueError(
+                f"split_points={list(points)} and partition={self.partition!r} both say where stages begin; "
+                "give one of them."
+            )
+        object.__setattr__(self, "split_points", points)
+
+    def check_split_points(self, world_size: int, module: Any) -> None:
+        """``split_points`` names one submodule of ``module`` per stage after the first (called before the
+        process group exists; their order and whether each can begin a stage are checked once the forward
+        is captured, on every rank alike: ``LayerGraph.split_point_starts``)."""
+        points = self.split_points
+        if not points:
+            return
+        stages = self.stages if self.stages is not None else world_size
+        if len(points) != stages - 1:
+            raise ValueError(
+                f"split_points={list(points)} names {len(points)} module(s) where stages begin, but {stages} "
+                f"stages need {stages - 1}: stage k begins at the k-th name (stage 0 where forward begins)."
+            )
+        if module is None:
+            return
+        modules = dict(module.named_modules())
+        missing = [point for point in points if point not in modules]
+        if missing:
+            close = {p: difflib.get_close_matches(p, list(modules), n=1) for p in missing}
+            hints = "; ".join(f"{p!r}: did you mean {c[0]!r}?" for p, c in close.items() if c)
+            raise ValueError(
+                f"split_points {missing} are not submodules of {type(module).__name__} (names as "
+                f"named_modules() gives them){': ' + hints if hints else ''}."
+            )
 
     def rebalance_config(self) -> Rebalance:
         """The rebalance fields as the :class:`Rebalance` they came from."""
@@ -232,6 +276,8 @@ def initial_partition(graph: LayerGraph, settings: PipelineSettings, num_stages:
             f"hier_pipeline: {num_stages} stages but the model splits into only {n} cluster(s) "
             f"(single-entry/single-exit layer groups); use at most {n} stages.\n{graph.describe()}"
         )
+    if settings.split_points:
+        return StagePartition(graph.split_point_starts(settings.split_points), n)
     mode = settings.partition
     if mode == "uniform":
         return partition_uniform(graph.layer_counts(), num_stages)

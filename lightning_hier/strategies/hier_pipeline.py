@@ -148,6 +148,8 @@ class HierPipelineStrategy(HierStrategy):
             otherwise raises naming this option.
         split_tied_parameters: layers sharing a parameter (tied embeddings) may sit on different stages,
             each holding a replica whose gradients are summed; ``False`` keeps them on one stage.
+        split_points: the modules where stages 1..K-1 begin (``["model.transformer.h.2"]``), checked before
+            any process group exists; instead of ``partition``.
         stages: stages per pipeline; it must divide the processes (devices x num_nodes), which then run
             ``processes / stages`` data-parallel replicas of the pipeline, each reading its own shard of the
             data. ``None``: one pipeline over every process.
@@ -189,6 +191,7 @@ class HierPipelineStrategy(HierStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
+        split_points: Sequence[str] = (),
         stages: int | None = None,
     ) -> None:
         plan = Rebalance.of(rebalance)
@@ -207,6 +210,7 @@ class HierPipelineStrategy(HierStrategy):
             activation_policy=activation_policy,
             static_shapes=static_shapes,
             split_tied_parameters=split_tied_parameters,
+            split_points=split_points,
         )
         super().__init__(**ddp_arguments(locals()))
         self.engine: PipelineEngine | None = None
@@ -249,6 +253,7 @@ class HierPipelineStrategy(HierStrategy):
     # ------------------------------------------------------------------ environment
     def _validate_before_process_group(self) -> None:
         self.settings.check_world_size(self.planned_world_size)
+        self.settings.check_split_points(self.planned_world_size, self.lightning_module)
         module = self.lightning_module
         refuse_unsupported_callbacks(module, "hier_pipeline")
         if module is not None and type(module).forward is pl.LightningModule.forward:
@@ -397,7 +402,12 @@ class HierPipelineStrategy(HierStrategy):
     def _build_engine(self) -> None:
         module = self.lightning_module
         assert module is not None
-        graph = LayerGraph(module, self.settings.leaf_modules, self.settings.split_tied_parameters)
+        graph = LayerGraph(
+            module,
+            self.settings.leaf_modules,
+            self.settings.split_tied_parameters,
+            split_points=self.settings.split_points,
+        )
         # the same on every rank (deterministic), so an error here is raised by all of them
         relays = graph.pad_with_relays(self.num_stages)
         if relays:
