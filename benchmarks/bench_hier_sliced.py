@@ -35,7 +35,7 @@ OPTIONS = """
 --superstep-steps int  4                hier_bsp: superstep (a step count)
 --max-staleness int    1                hier_bsp: max_staleness
 --repeats       int    1                run every strategy this many times (interleaved); median ratio
---inter-node-dtype str ""               hier_sliced: inter_node_dtype (bf16, fp16, int8; empty: full precision)
+--inter-node-dtype str ""               hier_sliced: inter_node_dtype (bf16, fp16, int8; "": full precision)
 --comm-chunk-mb float  0                hier_sliced: its _comm_chunk_mb (chunks of a bucket; 0: automatic)
 """
 
