@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_torchrun
+import torch.distributed as dist
+from helpers import init_gloo, run_spawned, run_torchrun
 
 from lightning_hier.audit import analyze
 from lightning_hier.audit.emulation import EMULATED_NCCL
-from lightning_hier.pipeline.replicas import ReplicaGradients, ReplicaLayout
+from lightning_hier.pipeline.replicas import ReplicaGradients, ReplicaLayout, averaged_over_replicas
 from lightning_hier.pipeline.settings import PipelineSettings
 from lightning_hier.topology import DEVICE_BACKEND_ENV
 
@@ -69,6 +70,33 @@ def test_gradients_go_in_buckets_of_one_dtype_in_the_order_given() -> None:
         [(torch.float64, 2)],
         [(torch.float32, 1)],
     ]
+
+
+def _average_on_two_replicas(rank: int, world: int, store: str) -> dict:
+    """Four parameters of one stage in each of two replicas: gradients on both, on the second only, on
+    neither, and a float64 one; buckets of at most 16 bytes, so several all-reduces."""
+    init_gloo(rank, world, store)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    params.append(torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)))
+    params[0].grad = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+    if rank == 1:
+        params[1].grad = torch.tensor([4.0, 6.0, 8.0])
+    params[3].grad = torch.tensor([0.25, -1.0], dtype=torch.float64) * (1 + 2 * rank)
+    ReplicaGradients(dist.group.WORLD, 2, torch.device("cpu"), bucket_bytes=16).average(params)
+    # times: the mean over the replicas, the last column the largest
+    rows = torch.tensor([[1.0, 2.0, 10.0], [3.0, 4.0, 20.0]], dtype=torch.float64) * (rank + 1)
+    table = averaged_over_replicas(rows, dist.group.WORLD, 2, max_columns=1)
+    return {"grads": [None if p.grad is None else p.grad.tolist() for p in params], "table": table.tolist()}
+
+
+def test_gradients_and_time_tables_average_over_the_replicas(tmp_path: Path) -> None:
+    results = run_spawned(_average_on_two_replicas, 2, tmp_path)
+    assert all(result is not None and "error" not in result for result in results), results
+    expected = [[1.5, 3.0, 4.5], [2.0, 3.0, 4.0], None, [0.5, -2.0]]
+    for result in results:
+        assert result["grads"] == expected  # a gradient no replica has stays None (the optimizer skips it)
+        assert result["table"] == [[1.5, 3.0, 20.0], [4.5, 6.0, 40.0]]
 
 
 # ----------------------------------------------------------------------------------------------- processes
