@@ -165,3 +165,26 @@ def test_stage_rebalancer_holds_none_of_the_strategys_settings() -> None:
     assert callback == {"save_figure", "output_dir"}
     assert not callback & strategy
     assert not callback & {f.name for f in PipelineSettings.__dataclass_fields__.values()}
+
+
+def test_sync_batchnorm_is_refused_across_replicas(tmp_path: Path) -> None:
+    """Two replicas of a one-stage pipeline would leave each replica's BatchNorm unsynchronized: refused
+    before any process group, naming the alternative; one replica warns and runs (nothing to synchronize)."""
+    with mock.patch.dict(os.environ):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=HierPipelineStrategy(stages=1), sync_batchnorm=True,
+            logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        strategy = trainer.strategy
+        strategy._lightning_module = EquivModel(batch_norm=True)
+        refusal = r"stages=1\) on 2 processes \(2 replicas\).*use hier_sliced or ddp"
+        with pytest.raises(ValueError, match=refusal):
+            strategy._validate_before_process_group()
+        one_replica = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=HierPipelineStrategy(stages=2), sync_batchnorm=True,
+            logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        one_replica.strategy._lightning_module = EquivModel(batch_norm=True)
+        with pytest.warns(UserWarning, match="nothing to synchronize"):
+            one_replica.strategy._validate_before_process_group()
+    assert not dist.is_initialized()

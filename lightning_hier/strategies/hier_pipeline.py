@@ -273,14 +273,22 @@ class HierPipelineStrategy(HierStrategy):
             )
             to_uncompiled(module)
         replicas = ReplicaLayout.of_world(self.planned_world_size, self.settings.stages).replicas
+        if layer_sync(self) is not None and replicas > 1:
+            # BatchNorm in a stage normalizes one micro-batch at a time (as in every micro-batched pipeline):
+            # synchronizing it would take a collective per BatchNorm call between the replicas of a stage,
+            # in the middle of the schedule's point-to-point traffic; refused rather than silently unsynced
+            raise ValueError(
+                f"sync_batchnorm=True with HierPipelineStrategy(stages={self.settings.stages}) on "
+                f"{self.planned_world_size} processes ({replicas} replicas): BatchNorm is not synchronized "
+                "across a pipeline's replicas; each stage's BatchNorm normalizes its own micro-batch. Leave "
+                "sync_batchnorm off (each replica's statistics are its own; rank 0 and checkpoints hold "
+                "replica 0's), or use hier_sliced or ddp for synchronized BatchNorm."
+            )
         if layer_sync(self) is not None:
             rank_zero_warn(
                 "sync_batchnorm=True with HierPipelineStrategy: a pipeline is one data-parallel replica, so "
                 "there is nothing to synchronize; its BatchNorm layers stay as they are (each sees a "
                 "micro-batch, as in every micro-batched pipeline)."
-                if replicas == 1
-                else "sync_batchnorm=True with HierPipelineStrategy: BatchNorm is not synchronized across "
-                "the pipeline's replicas; its layers stay as they are (each sees its replica's micro-batch)."
             )
             drop_layer_sync(self)
         trainer = attached_trainer(module)
