@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_hier.sliced.engine import HierSlicedEngine
 from lightning_hier.sliced.sharded_checkpoint import (
+    META_FILE,
     check_layout,
     consolidate_sharded_checkpoint,
     is_sharded_checkpoint,
@@ -46,6 +47,24 @@ PathLike = str | os.PathLike
 def validate_checkpoint_format(checkpoint_format: str) -> None:
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"checkpoint_format={checkpoint_format!r} is not one of {list(CHECKPOINT_FORMATS)}.")
+
+
+def _checkpoint_problem(checkpoint: Any) -> str | None:
+    """What keeps ``checkpoint`` from being restored here (``None``: nothing): the parts the strategy reads
+    are checked when the file is read, where the error can name it."""
+    if not isinstance(checkpoint, dict):
+        return f"holds a {type(checkpoint).__name__}, not a checkpoint dict"
+    if not isinstance(checkpoint.get("state_dict"), dict):
+        return "has no state_dict"
+    states = checkpoint.get("optimizer_states", [])
+    entries = states.values() if isinstance(states, dict) else states
+    if not isinstance(states, (list, dict)) or not all(
+        isinstance(e, dict)
+        and (not e or isinstance(e.get("state"), dict) and isinstance(e.get("param_groups"), list))
+        for e in entries  # {}: the state of Lightning's no-op optimizer (configure_optimizers gave none)
+    ):
+        return "holds an optimizer state without its 'state' and 'param_groups'"
+    return None
 
 
 class SlicedCheckpoints:
@@ -115,14 +134,33 @@ class SlicedCheckpoints:
         return not is_sharded_checkpoint(path) and not find_hybrid_embeddings(module)
 
     @staticmethod
-    def read(path: PathLike, read_file: Callable[[PathLike], dict[str, Any]]) -> dict[str, Any]:
+    def read(
+        path: PathLike, read_file: Callable[[PathLike], dict[str, Any]], weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """The checkpoint at ``path``: a sharded directory's ``meta.pt`` (slices are read later, in
-        place), or ``read_file(path)``."""
-        if not is_sharded_checkpoint(path):
-            return read_file(path)
-        meta = load_meta(path)
-        meta[LOADED_FROM] = str(path)
-        return meta
+        place; plain data, so loaded with ``weights_only`` unless it is ``False``), or ``read_file(path)``.
+        A file that cannot be read raises naming it."""
+        if is_sharded_checkpoint(path):
+            meta = load_meta(path, weights_only=weights_only is not False)
+            meta[LOADED_FROM] = str(path)
+            return meta
+        if Path(path).is_dir():
+            raise ValueError(
+                f"the checkpoint {path} is a directory without {META_FILE}: not a sharded hier_sliced "
+                "checkpoint (another strategy's sharded format?). Convert it to one checkpoint file first."
+            )
+        try:
+            checkpoint = read_file(path)
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # torch.load's errors on a damaged file name neither the file nor the cause
+            raise RuntimeError(
+                f"cannot read the checkpoint {path} (damaged, or no checkpoint): {type(err).__name__}: {err}"
+            ) from err
+        problem = _checkpoint_problem(checkpoint)
+        if problem is not None:
+            raise ValueError(f"the checkpoint {path} {problem} (damaged, or not a Lightning checkpoint).")
+        return checkpoint
 
     @staticmethod
     def restore_model(

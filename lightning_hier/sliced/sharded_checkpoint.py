@@ -18,11 +18,14 @@ for inference, or for resuming with another topology.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_hier.sliced.engine import HierSlicedEngine
@@ -87,11 +90,149 @@ def _group_hyper(engine: HierSlicedEngine) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
 
 
-def load_meta(path: str | os.PathLike) -> dict[str, Any]:
-    return torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False)
+class ShardedCheckpointError(ValueError):
+    """A sharded checkpoint directory that cannot be read: damaged, incomplete, or not one at all."""
+
+
+@contextmanager
+def _reading(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Any failure to read ``what`` of the checkpoint at ``path`` as a :class:`ShardedCheckpointError`
+    naming both. DCP reports a failed read as a ``CheckpointException``, a ``BaseException`` that an
+    ``except Exception`` would let through; every rank of a collective read raises it alike (DCP gathers the
+    failures; run on one CPU process only, not on several ranks or over NCCL: docs/gpu.md)."""
+    try:
+        yield
+    except ShardedCheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:
+        if isinstance(err, CheckpointException) and err.failures:
+            err = next(iter(err.failures.values()))[0]  # the first rank's own exception
+        text = str(err).strip()
+        cause = type(err).__name__ + (f": {text.splitlines()[0][:300]}" if text else "")
+        raise ShardedCheckpointError(
+            f"cannot read the sharded checkpoint {path} ({what}), damaged or incomplete ({cause}); resume "
+            "from another checkpoint."
+        ) from err
+
+
+def load_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
+    """The checkpoint's ``meta.pt`` (plain data: loaded with ``weights_only`` unless told otherwise), after
+    checking that it describes a slice layout this package wrote."""
+    if not (Path(path) / META_FILE).is_file():
+        raise ShardedCheckpointError(
+            f"{path} is not a sharded hier_sliced checkpoint: it has no {META_FILE} (a consolidated "
+            "checkpoint is one file and loads as it is)."
+        )
+    with _reading(path, META_FILE):
+        meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=weights_only)
+    problem = _meta_problem(meta)
+    if problem is not None:
+        raise ShardedCheckpointError(f"the sharded checkpoint {path}: {META_FILE} {problem}.")
+    return meta
+
+
+def _plain_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _meta_problem(meta: Any) -> str | None:
+    """What makes ``meta`` no ``meta.pt`` of this format (``None``: nothing)."""
+    if not isinstance(meta, dict):
+        return f"holds a {type(meta).__name__}, not a checkpoint dict"
+    if not isinstance(meta.get("state_dict"), dict):
+        return "has no state_dict (buffers and what the slices do not hold)"
+    entry = meta.get(FORMAT_KEY)
+    if entry is None:
+        return f"has no {FORMAT_KEY!r} entry: another strategy or tool wrote it"
+    if not isinstance(entry, dict) or not isinstance(entry.get("layout"), dict):
+        return f"has a {FORMAT_KEY!r} entry without its layout and optimizer settings"
+    if not isinstance(entry.get("hyper"), list):
+        return f"has a {FORMAT_KEY!r} entry without its layout and optimizer settings"
+    layout = entry["layout"]
+    local = layout.get("devices_per_node")
+    if not _plain_int(local) or local < 1:
+        return f"records devices_per_node={local!r}"
+    groups, buckets = layout.get("param_groups"), layout.get("buckets")
+    if not isinstance(groups, list) or not all(
+        isinstance(group, list) and all(isinstance(n, str) for n in group) for group in groups
+    ):
+        return "records no list of parameter names per optimizer group"
+    if len(entry["hyper"]) != len(groups) or not all(isinstance(h, dict) for h in entry["hyper"]):
+        return f"records the settings of {len(entry['hyper'])} optimizer group(s) for {len(groups)}"
+    if not isinstance(buckets, list):
+        return "records no list of buckets"
+    names = {name for group in groups for name in group}
+    for b, bucket in enumerate(buckets):
+        problem = _bucket_problem(bucket, local, names)
+        if problem is not None:
+            return f"records a bucket {b} that {problem}"
+    return None
+
+
+def _bucket_problem(bucket: Any, local: int, names: set[str]) -> str | None:
+    keys = ("names", "offsets", "shapes", "bounds", "padded_numel")
+    if not isinstance(bucket, dict) or any(not isinstance(bucket.get(k), list) for k in keys[:4]):
+        return f"lacks one of {list(keys)}"
+    padded, bounds = bucket.get("padded_numel"), bucket["bounds"]
+    if not _plain_int(padded) or padded < 0:
+        return f"has padded_numel={padded!r}"
+    edges = [0]
+    for bound in bounds:
+        if not (isinstance(bound, list) and len(bound) == 2 and all(map(_plain_int, bound))):
+            return f"has a slice bound {bound!r}"
+        if bound[0] != edges[-1] or bound[1] < bound[0]:
+            return f"has slices {bounds} that do not tile it"
+        edges.append(bound[1])
+    if len(bounds) != local or edges[-1] != padded:
+        return f"has {len(bounds)} slice(s) of {edges[-1]} elements, not {local} of {padded}"
+    if not len(bucket["names"]) == len(bucket["offsets"]) == len(bucket["shapes"]):
+        return "lists different numbers of names, offsets and shapes"
+    for name, offset, shape in zip(bucket["names"], bucket["offsets"], bucket["shapes"]):
+        if name not in names:
+            return f"holds {name!r}, in no optimizer group"
+        if not (isinstance(shape, list) and all(_plain_int(d) and d >= 0 for d in shape)):
+            return f"gives {name!r} the shape {shape!r}"
+        if not _plain_int(offset) or not 0 <= offset <= offset + torch.Size(shape).numel() <= padded:
+            return f"places {name!r} at offset {offset!r}, outside its {padded} elements"
+    return None
+
+
+def _slice_numel(bounds: list[list[int]], local: int) -> int:
+    return bounds[local][1] - bounds[local][0]
+
+
+def check_slices(path: str | os.PathLike, layout: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """Every slice ``layout`` names is in the DCP files with its size, and so is its optimizer state (a
+    checkpoint from another topology, or one whose files were lost, is refused here: before any rank reads
+    a slice, so that all ranks refuse alike)."""
+    for b, bucket in enumerate(layout["buckets"]):
+        for k in range(len(bucket["bounds"])):
+            numel = _slice_numel(bucket["bounds"], k)
+            item = metadata.get(_model_key(b, k))
+            if not isinstance(item, TensorStorageMetadata) or tuple(item.size) != (numel,):
+                found = "nothing" if item is None else f"size {tuple(getattr(item, 'size', ()))}"
+                raise ShardedCheckpointError(
+                    f"the sharded checkpoint {path} lacks slice {k} of bucket {b} ({numel} elements; found "
+                    f"{found}): its files are incomplete or from another layout than its {META_FILE} says."
+                )
+            prefix = f"optim/bucket{b}/slice{k}/"
+            for key, item in metadata.items():
+                sliced = key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+                if sliced and len(item.size) == 1 and not key.endswith("/step") and item.size[0] != numel:
+                    raise ShardedCheckpointError(
+                        f"the sharded checkpoint {path}: optimizer state {key} has {item.size[0]} elements "
+                        f"for a slice of {numel}."
+                    )
+
+
+def read_slice_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The DCP metadata of the directory: what each key holds and its size."""
+    with _reading(path, "DCP metadata"):
+        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def check_layout(engine: HierSlicedEngine, meta: dict[str, Any], path: str | os.PathLike) -> None:
+    """Refuse a checkpoint whose slices this run cannot load in place (every rank decides alike)."""
     saved = meta[FORMAT_KEY]["layout"]
     current = layout_of(engine)
     if saved != current:
@@ -103,6 +244,7 @@ def check_layout(engine: HierSlicedEngine, meta: dict[str, Any], path: str | os.
             "devices_per_node, slice_weights and bucket_cap_mb, or convert it first with "
             "lightning_hier.consolidate_sharded_checkpoint()."
         )
+    check_slices(path, saved, read_slice_metadata(path))
 
 
 @torch.no_grad()
@@ -111,7 +253,8 @@ def load_sharded_params(engine: HierSlicedEngine, path: str | os.PathLike) -> No
     local = engine.topology.local_rank
     targets = {_model_key(b, local): shard.detach() for b, shard in enumerate(engine.sharding.shards)}
     state = dict(targets)
-    dcp.load(state, checkpoint_id=str(path), process_group=engine.topology.world_group)  # in place
+    with _reading(path, "parameter slices"):
+        dcp.load(state, checkpoint_id=str(path), process_group=engine.topology.world_group)  # in place
     for key, target in targets.items():
         if state[key] is not target:  # only if DCP handed back a new tensor instead
             target.copy_(state[key])
@@ -121,7 +264,7 @@ def load_sharded_params(engine: HierSlicedEngine, path: str | os.PathLike) -> No
 def load_sharded_optimizer(engine: HierSlicedEngine, path: str | os.PathLike, meta: dict[str, Any]) -> None:
     """Read only this rank's optimizer-state slices into the sharded optimizer."""
     local = engine.topology.local_rank
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_slice_metadata(path)
     state: dict[str, Any] = {}
     for b, shard in enumerate(engine.sharding.shards):
         prefix = f"optim/bucket{b}/slice{local}/"
@@ -132,7 +275,8 @@ def load_sharded_optimizer(engine: HierSlicedEngine, path: str | os.PathLike, me
                 else:
                     state[key] = None  # a pickled object; DCP puts the loaded value here
     # every rank loads, even one with no optimizer state for its slices: DCP's load is a collective
-    dcp.load(state, checkpoint_id=str(path), process_group=engine.topology.world_group)
+    with _reading(path, "optimizer slices"):
+        dcp.load(state, checkpoint_id=str(path), process_group=engine.topology.world_group)
     engine.optimizer.state.clear()
     for b, shard in enumerate(engine.sharding.shards):
         prefix = f"optim/bucket{b}/slice{local}/"
@@ -154,14 +298,16 @@ def consolidate_sharded_checkpoint(
     """
     meta = load_meta(path)
     layout = meta[FORMAT_KEY]["layout"]
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_slice_metadata(path)
+    check_slices(path, layout, metadata)
     slices: dict[str, Any] = {}
     for key, item in metadata.items():
         if isinstance(item, TensorStorageMetadata):
             slices[key] = torch.empty(item.size, dtype=item.properties.dtype)
         else:
             slices[key] = None
-    dcp.load(slices, checkpoint_id=str(path), no_dist=True)
+    with _reading(path, "slices"):
+        dcp.load(slices, checkpoint_id=str(path), no_dist=True)
 
     state_dict = dict(meta.get("state_dict", {}))
     names_in_order = [name for group in layout["param_groups"] for name in group]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hier.sparse.embedding import HybridEmbedding
-from lightning_hier.sparse.table_file import save_table
+from lightning_hier.sparse.table_file import TableFileError, read_header, save_table
 
 CHECKPOINT_KEY = "hybrid_embeddings"
 MANIFEST = "manifest.json"
@@ -94,24 +94,85 @@ def _check_token(directory: Path, entry: dict[str, Any], name: str) -> None:
         )
 
 
+def _table_files(entry: Any, name: str, checkpoint_path: str | None) -> tuple[Path, dict[str, str]]:
+    """The directory and files the checkpoint's ``entry`` records for table ``name``."""
+    files = entry.get("files") if isinstance(entry, dict) else None
+    if not (
+        isinstance(files, dict)
+        and isinstance(files.get("weight"), str)
+        and all(isinstance(f, str) and f and Path(f).name == f for f in files.values())
+        and isinstance(entry.get("directory", ""), str)
+    ):
+        raise ValueError(
+            f"the checkpoint {checkpoint_path} records no readable file list for HybridEmbedding {name!r}: "
+            f"{entry!r}."
+        )
+    directory = tables_dir(checkpoint_path) if checkpoint_path else Path(entry.get("directory", ""))
+    if not directory.is_dir():
+        directory = Path(entry.get("directory", ""))
+    return directory, {k: str(directory / v) for k, v in files.items()}
+
+
+def _read_index(path: str, num_embeddings: int) -> np.ndarray:
+    """The ``(id, row)`` pairs of a saved id index, after checking they number rows ``0..n-1`` once each."""
+    try:
+        pairs = np.load(path, mmap_mode="r", allow_pickle=False)  # mapped: a bad header cannot over-allocate
+    except Exception as err:  # numpy's errors on a damaged .npy are ValueError, EOFError, OSError ...
+        raise TableFileError(f"cannot read the id index {path}: {type(err).__name__}: {err}") from err
+    n = pairs.shape[0] if pairs.ndim == 2 else -1
+    if not (
+        pairs.ndim == 2
+        and pairs.shape[1] == 2
+        and np.issubdtype(pairs.dtype, np.integer)
+        and n <= num_embeddings
+        and np.array_equal(np.sort(pairs[:, 1]), np.arange(n))
+        and len(np.unique(pairs[:, 0])) == n
+    ):
+        raise TableFileError(
+            f"{path} is not an id index of a {num_embeddings}-row table: it must hold (id, row) pairs that "
+            f"number rows 0..n-1 once each with distinct ids, got shape {pairs.shape} of {pairs.dtype}."
+        )
+    return np.array(pairs)
+
+
+def _check_tables(module: HybridEmbedding, files: dict[str, str]) -> np.ndarray | None:
+    """Check every file that restoring ``module`` reads; returns the id index pairs (if restored).
+
+    Every rank checks, before any rank reads alone (only the updater reads the optimizer state and the
+    index): a damaged file is then refused by all ranks, and none waits in the node barrier for a peer
+    that raised."""
+    expected = (module.num_embeddings, module.embedding_dim)
+    for kind, path in files.items():
+        if kind == "index":
+            continue
+        rows, dim, _ = read_header(path)  # a TableFileError naming the file and what is wrong
+        if (rows, dim) != expected:
+            raise TableFileError(
+                f"{path} holds a {rows}x{dim} table but this HybridEmbedding is {expected[0]}x{expected[1]} "
+                "(a checkpoint of another model?)."
+            )
+    if "index" not in files or module.index is None:
+        return None
+    return _read_index(files["index"], module.num_embeddings)
+
+
 def restore_tables(
     modules: list[tuple[str, HybridEmbedding]], record: dict, checkpoint_path: str | None
 ) -> None:
     """Copy saved tables into the live ones (updaters only), then a node barrier."""
+    if not isinstance(record, dict):
+        raise ValueError(f"the checkpoint {checkpoint_path} records its tables as {record!r}, not a dict.")
     for name, module in modules:
         if name not in record:
             raise KeyError(
                 f"the checkpoint has no table for HybridEmbedding {name!r}; it has {sorted(record)}."
             )
         entry = record[name]
-        directory = tables_dir(checkpoint_path) if checkpoint_path else Path(entry["directory"])
-        if not directory.is_dir():
-            directory = Path(entry["directory"])
+        directory, files = _table_files(entry, name, checkpoint_path)
         _check_token(directory, entry, name)
-        files = {k: str(directory / v) for k, v in entry["files"].items()}
-        index_file = files.pop("index", None)
-        if index_file is not None and module.index is not None and module.is_updater:
-            pairs = np.load(index_file)
+        pairs = _check_tables(module, files)
+        files.pop("index", None)
+        if pairs is not None and module.index is not None and module.is_updater:
             module.index.restore(pairs[:, 0], pairs[:, 1])
         module.load_rows_from(files.pop("weight"), files)
         if module.row_optimizer is not None:

@@ -595,18 +595,19 @@ class HybridEmbedding(nn.Module):
         """Copy a saved table (and optimizer state) into the live table; updater only."""
         self.wait_for_updates()
         assert self._table is not None
-        rows, dim, _ = read_header(path)
-        if (rows, dim) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(
-                f"{path} holds a {rows}x{dim} table but this HybridEmbedding is "
-                f"{self.num_embeddings}x{self.embedding_dim}."
-            )
+        state_paths = {name: p for name, p in (state_paths or {}).items() if name in self.optimizer_state}
+        for file in (path, *state_paths.values()):  # every file, on every process, before any is read
+            rows, dim, _ = read_header(file)
+            if (rows, dim) != (self.num_embeddings, self.embedding_dim):
+                raise ValueError(
+                    f"{file} holds a {rows}x{dim} table but this HybridEmbedding is "
+                    f"{self.num_embeddings}x{self.embedding_dim}."
+                )
         if not self.is_updater:
             return
         self._table.copy_(map_table(path, writable=False))
-        for name, state_path in (state_paths or {}).items():
-            if name in self.optimizer_state:
-                self.optimizer_state[name].copy_(map_table(state_path, writable=False))
+        for name, state_path in state_paths.items():
+            self.optimizer_state[name].copy_(map_table(state_path, writable=False))
 
     def __deepcopy__(self, memo: dict) -> HybridEmbedding:
         """A copy that reads the same node table (its shared memory is not duplicated) and syncs

@@ -572,7 +572,7 @@ class HierSlicedStrategy(HierStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         read_file = partial(super().load_checkpoint, weights_only=weights_only)
-        return self.checkpoints.read(checkpoint_path, read_file)
+        return self.checkpoints.read(checkpoint_path, read_file, weights_only)
 
     def _can_restore_before_setup(self, ckpt_path: Any) -> bool:
         assert self.lightning_module is not None
