@@ -47,11 +47,13 @@ class SlicePlan:
     def __post_init__(self) -> None:
         if not self.weights or any(not 0 < w < math.inf for w in self.weights):
             raise ValueError(f"slice weights must be positive and finite, got {self.weights}.")
-        # scaled by the largest first: the sum of weights near the float maximum would overflow to inf
-        largest = max(self.weights)
-        scaled = [w / largest for w in self.weights]
-        total = sum(scaled)
-        object.__setattr__(self, "weights", tuple(w / total for w in scaled))
+        weights = self.weights
+        total = sum(weights)
+        if not math.isfinite(total):  # weights near the float maximum: scaled by the largest first
+            largest = max(weights)
+            weights = tuple(w / largest for w in weights)
+            total = sum(weights)
+        object.__setattr__(self, "weights", tuple(w / total for w in weights))
 
     @property
     def num_slices(self) -> int:
