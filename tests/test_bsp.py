@@ -845,7 +845,9 @@ def test_boolean_decisions_of_free_running_workers_stay_their_own(lightning_resu
     own (a real broadcast would hang Lightning's learning-rate finder), and a barrier in ``training_step``
     returns (it cannot pair different steps)."""
     per_rank = lightning_results["decisions_running_free"]["decisions"]
-    assert len(per_rank[3]) < min(len(d) for d in per_rank[:3])  # the straggler took fewer steps
+    # the straggler takes fewer steps on an idle machine; on a loaded one the others may be slowed as much,
+    # and the decisions below are each worker's own either way (ddp's would differ on every rank)
+    assert len(per_rank[3]) <= min(len(d) for d in per_rank[:3])
     for rank, decisions in enumerate(per_rank):
         assert decisions == [[True, rank == 3, rank]] * len(decisions)
 
