@@ -247,18 +247,6 @@ def test_every_collective_of_the_int8_hop_is_legal_under_nccl_and_in_one_order(t
 
 
 # ---------------------------------------------------------------------- a non-finite step
-@pytest.fixture
-def one_process_group() -> dist.ProcessGroup:
-    import os
-
-    from helpers import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_a_non_finite_step_leaves_the_next_steps_finite(dtype: torch.dtype, one_process_group) -> None:  # noqa: ANN001
     """An fp16 loss scale that overflows gives one step of inf gradients, which the grad scaler skips; the

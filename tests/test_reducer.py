@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port
 
 from lightning_hier.sliced.reducer import ReduceJob, ThreadedReducer
-
-
-@pytest.fixture
-def one_process_group() -> dist.ProcessGroup:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _job() -> ReduceJob:
