@@ -60,7 +60,7 @@ from lightning_hier.topology import Topology
 log = logging.getLogger(__name__)
 
 _BACKWARD_END = "backward_end"
-# the user's optimizer's attribute naming the engine whose slices its param groups hold, until given back
+# the user's optimizer's attribute naming the engine that holds it (its slices, or it whole), until given back
 _HELD_BY = "_hier_sliced_engine"
 
 
@@ -93,7 +93,7 @@ class HierSlicedEngine:
         if topology.intra_group is None or topology.inter_group is None or topology.world_group is None:
             raise ValueError("HierSlicedEngine needs a topology with built groups (Topology.build_groups()).")
         validate_time_settings(bucketing, 1, 0, 0.5)
-        give_back_left_sharded(optimizer)  # before its param groups are read
+        give_back_left_held(optimizer)  # before its param groups are read
         # False: the optimizer stays whole on every rank (replicated_optim.py), for non-elementwise updates
         self.replicated = not decide_sharding(optimizer, elementwise_optimizers, shard_optimizer)
         self.module = module
@@ -165,7 +165,7 @@ class HierSlicedEngine:
         ]
         if not self.replicated:
             self._route_state_dict()
-            optimizer.__dict__[_HELD_BY] = self
+        optimizer.__dict__[_HELD_BY] = self
 
     def _take_params(self) -> None:
         """The trainable parameters of ``_original_groups`` (the optimizer's groups as the user built them,
@@ -862,13 +862,16 @@ class HierSlicedEngine:
         self._reducer.close()
 
 
-def give_back_left_sharded(optimizer: torch.optim.Optimizer) -> None:
+def give_back_left_held(optimizer: torch.optim.Optimizer) -> None:
     """Give ``optimizer`` back to its module parameters, with its full state, if an earlier engine still holds
-    it sharded: a fit that raised leaves it so (its peers may be gone, so teardown waits in no collective),
-    and a later fit on a new Trainer starts from what ``ddp`` would have left. A collective over that
-    engine's node, which every rank reaches alike (a new engine is built at setup)."""
+    it: a fit that raised leaves it so (its peers may be gone, so teardown waits in no collective), and a
+    later fit on a new Trainer or the same one starts from what ``ddp`` would have left. For a sharded
+    optimizer a collective over that engine's node, which every rank reaches alike (a new engine is built at
+    setup); for one kept whole, local."""
     engine = optimizer.__dict__.get(_HELD_BY)
-    if engine is not None and engine._sharded_now():
+    if engine is None:
+        return
+    if engine._sharded_now() or (engine.replicated and not engine.optimizer_given_back):
         engine.give_back_optimizer()
 
 

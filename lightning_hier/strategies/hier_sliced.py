@@ -338,10 +338,7 @@ class HierSlicedStrategy(HierStrategy):
                 group=self.topology.world_group,
             )
         for engine in self.engines:
-            engine.close()
-            if not engine.optimizer_given_back and any(engine.optimizer is o for o in self.optimizers):
-                # a fit that raised left it sharded; every rank is here now (setup), so give it back first
-                engine.give_back_optimizer()
+            engine.close()  # an optimizer it still holds is given back by the engine built for it next
         self.engines = [
             HierSlicedEngine(
                 self.lightning_module,

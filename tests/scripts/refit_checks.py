@@ -1,9 +1,10 @@
 """Run under torchrun (2 processes, one node): a fit that raises on every rank, then a second ``fit`` of the
 same Trainer and module, whose ``configure_optimizers`` returns the same Adam object both times.
 
-``refit_checks.py OUT`` runs it under Lightning's ``ddp`` (the reference) and ``hier_sliced``; rank 0 writes
-``OUT`` (JSON): per strategy, the error of the first fit, the parameters and the optimizer's state after
-the second."""
+``refit_checks.py OUT`` runs it under Lightning's ``ddp`` (the reference), ``hier_sliced`` (the optimizer
+sharded) and ``hier_sliced`` with ``shard_optimizer=False`` (kept whole on every rank); rank 0 writes ``OUT``
+(JSON): per strategy, the error of the first fit, the parameters and the optimizer's state after the
+second."""
 
 from __future__ import annotations
 
@@ -64,7 +65,11 @@ def run(strategy: object) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    results = {"reference": run("ddp"), "hier_sliced": run(HierSlicedStrategy(devices_per_node=2))}
+    results = {
+        "reference": run("ddp"),
+        "hier_sliced": run(HierSlicedStrategy(devices_per_node=2)),
+        "hier_sliced_whole": run(HierSlicedStrategy(devices_per_node=2, shard_optimizer=False)),
+    }
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(results))
 
