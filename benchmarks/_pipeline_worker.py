@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _pipeline_gpt2 as gpt2
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -78,6 +79,13 @@ def make_batches(batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1234)
     draw = lambda: torch.randn(batch_size, WIDTH, generator=g)
     return [(draw(), draw()) for _ in range(4)]
+
+
+def model_and_batches(c: dict[str, Any]) -> tuple[pl.LightningModule, list[tuple[torch.Tensor, ...]]]:
+    """The job's LightningModule (``c["model"]``: the MLP stack or the GPT-2) and its batches."""
+    if c.get("model") == "gpt2":
+        return gpt2.GPT2LM(), gpt2.make_batches(c["batch_size"])
+    return skewed_mlp(), make_batches(c["batch_size"])
 
 
 def max_over_mean(times: list[float] | None) -> float:
@@ -273,7 +281,7 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
     strategy._split_backward = c.get("split_backward", False)  # a tuning attribute
     timer = HierWindow(strategy, c, Window(steps, job_dir))
     max_steps = c["max_settle_steps"] + steps + c["warmup"] + 10
-    model, batches = skewed_mlp(), make_batches(c["batch_size"])
+    model, batches = model_and_batches(c)
     data = DataLoader([batches[i % len(batches)] for i in range(max_steps)], batch_size=None)
     world = int(os.environ["WORLD_SIZE"])
     trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=max_steps, callbacks=[timer])
@@ -324,6 +332,9 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
         / micro,
         "settled": timer.settled,
         "final_starts": list(engine.partition.starts),
+        "num_clusters": engine.graph.num_clusters,
+        # the module of each cluster's first layer: where torch's hand-built stages begin (--model gpt2)
+        "cluster_owners": [engine.graph.layers[cluster.start].owner for cluster in engine.graph.clusters],
         "extra_warmup": list(engine.schedule.extra_warmup),  # extra 1F1B warm-up forwards per stage
         "stage_times_s": stage_times,  # per micro-batch: the window's checks', or (never) since it opened
         "window_checks": checks,
@@ -336,17 +347,31 @@ def run_hier(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------------- torch.distributed.pipelining
 def run_pipelining(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
-    """``PipelineStage``s built by hand on ``c["split"]`` (first block of every stage), ``Schedule1F1B``."""
+    """``PipelineStage``s built by hand on ``c["split"]`` (first block, or with ``--model gpt2`` first
+    cluster, of every stage), ``Schedule1F1B``."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     starts = c["split"]
     torch.manual_seed(0)
-    blocks = skewed_mlp().blocks[starts[rank] : [*starts, len(HIDDENS)][rank + 1]]  # of the whole model
-    mine = nn.Sequential(*blocks)
+    tied: torch.Tensor | None = None
+    if c.get("model") == "gpt2":
+        model = gpt2.gpt2()
+        mine: nn.Module = gpt2.hand_stages(model, gpt2.pieces_of_split(starts, c["cluster_owners"]))[rank]
+        loss_fn, batches = gpt2.next_token_loss, gpt2.make_batches(c["batch_size"])
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(mine.parameters(), **gpt2.ADAMW)
+        # the input and output embeddings share a weight: on different stages each holds a replica, and
+        # both step with the sum of the two gradients, as hier_pipeline's tied parameters do
+        ends = dist.new_group([0, world - 1]) if world > 2 else None
+        if gpt2.tied_weight(model) is not None and rank in (0, world - 1):
+            tied = gpt2.tied_weight(model)
+    else:
+        blocks = skewed_mlp().blocks[starts[rank] : [*starts, len(HIDDENS)][rank + 1]]  # of the whole model
+        mine = nn.Sequential(*blocks)
+        loss_fn, batches = nn.functional.mse_loss, make_batches(c["batch_size"])
+        optimizer = torch.optim.SGD(mine.parameters(), **SGD)
     stage = PipelineStage(mine, rank, world, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, c["micro_batches"], loss_fn=nn.functional.mse_loss)
-    optimizer = torch.optim.SGD(mine.parameters(), **SGD)
-    batches, window = make_batches(c["batch_size"]), Window(c["steps"], job_dir)
+    schedule = Schedule1F1B(stage, c["micro_batches"], loss_fn=loss_fn)
+    window = Window(c["steps"], job_dir)
     for step in range(c["warmup"] + c["steps"] + 1):
         if window.step(step, step == c["warmup"]) == "close":
             break
@@ -359,6 +384,8 @@ def run_pipelining(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
+        if tied is not None and tied.grad is not None:
+            dist.all_reduce(tied.grad, group=ends)
         optimizer.step()
         if losses:
             window.losses.append(float(torch.stack(losses).mean()))
@@ -391,7 +418,7 @@ def run_single(c: dict[str, Any], job_dir: Path) -> dict[str, Any]:
     dist.init_process_group("gloo")  # only for the window's barriers
     window = Window(c["steps"], job_dir)
     max_steps = c["warmup"] + c["steps"] + 2
-    model, batches = skewed_mlp(), make_batches(c["batch_size"])
+    model, batches = model_and_batches(c)
     data = DataLoader([batches[i % len(batches)] for i in range(max_steps)], batch_size=None)
     trainer = quiet_trainer(devices=1, max_steps=max_steps, callbacks=[SingleWindow(c, window)])
     trainer.fit(model, data)
@@ -471,7 +498,7 @@ def main() -> None:
         for tid in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(tid), {core})
     (job_dir / f"pid.{os.environ['RANK']}").write_text(str(os.getpid()))
-    HIDDENS[:] = MODELS[c.get("model", "heavy-first")]
+    HIDDENS[:] = MODELS.get(c.get("model", "heavy-first"), HIDDENS)
     modes = {"hier": run_hier, "pipelining": run_pipelining, "memory": run_memory, "single": run_single}
     result = modes[c["mode"]](c, job_dir)
     if result is not None:

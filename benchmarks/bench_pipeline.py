@@ -31,19 +31,24 @@ TARGET_SPEEDUP, TARGET_MAX_MEAN = 1.5, 1.15  # for one stage per core
 TARGET_VS_SINGLE, TARGET_VS_TORCH, TARGET_OVERHEAD_MS = 1.4, 1.0, 0.5
 BLOCKS, CORES, NAN = 16, os.cpu_count() or 1, float("nan")
 QUICK = {"stages": "2", "steps": 8, "warmup": 3, "repeats": 1, "rebalance_every": 4, "max_settle_steps": 24}
+# what an option left out (None) means, by --model
+DEFAULTS = {
+    "mlp": {"steps": 12, "warmup": 4, "max_settle_steps": 40, "micro_batches": 16, "batch_size": 1024},
+    "gpt2": {"steps": 12, "warmup": 3, "max_settle_steps": 24, "micro_batches": 8, "batch_size": 32},
+}
 OPTIONS = """
 --stages           str  2,4   comma-separated numbers of stage processes
---steps            int  12    measured steps per job
---warmup           int  4     steps before the window (uniform, pipelining)
+--steps            int  None  measured steps per job (12)
+--warmup           int  None  steps before the window (uniform, pipelining; 4, gpt2: 3)
 --rebalance-every  int  4     rebalanced: check every N steps
---max-settle-steps int  40    rebalanced: start measuring by then
---micro-batches    int  16    micro-batches per step
---batch-size       int  1024  samples per step
---repeats          int  2     jobs per contender (interleaved); mean reported
---quick            flag -     smoke run: P=2 only, one repeat, 8 steps
+--max-settle-steps int  None  rebalanced: start measuring by then (40, gpt2: 24)
+--micro-batches    int  None  micro-batches per step (16, gpt2: 8)
+--batch-size       int  None  samples per step (1024, gpt2: 32 sequences of 64 tokens)
+--repeats          int  3     rounds: jobs per contender, interleaved; median and every round reported
+--quick            flag -     smoke run: P=2 only, one round, 8 steps
 --static-shapes    flag -     hier contenders: HierPipelineStrategy(static_shapes=True)
 --compare-split    flag -     also run rebalanced with split_backward=True (the split's gain, in-run)
---model {heavy-first,narrow-first} heavy-first 8 wide then 8 narrow blocks, or 9 narrow then 7 wide
+--model {heavy-first,narrow-first,gpt2} heavy-first MLP stacks (README) or a 4-block GPT-2
 """
 
 
@@ -69,14 +74,41 @@ class Job:
         return self.worker["samples_per_s"] if self.ok else NAN
 
 
-def mean(values: list[float]) -> float:
-    """Mean of the values that are not nan (nan when none is)."""
+def median(values: list[float]) -> float:
+    """Median of the values that are not nan (nan when none is)."""
     values = [v for v in values if v == v]
-    return statistics.fmean(values) if values else NAN
+    return statistics.median(values) if values else NAN
+
+
+def rounds_ratio(jobs_: list[Job], top: str, bottom: str) -> dict[str, Any]:
+    """``top`` / ``bottom`` samples/s in each round (repeat) both ran in: the median, every round's ratio,
+    the spread (max - min)."""
+    rate = {(j.contender, j.repeat): j.samples_per_s for j in jobs_}
+    rounds = sorted({j.repeat for j in jobs_})
+    ratios = [
+        rate[top, r] / rate[bottom, r] for r in rounds if (top, r) in rate and (bottom, r) in rate
+    ]
+    known = [v for v in ratios if v == v]
+    return {
+        "median": median(ratios),
+        "rounds": ratios,
+        "spread": max(known) - min(known) if known else NAN,
+    }
+
+
+def show_ratio(ratio: dict[str, Any]) -> str:
+    """``1.02x [rounds 0.98, 1.02, 1.05; spread 0.07]``."""
+    rounds = ", ".join(map(fmt, ratio["rounds"]))
+    return f"{fmt(ratio['median'])}x [rounds {rounds}; spread {fmt(ratio['spread'])}]"
 
 
 def run_job(
-    args: argparse.Namespace, stages: int, repeat: int, contender: str, split: list[int] | None, attempt: int
+    args: argparse.Namespace,
+    stages: int,
+    repeat: int,
+    contender: str,
+    split: dict[str, Any] | None,
+    attempt: int,
 ) -> Job:
     """One torchrun job (the driver waits without polling: its CPU would count as other processes')."""
     config = {
@@ -87,7 +119,8 @@ def run_job(
         ),
         "rebalance": args.rebalance_every if contender.startswith("rebalanced") else "never",
         "split_backward": contender == "rebalanced_split",
-        "split": split,
+        "split": split["starts"] if split else None,
+        "cluster_owners": split["owners"] if split else None,
         "pin": stages <= CORES,  # rank r (all its threads) on core r mod cores
     }
     with jobs.job_dir(f"lhbench-pipe-{contender}-{stages}-", args.keep_logs, show=True) as workdir:
@@ -108,9 +141,13 @@ def describe(job: Job) -> str:
     if not job.ok:
         return "FAILED (see below)"
     w, starts = job.worker, job.worker["final_starts"]
-    split = " ".join(str(b - a) for a, b in zip(starts, [*starts[1:], BLOCKS]))
+    split = " ".join(str(b - a) for a, b in zip(starts, [*starts[1:], w.get("num_clusters", BLOCKS)]))
+    unit = "blocks" if "num_clusters" not in w or w.get("cluster_owners") is None else "clusters"
+    owners = w.get("cluster_owners")
+    if owners and len(starts) > 1:
+        split += f" (stage 1 from {owners[starts[1]]})"
     text = (
-        f"{job.samples_per_s:,.0f} samples/s, blocks per stage {split}, stage max/mean "
+        f"{job.samples_per_s:,.0f} samples/s, {unit} per stage {split}, stage max/mean "
         f"{fmt(w.get('max_mean_after', NAN))}, other processes {job.other_cores:.2f} cores, "
         f"job {job.wall_s:.0f} s"
     )
@@ -142,7 +179,8 @@ def describe(job: Job) -> str:
 def run_setup(args: argparse.Namespace, stages: int, repeat: int, done: list[Job]) -> None:
     """One repeat of every contender at one P; the torch contenders get the splits hier ended with."""
     uniform = [round(s * BLOCKS / stages) for s in range(stages)]  # what partition="uniform" gives
-    splits = {"pipelining": uniform, "pipelining_hier_split": None}
+    splits: dict[str, Any] = {"pipelining": {"starts": uniform, "owners": None}}
+    splits["pipelining_hier_split"] = None
     for contender, name in LABELS.items():
         if contender == "single" and stages != int(cli.comma_list(args.stages)[0]):
             continue  # one process: the same at every P
@@ -157,10 +195,11 @@ def run_setup(args: argparse.Namespace, stages: int, repeat: int, done: list[Job
         job = jobs.run_until_quiet(run, args.retry_busy, args.wait_idle, note, note_last=True)
         print(f"    {describe(job)}", flush=True)
         done.append(job)
+        split = {"starts": job.worker.get("final_starts"), "owners": job.worker.get("cluster_owners")}
         if job.ok and contender == "uniform":  # the split hier_pipeline chose
-            splits["pipelining"] = job.worker["final_starts"]
+            splits["pipelining"] = split
         elif job.ok and contender == "rebalanced":  # the split it ended with
-            splits["pipelining_hier_split"] = job.worker["final_starts"]
+            splits["pipelining_hier_split"] = split
 
 
 # ---------------------------------------------------------------------- report
@@ -169,54 +208,64 @@ def verdict(met: bool) -> str:
 
 
 def summary(stages: int, done: list[Job], all_jobs: list[Job], batch_size: int) -> dict[str, Any]:
-    """One P: mean samples/s, the ratios, the stage balance and migration pause, the targets (``verdict``)."""
-    rate = {c: mean([j.samples_per_s for j in done if j.contender == c]) for c in LABELS}
+    """One P: median samples/s, every ratio's median over the rounds (each round's ratio, the spread), the
+    stage balance and migration pause, the targets (``verdict``)."""
+    rate = {c: median([j.samples_per_s for j in done if j.contender == c]) for c in LABELS}
     reb = [j.worker for j in done if j.ok and j.contender == CONTENDER]
-    speedup, after = rate[CONTENDER] / rate[REFERENCE], mean([w["max_mean_after"] for w in reb])
+    after = median([w["max_mean_after"] for w in reb])
     waits = ": stage times include waiting for a core" if stages > CORES else ""
     label = f"{stages} stages on {CORES} cores{waits}"
     losses = sorted({f"{j.worker['first_loss']:.6f}" for j in done if j.ok})
-    uniform = {j.repeat: j.samples_per_s for j in done if j.contender == REFERENCE}
-    per_repeat = [j.samples_per_s / uniform.get(j.repeat, NAN) for j in done if j.contender == CONTENDER]
     same = "the same in every job" if len(losses) == 1 else "DIFFERS between jobs"
-    plain = {j.repeat: j.samples_per_s for j in done if j.contender == CONTENDER}
-    split_jobs = [j for j in done if j.contender == "rebalanced_split" and j.repeat in plain]
-    split_gain = [j.samples_per_s / plain[j.repeat] for j in split_jobs]
+    # one process runs at the first P of each round only: its rounds pair with every P's
+    with_single = done + [j for j in all_jobs if j.contender == "single" and j not in done]
+    ratios = {
+        "rebalanced_vs_uniform": rounds_ratio(done, CONTENDER, REFERENCE),
+        "rebalanced_vs_pipelining": rounds_ratio(done, CONTENDER, "pipelining"),
+        "rebalanced_vs_pipelining_same_split": rounds_ratio(done, CONTENDER, "pipelining_hier_split"),
+        "rebalanced_vs_single": rounds_ratio(with_single, CONTENDER, "single"),
+        "pipelining_same_split_vs_single": rounds_ratio(with_single, "pipelining_hier_split", "single"),
+        "split_vs_plain_backward": rounds_ratio(done, "rebalanced_split", CONTENDER),
+    }
+    speedup = ratios["rebalanced_vs_uniform"]["median"]
+    vs_single = ratios["rebalanced_vs_single"]["median"]
+    vs_torch = ratios["rebalanced_vs_pipelining_same_split"]["median"]
     split_line = (
         f"\n  split backward: the same rebalanced job with split_backward=True / {CONTENDER} = "
-        f"{fmt(rate['rebalanced_split'] / rate[CONTENDER])} [per repeat: {', '.join(map(fmt, split_gain))}]"
-        if split_gain
+        f"{show_ratio(ratios['split_vs_plain_backward'])}"
+        if ratios["split_vs_plain_backward"]["rounds"]
         else ""
     )
-    single = mean([j.samples_per_s for j in all_jobs if j.contender == "single"])
-    vs_single, vs_torch = rate[CONTENDER] / single, rate[CONTENDER] / rate["pipelining_hier_split"]
-    overhead = mean([w["engine_overhead_ms_per_micro_batch"] for w in reb])
-    own = mean([w.get("engine_own_ms_per_micro_batch", NAN) for w in reb])
-    net = mean([w["engine_overhead_without_optimizer_ms_per_micro_batch"] for w in reb])
+    single = median([j.samples_per_s for j in all_jobs if j.contender == "single"])
+    overhead = median([w["engine_overhead_ms_per_micro_batch"] for w in reb])
+    own = median([w.get("engine_own_ms_per_micro_batch", NAN) for w in reb])
+    net = median([w["engine_overhead_without_optimizer_ms_per_micro_batch"] for w in reb])
     # what these stage times allow against one process, whatever the engine does (against the 1.4x target)
     single_step_s = batch_size / single
-    bound = mean([single_step_s / w["ideal_step_s"] for w in reb])
-    floor = mean([single_step_s / (w["ideal_step_s"] + w["first_stage_boundary_s"]) for w in reb])
-    balanced = mean([single_step_s / w["balanced_ideal_step_s"] for w in reb])
+    bound = median([single_step_s / w["ideal_step_s"] for w in reb])
+    floor = median([single_step_s / (w["ideal_step_s"] + w["first_stage_boundary_s"]) for w in reb])
+    balanced = median([single_step_s / w["balanced_ideal_step_s"] for w in reb])
     note = "" if stages <= CORES else " (the targets are for one stage per core)"
     text = (
-        f"{label}: samples/s "
+        f"{label}: median samples/s "
         + ", ".join(f"{c} {fmt(r, ',.0f')}" for c, r in rate.items())
-        + f"\n  {CONTENDER} / {REFERENCE} = {fmt(speedup)} [per repeat: {', '.join(map(fmt, per_repeat))}] "
-        f"(target >= {TARGET_SPEEDUP}: {'met' if speedup >= TARGET_SPEEDUP else 'NOT met'}), "
-        f"/ pipelining = {fmt(rate[CONTENDER] / rate['pipelining'])}; stage max/mean "
-        f"{fmt(mean([w['max_mean_before'] for w in reb]))} -> {fmt(after)} "
-        f"(target <= {TARGET_MAX_MEAN}: {'met' if after <= TARGET_MAX_MEAN else 'NOT met'}); "
-        f"migration pause {fmt(mean([w['pause_s'] * 1e3 for w in reb]), '.0f')} ms{note}"
+        + f"\n  {CONTENDER} / {REFERENCE} = {show_ratio(ratios['rebalanced_vs_uniform'])} "
+        f"(target >= {TARGET_SPEEDUP}: {verdict(speedup >= TARGET_SPEEDUP)}), "
+        f"/ pipelining = {show_ratio(ratios['rebalanced_vs_pipelining'])}; stage max/mean "
+        f"{fmt(median([w['max_mean_before'] for w in reb]))} -> {fmt(after)} "
+        f"(target <= {TARGET_MAX_MEAN}: {verdict(after <= TARGET_MAX_MEAN)}); "
+        f"migration pause {fmt(median([w['pause_s'] * 1e3 for w in reb]), '.0f')} ms{note}"
         f"\n  first-step loss {', '.join(losses)} ({same}: same weights and data)"
         f"{split_line}"
-        f"\n  targets: {CONTENDER} / single process = {fmt(vs_single)} (target >= {TARGET_VS_SINGLE}: "
-        f"{verdict(vs_single >= TARGET_VS_SINGLE)}), / torch pipelining on its split = {fmt(vs_torch)} "
-        f"(target >= {TARGET_VS_TORCH}: {verdict(vs_torch >= TARGET_VS_TORCH)}); engine overhead "
-        f"{fmt(overhead)} ms per micro-batch (the step against (micro-batches - 1) x the slowest stage's "
-        f"own layer time + every stage's, over micro-batches; target <= {TARGET_OVERHEAD_MS}: "
-        f"{verdict(overhead <= TARGET_OVERHEAD_MS)}); {fmt(net)} ms without the slowest stage's optimizer "
-        "step (the model's work: one process pays it too)"
+        f"\n  targets: {CONTENDER} / single process = {show_ratio(ratios['rebalanced_vs_single'])} "
+        f"(target >= {TARGET_VS_SINGLE}: {verdict(vs_single >= TARGET_VS_SINGLE)}), / torch pipelining on "
+        f"its split = {show_ratio(ratios['rebalanced_vs_pipelining_same_split'])} (target >= "
+        f"{TARGET_VS_TORCH}: {verdict(vs_torch >= TARGET_VS_TORCH)}); torch pipelining on that split / "
+        f"single process = {show_ratio(ratios['pipelining_same_split_vs_single'])}"
+        f"\n  engine overhead {fmt(overhead)} ms per micro-batch (the step against (micro-batches - 1) x the "
+        f"slowest stage's own layer time + every stage's, over micro-batches; target <= "
+        f"{TARGET_OVERHEAD_MS}: {verdict(overhead <= TARGET_OVERHEAD_MS)}); {fmt(net)} ms without the "
+        "slowest stage's optimizer step (the model's work: one process pays it too)"
         f"\n  the engine's own work per micro-batch on its busiest stage (its step less the time blocked "
         f"on a neighbour and its layers' own times): {fmt(own)} ms (target <= {TARGET_OVERHEAD_MS}: "
         f"{verdict(own <= TARGET_OVERHEAD_MS)})"
@@ -229,11 +278,8 @@ def summary(stages: int, done: list[Job], all_jobs: list[Job], batch_size: int) 
         "stages": stages,
         "label": label,
         "samples_per_s": rate,
-        "rebalanced_vs_uniform": speedup,
-        "rebalanced_vs_pipelining": rate[CONTENDER] / rate["pipelining"],
-        "rebalanced_vs_single": vs_single,
-        "split_vs_plain_backward": rate["rebalanced_split"] / rate[CONTENDER] if split_gain else None,
-        "rebalanced_vs_pipelining_same_split": vs_torch,
+        **{name: ratio["median"] for name, ratio in ratios.items()},
+        "ratios": ratios,
         "engine_overhead_ms_per_micro_batch": overhead,
         "engine_overhead_without_optimizer_ms_per_micro_batch": net,
         "engine_own_ms_per_micro_batch": own,
@@ -276,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     logs = "each job's temp dir (/tmp/lhbench-pipe-*)"
     run_options = cli.RUN_OPTIONS.format(timeout=300, per="job", logs=logs)
     args = cli.parser(__doc__, OPTIONS, cli.IDLE_OPTIONS.format(job="job"), run_options).parse_args(argv)
+    for name, value in DEFAULTS["gpt2" if args.model == "gpt2" else "mlp"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.quick:
         vars(args).update(QUICK)
     args.json_out = args.json_out or jobs.RESULTS_DIR / "bench_pipeline.json"
