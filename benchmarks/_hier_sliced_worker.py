@@ -1,6 +1,6 @@
-"""One training process of ``bench_hier_sliced.py`` and ``bench_time_buckets.py``: the MLP with ``ddp``,
-``hier_sliced`` or ``hier_bsp``, on the same batch every step (no data loading); what it measures:
-benchmarks/README.md."""
+"""One training process of ``bench_hier_sliced.py`` and ``bench_time_buckets.py``: the MLP with ``ddp``
+(optionally torch's bf16 compression hook), ``hier_sliced``, ``hier_bsp`` or torch FSDP2 HSDP (a plain torch
+loop), on the same batch every step (no data loading); what it measures: benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import os
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from harness import cli
 from harness.jobs import BUSY_HOST_CORES, host_busy_seconds, process_cpu_seconds
 from harness.worker import MLP, MarkedWindow, quiet_trainer, setup
@@ -164,6 +166,24 @@ def _timed_allreduce_hook(state, bucket):  # unannotated: DDP's _check_comm_hook
     return allreduce_hook(None, bucket).then(done)
 
 
+def _bf16_compress_hook(state, bucket):  # unannotated, as _timed_allreduce_hook
+    """torch's ``bf16_compress_hook`` itself. DDP refuses that function by its name unless CUDA and NCCL
+    are present; the cast, the division and the all-reduce are the same on gloo, so this wrapper lets the CPU
+    benchmark run it."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return bf16_compress_hook(state, bucket)
+
+
+class Bf16CompressHook(Callback):
+    """Registers torch's bf16 compression hook on the DDP model. Lightning's ``ddp_comm_hook`` option does
+    not: it registers hooks on CUDA only."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Before the first backward."""
+        trainer.strategy.model.register_comm_hook(state=None, hook=_bf16_compress_hook)
+
+
 class LossLog(Callback):
     """Every step's training loss (this rank's)."""
 
@@ -177,10 +197,10 @@ class LossLog(Callback):
 def make_strategy(name: str, options: dict[str, Any]) -> Any:
     """Lightning's DDP, or a HierSlicedStrategy or HierBSPStrategy (imported only then), with ``options``: a
     ``bucketing`` dict holds a TimeBuckets' fields, names starting with ``_`` are tuning attributes."""
-    if name == "ddp":
+    if name in ("ddp", "ddp_bf16"):
         from lightning.pytorch.strategies import DDPStrategy
 
-        return DDPStrategy(**options)
+        return DDPStrategy(**options)  # ddp_bf16: its hook comes with Bf16CompressHook
     import lightning_hier
 
     strategy_class = {
@@ -197,11 +217,42 @@ def make_strategy(name: str, options: dict[str, Any]) -> Any:
     return strategy
 
 
+def fit_hsdp(
+    model: MLP, batch: tuple[torch.Tensor, ...], window: MarkedWindow, total: int, lr: float
+) -> list[float]:
+    """Train ``model.net`` for ``total`` steps under torch FSDP2 as HSDP: a 2-D mesh (replicate across
+    nodes, shard inside a node), every Linear its own unit, parameters kept gathered from forward to backward
+    (``reshard_after_forward=False``); plain SGD as the MLP's. Returns the losses of every step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    devices, world = int(os.environ["LOCAL_WORLD_SIZE"]), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // devices, devices), mesh_dim_names=("replicate", "shard"))
+    for layer in model.net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model.net, mesh=mesh, reshard_after_forward=False)
+    optimizer = torch.optim.SGD(model.net.parameters(), lr=lr)
+    handover = SimpleNamespace(global_rank=dist.get_rank())  # what MarkedWindow reads of a Trainer
+    losses = []
+    x, y = batch
+    for step in range(total):
+        window.on_train_batch_start(handover, model, batch, step)  # type: ignore[arg-type]
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model.net(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    dist.destroy_process_group()
+    return losses
+
+
 def main() -> None:
-    """Train with ``--config`` (``strategy``, ``strategy_options``, ``record``: ``handover`` or ``buckets``,
-    ``hidden``, ``layers``, ``batch_size``, ``lr``, ``warmup``, ``steps``, optional ``comm_profiler``: true
-    adds a CommProfiler whose rows, every rank's, go into the JSON as ``comm_profile``); rank 0 writes the
-    timings."""
+    """Train with ``--config`` (``strategy``: ``ddp``, ``ddp_bf16``, ``hier_sliced``, ``hier_bsp`` or
+    ``hsdp``; ``strategy_options``, ``record``: ``handover`` or ``buckets``, ``hidden``, ``layers``,
+    ``batch_size``, ``lr``, ``warmup``, ``steps``, optional ``comm_profiler``: true adds a CommProfiler whose
+    rows, every rank's, go into the JSON as ``comm_profile``); rank 0 writes the timings and the losses."""
     args = cli.parser(__doc__, OPTIONS).parse_args()
     config = json.loads(args.config)
     setup(interop_threads=True)
@@ -214,8 +265,22 @@ def main() -> None:
     model = MLP(config["hidden"], config["layers"], lr=config["lr"])
     # counted before fit: a strategy may lay the parameters out anew
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = first + steps + 1
+    if config["strategy"] == "hsdp":
+        t0 = time.perf_counter()
+        every_loss = fit_hsdp(model, batch, window, total, config["lr"])
+        if rank == 0:
+            result = {**config, "strategy_class": "torch FSDP2 (fully_shard, HSDP mesh)", "world_size": world}
+            result.update(num_nodes=world // devices, devices_per_node=devices, grad_bytes=grad_bytes)
+            result.update(fit_s=time.perf_counter() - t0, **window.summary())
+            result.update(losses=every_loss[first : first + steps], first_loss=every_loss[0])
+            result["last_loss"] = every_loss[-1]
+            args.out.write_text(json.dumps(result, indent=2))
+        return
     losses = LossLog()
     callbacks: list[Callback] = [window, losses]
+    if config["strategy"] == "ddp_bf16":
+        callbacks.append(Bf16CompressHook())
     if config.get("comm_profiler"):  # after the window: its hand-over barriers fall between profiled steps
         from lightning_hier import CommProfiler
 
@@ -229,12 +294,13 @@ def main() -> None:
         callbacks=callbacks,
     )
     t0 = time.perf_counter()
-    trainer.fit(model, torch.utils.data.DataLoader([batch] * (first + steps + 1), batch_size=None))
+    trainer.fit(model, torch.utils.data.DataLoader([batch] * total, batch_size=None))
     if trainer.global_rank == 0:
         result = {**config, "strategy_class": type(trainer.strategy).__name__, "world_size": world}
         result.update(num_nodes=world // devices, devices_per_node=devices, grad_bytes=grad_bytes)
         result.update(fit_s=time.perf_counter() - t0, **window.summary())
         result["losses"] = losses.losses[first : first + steps]
+        result.update(first_loss=losses.losses[0], last_loss=losses.losses[-1])
         if config.get("comm_profiler"):
             result["comm_profile"] = callbacks[-1].rows
         args.out.write_text(json.dumps(result, indent=2))

@@ -1,5 +1,5 @@
-"""Lightning ``ddp`` vs ``hier_sliced`` (and ``hier_bsp``) on an emulated 2-node x 2-device cluster: step time
-and link bytes.
+"""hier_sliced (fp32, bf16 and int8 inter-node hop) against Lightning ``ddp``, torch FSDP2 HSDP and torch DDP
+with its bf16 compression hook on an emulated 2-node x 2-device cluster: step time and link bytes.
 
 Needs root and iproute2. What it sets up and measures, and the options: benchmarks/README.md.
 """
@@ -11,17 +11,30 @@ import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from harness import cli, jobs, report
 from harness.cluster import EmulatedCluster, StrategyRun, run_on_cluster, run_workers
 
 WORKER = jobs.BENCH_DIR / "_hier_sliced_worker.py"
-CONTENDER, REFERENCE, BSP = "hier_sliced", "ddp", "hier_bsp"
+REFERENCE, HSDP, BSP = "ddp", "hsdp", "hier_bsp"
+# contender: (the worker's strategy, its options beyond bucket_cap_mb)
+CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddp": ("ddp", {}),
+    "hsdp": ("hsdp", {}),
+    "ddp_bf16": ("ddp_bf16", {}),
+    "hier_sliced": ("hier_sliced", {}),
+    "hier_sliced_bf16": ("hier_sliced", {"inter_node_dtype": "bf16"}),
+    "hier_sliced_int8": ("hier_sliced", {"inter_node_dtype": "int8"}),
+    "hier_bsp": ("hier_bsp", {}),
+}
+DEFAULT_CONTENDERS = [name for name in CONTENDERS if name != "hier_bsp"]
 DEVICES_PER_NODE, BASE_PORT, LR = 2, 29540, 1e-3
-# hier_sliced's step time against ddp's, its bytes per node against the bound, hier_bsp's median step
-TARGET_STEP_RATIO, TARGET_BYTES_X_BOUND, TARGET_BSP_MEDIAN_RATIO = 0.70, 1.1, 0.5
-# with a 16-bit inter-node hop: step time and bytes on the slow link against fp32's bound
-TARGET_NARROW_STEP_RATIO, TARGET_NARROW_BYTES_X_BOUND = 0.45, 0.55
+# per hier_sliced contender: (median step time against ddp's, worst node's bytes against the fp32 bound)
+TARGETS = {"hier_sliced": (0.70, 1.1), "hier_sliced_bf16": (0.45, 0.55), "hier_sliced_int8": (0.30, 0.30)}
+TARGET_BSP_MEDIAN_RATIO = 0.5
+# every contender computes the first step's loss from the same parameters and batch
+FIRST_LOSS_RTOL = 1e-6
 WORKER_OPTIONS = ("hidden", "layers", "batch_size", "warmup", "steps")
 OPTIONS = """
 --rate-mbit     float  200              egress limit per node (Mbit/s)
@@ -30,21 +43,21 @@ OPTIONS = """
 --hidden        int    1024             MLP width
 --layers        int    6                number of Linear(hidden, hidden) layers
 --batch-size    int    8                per-process batch size
---bucket-cap-mb float  25.0             bucket cap for both strategies (MB)
---strategies    str    ddp,hier_sliced  comma-separated: ddp, hier_sliced, hier_bsp
+--bucket-cap-mb float  25.0             bucket cap of ddp, ddp_bf16, hier_sliced*, hier_bsp (MB)
+--contenders    str    default          comma-separated (README); default: all but hier_bsp
 --superstep-steps int  4                hier_bsp: superstep (a step count)
 --max-staleness int    1                hier_bsp: max_staleness
---repeats       int    1                run every strategy this many times (interleaved); median ratio
---inter-node-dtype str ""               hier_sliced: inter_node_dtype (bf16, fp16, int8; "": full precision)
---comm-chunk-mb float  0                hier_sliced: its _comm_chunk_mb (chunks of a bucket; 0: automatic)
+--repeats       int    1                run every contender this many times, interleaved; medians
+--comm-chunk-mb float  0                hier_sliced*: its _comm_chunk_mb (chunks of a bucket; 0: automatic)
 """
 
 
 @dataclass
 class Run(StrategyRun):
-    """Also the nodes' ``tx_bytes`` when rank 0 handed over at "start" and "end"."""
+    """Also the nodes' ``tx_bytes`` and a CPU snapshot when rank 0 handed over at "start" and "end"."""
 
     tx_bytes: dict[str, list[int]] = field(default_factory=dict)
+    cpu: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     @property
     def node_bytes(self) -> list[float]:
@@ -53,47 +66,66 @@ class Run(StrategyRun):
 
     @property
     def bound(self) -> float:
-        """Bandwidth-optimal bytes per node and step, ``2 (N - 1) / N * S``."""
+        """Bandwidth-optimal fp32 bytes per node and step, ``2 (N - 1) / N * S``."""
         n = self.worker["num_nodes"]
         return 2 * (n - 1) / n * self.worker["grad_bytes"]
 
+    @property
+    def bytes_x_bound(self) -> float:
+        """The worst node's bytes per step against the fp32 bound."""
+        return max(self.node_bytes) / self.bound
 
-def run_strategy(cluster: EmulatedCluster, args: argparse.Namespace, strategy: str, port: int) -> Run:
-    """Run one strategy; the nodes' ``tx_bytes`` are read whenever rank 0 hands over."""
-    strategy_options: dict = {"bucket_cap_mb": args.bucket_cap_mb}
+    @property
+    def other_cores(self) -> float:
+        """Cores that processes outside this run used during the measured window."""
+        return jobs.other_cores(self.cpu["start"], self.cpu["end"]) if len(self.cpu) == 2 else float("nan")
+
+
+def run_contender(cluster: EmulatedCluster, args: argparse.Namespace, name: str, port: int) -> Run:
+    """Run one contender; the nodes' ``tx_bytes`` and the host's CPU are read whenever rank 0 hands over."""
+    strategy, extra = CONTENDERS[name]
+    strategy_options: dict = {} if strategy == HSDP else {"bucket_cap_mb": args.bucket_cap_mb, **extra}
     if strategy == BSP:
         strategy_options.update(superstep=args.superstep_steps, max_staleness=args.max_staleness)
-    if strategy == CONTENDER:
-        if args.comm_chunk_mb > 0:
-            strategy_options["_comm_chunk_mb"] = args.comm_chunk_mb
-        if args.inter_node_dtype:
-            strategy_options["inter_node_dtype"] = args.inter_node_dtype
+    if strategy == "hier_sliced" and args.comm_chunk_mb > 0:
+        strategy_options["_comm_chunk_mb"] = args.comm_chunk_mb
     options = {"strategy_options": strategy_options, "record": "handover", "lr": LR}
     config = {"strategy": strategy, **options, **jobs.pick(args, *WORKER_OPTIONS)}
     argv = [sys.executable, str(WORKER), "--config", json.dumps(config)]
-    tx: dict[str, list[int]] = {}
-    read_tx = lambda phase: tx.update({phase: [cluster.tx_bytes(n) for n in cluster.nodes]})
+    run = Run(name)
+
+    def at_phase(phase: str) -> None:
+        run.tx_bytes[phase] = [cluster.tx_bytes(n) for n in cluster.nodes]
+        run.cpu[phase] = jobs.cpu_snapshot(cluster.pids())
+
     try:
-        worker = run_workers(cluster, argv, f"lhbench-{strategy}", DEVICES_PER_NODE, port, args, read_tx)
-    except Exception as exc:  # report it and go on with the next strategy
-        return Run(strategy, ok=False, error=str(exc))
-    return Run(strategy, worker=worker, tx_bytes=tx)
+        run.worker = run_workers(cluster, argv, f"lhbench-{name}", DEVICES_PER_NODE, port, args, at_phase)
+    except Exception as exc:  # report it and go on with the next contender
+        run.ok, run.error = False, str(exc)
+    return run
 
 
-def verdict(value: float, target: float) -> str:
-    """Whether ``value`` is within ``target`` (n/a for nan)."""
-    return "n/a" if value != value else ("MET" if value <= target else "NOT MET")
+def verdict(ok: bool | None) -> str:
+    """MET, NOT MET, or n/a (None)."""
+    return "n/a" if ok is None else ("MET" if ok else "NOT MET")
 
 
-def table_row(r: Run, ddp: Run | None) -> str:
-    """One strategy's line of the table."""
+def ratio(r: Run, to: Run | None) -> float:
+    """``r``'s mean step time over ``to``'s (nan when either is missing)."""
+    return r.step_s / to.step_s if r.ok and to is not None and to.ok else float("nan")
+
+
+def table_row(r: Run, done: dict[str, Run]) -> str:
+    """One contender's line of a repeat's table."""
     if not r.ok:
-        return f"{r.strategy:<12} FAILED (see below)"
-    ratio = f"{r.step_s / ddp.step_s:.3f}" if ddp else "n/a"
-    nodes = " ".join(f"{b / 1e6:>14.2f} {b / r.bound:>8.3f}" for b in r.node_bytes)
+        return f"{r.strategy:<17} FAILED (see below)"
+    nodes = " ".join(f"{b / 1e6:>8.2f} {b / r.bound:>6.3f}" for b in r.node_bytes)
     mbit = max(r.node_bytes) * 8 / r.step_s / 1e6
-    sizes = f"{r.worker['grad_bytes'] / 1e6:>8.2f} {r.bound / 1e6:>9.2f}"
-    return f"{r.strategy:<12} {r.step_s:>9.3f} {ratio:>7} {sizes} {nodes} {mbit:>12.1f}"
+    vs = " ".join(report.fmt(ratio(r, done.get(n)), ">7.3f") for n in (REFERENCE, HSDP))
+    return (
+        f"{r.strategy:<17} {r.step_s:>8.3f} {vs} {r.bound / 1e6:>8.2f} {nodes} {mbit:>7.1f} "
+        f"{report.fmt(r.other_cores):>6} {r.worker['first_loss']:>12.9f} {r.worker['last_loss']:>12.9f}"
+    )
 
 
 def loss_drop(r: Run) -> tuple[float, float, float]:
@@ -107,80 +139,154 @@ def loss_drop(r: Run) -> tuple[float, float, float]:
 def print_bsp_target(bsp: Run, ddp: Run) -> None:
     """hier_bsp's median micro-step time against ddp's, and whether its loss still falls in the window."""
     median = lambda r: r.worker["median_step_s"]
-    ratio = median(bsp) / median(ddp)
+    value = median(bsp) / median(ddp)
     (first, last, rate), (_, _, ddp_rate) = loss_drop(bsp), loss_drop(ddp)
     options = bsp.worker["strategy_options"]
     print(
         f"  hier_bsp (superstep={options['superstep']}, "
         f"max_staleness={options['max_staleness']}): "
-        f"median step {median(bsp):.3f} s vs ddp {median(ddp):.3f} s = {ratio:.3f} x (target <= "
-        f"{TARGET_BSP_MEDIAN_RATIO}) -> {verdict(ratio, TARGET_BSP_MEDIAN_RATIO)}; mean step "
+        f"median step {median(bsp):.3f} s vs ddp {median(ddp):.3f} s = {value:.3f} x (target <= "
+        f"{TARGET_BSP_MEDIAN_RATIO}) -> {verdict(value <= TARGET_BSP_MEDIAN_RATIO)}; mean step "
         f"{bsp.step_s / ddp.step_s:.3f} x ddp's\n  rank 0 loss {first:.9f} -> {last:.9f} over the window "
         f"({'falling' if last < first else 'NOT falling'}); loss drop per second {rate:.3g} "
         f"(ddp {ddp_rate:.3g})"
     )
 
 
-def print_report(args: argparse.Namespace, cluster: EmulatedCluster, results: list[Run]) -> float:
-    """The set-up, the table, the targets and the errors; returns hier_sliced's step-time ratio."""
+def first_loss_check(results: list[Run]) -> bool:
+    """Whether every contender's first-step loss (rank 0's) equals ddp's (or the first one's) within
+    ``FIRST_LOSS_RTOL``: the same model, parameters and batch; prints the outliers."""
+    done = [r for r in results if r.ok]
+    if not done:
+        return True
+    base = next((r for r in done if r.strategy == REFERENCE), done[0])
+    ref = base.worker["first_loss"]
+    off = [r for r in done if abs(r.worker["first_loss"] - ref) > FIRST_LOSS_RTOL * abs(ref)]
+    others = ", ".join(f"{r.strategy} {r.worker['first_loss']:.9f}" for r in off)
+    print(
+        f"  first-step loss: {len(done) - len(off)} of {len(done)} contenders equal {base.strategy}'s "
+        f"{ref:.9f} (rtol {FIRST_LOSS_RTOL:g}){'; differ: ' + others if off else ''}"
+    )
+    return not off
+
+
+def print_repeat(args: argparse.Namespace, cluster: EmulatedCluster, results: list[Run]) -> bool:
+    """One repeat's set-up, table, loss check and errors; returns whether the first-step losses agree."""
     done = {r.strategy: r for r in results if r.ok}
     header = (
-        f"{'strategy':<12} {'step [s]':>9} {'vs ddp':>7} {'grad MB':>8} {'bound MB':>9} "
-        f"{'node0 MB/step':>14} {'x bound':>8} {'node1 MB/step':>14} {'x bound':>8} {'Mbit/s/node':>12}"
+        f"{'contender':<17} {'step [s]':>8} {'vs ddp':>7} {'vs hsdp':>7} {'bound MB':>8} {'node0 MB':>8} "
+        f"{'xbound':>6} {'node1 MB':>8} {'xbound':>6} {'Mbit/s':>7} {'others':>6} {'first loss':>12} "
+        f"{'last loss':>12}"
     )
     print(
         f"\n{cluster.describe(DEVICES_PER_NODE)}\nMLP {args.layers} x Linear({args.hidden}, {args.hidden}), "
-        f"batch {args.batch_size}/process, warmup {args.warmup}, measured steps {args.steps}"
+        f"batch {args.batch_size}/process, warmup {args.warmup}, measured steps {args.steps}; "
+        f"'others': cores used by other processes in the window"
     )
-    print(report.text_table(header, [table_row(r, done.get(REFERENCE)) for r in results]))
-    narrow = bool(args.inter_node_dtype)
-    step_target = TARGET_NARROW_STEP_RATIO if narrow else TARGET_STEP_RATIO
-    bytes_target = TARGET_NARROW_BYTES_X_BOUND if narrow else TARGET_BYTES_X_BOUND
-    print(
-        f"\ntargets{f' (inter_node_dtype={args.inter_node_dtype})' if narrow else ''}: hier_sliced/ddp step "
-        f"time <= {step_target}; hier_sliced bytes per node per step <= {bytes_target} x (fp32) bound"
-    )
-    hier, ddp = done.get(CONTENDER), done.get(REFERENCE)
-    ratio = hier.step_s / ddp.step_s if hier and ddp else float("nan")
-    worst = max(hier.node_bytes) / hier.bound if hier else float("nan")
-    print(f"  step-time ratio {ratio:.3f} -> {verdict(ratio, step_target)}")
-    print(f"  bytes {worst:.3f} x bound (worst node) -> {verdict(worst, bytes_target)}")
-    if BSP in done and ddp:
-        print_bsp_target(done[BSP], ddp)
+    print(report.text_table(header, [table_row(r, done) for r in results]))
+    agree = first_loss_check(results)
+    if BSP in done and REFERENCE in done:
+        print_bsp_target(done[BSP], done[REFERENCE])
     report.print_failures([(f"[{r.strategy}]", r.error) for r in results if not r.ok])
-    return ratio
+    return agree
+
+
+def spread(values: list[float], spec: str = ".3f") -> str:
+    """``median (v1, v2, ...)`` of the values in their run order."""
+    return f"{statistics.median(values):{spec}} ({', '.join(format(v, spec) for v in values)})"
+
+
+def summarize(contenders: list[str], repeats: list[list[Run]]) -> dict[str, dict[str, Any]]:
+    """Per contender over the repeats where it and its anchors ran: step times, ratios to ddp and to HSDP,
+    the worst node's bytes against the fp32 bound, the host's load and the losses."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in contenders:
+        runs = [{r.strategy: r for r in results if r.ok} for results in repeats]
+        mine = [done for done in runs if name in done]
+        if not mine:
+            continue
+        out[name] = {
+            "step_s": [done[name].step_s for done in mine],
+            "vs_ddp": [ratio(done[name], done.get(REFERENCE)) for done in mine],
+            "vs_hsdp": [ratio(done[name], done.get(HSDP)) for done in mine],
+            "node_mb": [max(done[name].node_bytes) / 1e6 for done in mine],
+            "bytes_x_bound": [done[name].bytes_x_bound for done in mine],
+            "other_cores": [done[name].other_cores for done in mine],
+            "first_loss": [done[name].worker["first_loss"] for done in mine],
+            "last_loss": [done[name].worker["last_loss"] for done in mine],
+        }
+    return out
+
+
+def finite(values: list[float]) -> list[float]:
+    """The values that are not nan."""
+    return [v for v in values if v == v]
+
+
+def print_summary(summary: dict[str, dict[str, Any]], repeats: int) -> None:
+    """Medians over the repeats (each repeat's value in run order), the targets and a markdown table."""
+    header = (
+        f"{'contender':<17} {'step [s] median (per repeat)':<30} {'vs ddp':<30} {'vs hsdp':<30} "
+        f"{'MB/node':>8} {'x fp32 bound':>12} {'others':>6}"
+    )
+    rows, md = [], []
+    for name, s in summary.items():
+        cells = [spread(s[k]) if finite(s[k]) else "n/a" for k in ("step_s", "vs_ddp", "vs_hsdp")]
+        mb, xb = statistics.median(s["node_mb"]), statistics.median(s["bytes_x_bound"])
+        others = statistics.median(finite(s["other_cores"]) or [float("nan")])
+        rows.append(f"{name:<17} {cells[0]:<30} {cells[1]:<30} {cells[2]:<30} {mb:>8.2f} {xb:>12.3f} "
+                    f"{report.fmt(others):>6}")  # fmt: skip
+        md.append([f"`{name}`", *cells, f"{mb:.2f}", f"{xb:.3f}", report.fmt(others)])
+    print(f"\n=== over {repeats} repeat(s): medians, each repeat's value in brackets")
+    print(report.text_table(header, rows))
+    print("\ntargets:")
+    for name, (step_target, bytes_target) in TARGETS.items():
+        if name not in summary:
+            continue
+        s = summary[name]
+        vs_ddp, vs_hsdp = finite(s["vs_ddp"]), finite(s["vs_hsdp"])
+        step = statistics.median(vs_ddp) if vs_ddp else float("nan")
+        worst = max(s["bytes_x_bound"])
+        ahead = (all(v < 1 for v in vs_hsdp) and len(vs_hsdp) == len(s["vs_hsdp"])) if vs_hsdp else None
+        print(
+            f"  {name}: step {report.fmt(step, '.3f')} x ddp (median; target <= {step_target}) -> "
+            f"{verdict(step <= step_target if step == step else None)}; bytes {worst:.3f} x fp32 bound "
+            f"(worst node and repeat; target <= {bytes_target}) -> {verdict(worst <= bytes_target)}; "
+            f"ahead of hsdp in every repeat -> {verdict(ahead)}"
+        )
+    md_header = ["contender", "step [s]", "vs `ddp`", "vs HSDP", "MB/node/step", "x fp32 bound", "others"]
+    print("\nmarkdown:\n" + report.md_table(md_header, md, tight_rule=False))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the requested strategies on one emulated cluster and report; returns the exit code."""
-    run_options = cli.RUN_OPTIONS.format(timeout=600, per="strategy run", logs="the per-run temp dir")
+    """Run the contenders on one emulated cluster, interleaved, and report; returns the exit code."""
+    run_options = cli.RUN_OPTIONS.format(timeout=600, per="contender run", logs="the per-run temp dir")
     p = cli.parser(__doc__, OPTIONS, run_options)
     args = p.parse_args(argv)
-    args.strategies = cli.comma_list(args.strategies)
-    if not set(args.strategies) <= {REFERENCE, CONTENDER, BSP}:
-        p.error(f"--strategies: choose from {REFERENCE}, {CONTENDER}, {BSP}")
+    args.contenders = DEFAULT_CONTENDERS if args.contenders == "default" else cli.comma_list(args.contenders)
+    if not args.contenders or not set(args.contenders) <= set(CONTENDERS):
+        p.error(f"--contenders: choose from {', '.join(CONTENDERS)}")
 
     def run_all(cluster: EmulatedCluster) -> bool:
         repeats: list[list[Run]] = []
-        ratios: list[float] = []
+        agree = True
         for repeat in range(args.repeats):
             if args.repeats > 1:
                 print(f"\n=== repeat {repeat + 1} of {args.repeats}", flush=True)
-            ports = (BASE_PORT + 10 * repeat + i for i in range(len(args.strategies)))
-            repeats.append([run_strategy(cluster, args, s, port) for s, port in zip(args.strategies, ports)])
-            ratios.append(print_report(args, cluster, repeats[-1]))
-        valid = sorted(r for r in ratios if r == r)
-        if args.repeats > 1 and valid:
-            median = statistics.median(valid)
-            print(
-                f"\nhier_sliced / ddp step time over {len(valid)} repeats: median {median:.3f} "
-                f"(runs {', '.join(f'{r:.3f}' for r in ratios)}) -> "
-                f"{verdict(median, TARGET_NARROW_STEP_RATIO if args.inter_node_dtype else TARGET_STEP_RATIO)}"
-            )
-        payload = {"config": report.config(args), "ratios": ratios}
+            # each repeat starts one contender later, so a slow stretch of the host falls on each in turn
+            k = repeat % len(args.contenders)
+            order = args.contenders[k:] + args.contenders[:k]
+            ports = (BASE_PORT + 10 * repeat + i for i in range(len(order)))
+            results = [run_contender(cluster, args, name, port) for name, port in zip(order, ports)]
+            results.sort(key=lambda r: args.contenders.index(r.strategy))
+            repeats.append(results)
+            agree = print_repeat(args, cluster, results) and agree
+        summary = summarize(args.contenders, repeats)
+        print_summary(summary, args.repeats)
+        payload = {"config": report.config(args), "summary": summary, "first_losses_agree": agree}
         payload["repeats"] = [[asdict(r) for r in results] for results in repeats]
         report.save_json(args.json_out, lambda: payload)
-        return all(r.ok for results in repeats for r in results)
+        return agree and all(r.ok for results in repeats for r in results)
 
     return run_on_cluster(run_all, num_nodes=2, rate_mbit=args.rate_mbit)
 

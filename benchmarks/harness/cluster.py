@@ -81,6 +81,10 @@ class EmulatedCluster:
         self._procs.append(proc)
         return proc
 
+    def pids(self) -> list[int]:
+        """Process ids of everything started via :meth:`popen` that still runs."""
+        return [p.pid for p in self._procs if p.poll() is None]
+
     def tx_bytes(self, node: Node) -> int:
         """Bytes sent so far by ``node``'s veth, read from sysfs inside its namespace."""
         return int(self.run(node, ["cat", f"/sys/class/net/{node.ifname}/statistics/tx_bytes"]).strip())
