@@ -1,4 +1,5 @@
-"""Memory and throughput of a >= 1 GB embedding table: ``HybridEmbedding`` vs ``nn.EmbeddingBag`` + ddp.
+"""Memory and throughput of a >= 1 GB embedding table: ``HybridEmbedding`` vs ``nn.EmbeddingBag`` + ddp and
+TorchRec's ``DistributedModelParallel`` (table-wise and data-parallel sharding).
 
 Four processes on one host, Linux, no root; variants, measurements and options: benchmarks/README.md."""
 
@@ -19,16 +20,25 @@ from harness.cluster import watch
 from harness.jobs import WITH_IRQ_AND_STEAL
 
 WORKER = jobs.BENCH_DIR / "_hybrid_embedding_worker.py"
+TORCHREC_WORKER = jobs.BENCH_DIR / "_torchrec_worker.py"
 NPROC = 4
 CONTENDER, REFERENCES = "hybrid", ("ddp_sparse", "ddp_dense")  # the targets are against the first
+ANCHORS = ("torchrec_tw", "torchrec_dp")  # TorchRec, table-wise and data-parallel (the CPU planner's options)
+DENSE_STEPS = ("ddp_dense", "torchrec_dp")  # all-reduce the whole table every step: the --dense-* step counts
 RATIOS = (("table memory", "table mem [GiB]", "<=", 0.30), ("throughput  ", "samples/s", ">=", 1.0))
 PAIRED_THROUGHPUT_TARGET = 1.2  # hybrid / ddp_sparse in every repeat (the jobs of a repeat run back to back)
-TABLE_COPIES_PER_PROCESS = {"hybrid": 0.25, "ddp_dense": 3.2, "ddp_sparse": 1.2}  # rough peak, in tables
+TABLE_COPIES_PER_PROCESS = {  # rough peak, in tables
+    "hybrid": 0.25,
+    "ddp_dense": 3.2,
+    "ddp_sparse": 1.2,
+    "torchrec_tw": 0.5,  # the whole table on rank 0
+    "torchrec_dp": 3.2,
+}
 PROCESS_OVERHEAD_BYTES = 700 * 2**20
 PSS_FIELDS, SAMPLE_INTERVAL_S = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File", "Rss"), 0.2
 FORMATS = {"x table": ".2f", "samples/s": ",.0f", "step [ms]": ".1f", "other cores": ".2f"}  # else GiB
 RERUN_NOTE = "    other processes used {:.2f} cores: running it again"
-TORCHREC_NOTE = "TorchRec: not available for torch 2.13 CPU, not run (why: benchmarks/README.md)"
+TORCHREC_MISSING = "TorchRec is not installed (its install lines: benchmarks/README.md)"
 OPTIONS = """
 --rows            int    2_000_000  rows of the big table
 --tiny-rows       int    1000       rows of the tiny (baseline) table
@@ -43,8 +53,8 @@ OPTIONS = """
 --dense-warmup    int    1          warm-up steps of ddp_dense (~5 s a step)
 --dense-mem-steps int    1          memory-window steps of ddp_dense
 --dense-steps     int    4          timed steps of ddp_dense
---repeats int 2 big-table jobs per variant (interleaved; throughput = their mean); ddp_dense runs once
---variants        str    hybrid,ddp_dense,ddp_sparse  comma-separated: hybrid, ddp_dense, ddp_sparse
+--repeats int 2 big-table jobs per variant (interleaved; throughput = their median); ddp_dense runs once
+--variants str hybrid,ddp_dense,ddp_sparse,torchrec_tw,torchrec_dp comma-separated (torchrec_*: TorchRec)
 --skip-memory-check flag -          run even if MemAvailable looks short
 """
 
@@ -84,7 +94,7 @@ def read_kib(path: str) -> dict[str, int]:
 def run_once(args: argparse.Namespace, variant: str, rows: int, attempt: int) -> JobResult:
     """One torchrun job; at each window edge sample memory and CPU, then acknowledge; sample memory every
     ``SAMPLE_INTERVAL_S`` from "mem_start" to "start", never in the timed window ("start" to "end")."""
-    prefix = "dense_" if variant == "ddp_dense" else ""  # ddp_dense has its own step counts
+    prefix = "dense_" if variant in DENSE_STEPS else ""
     config = {k: getattr(args, prefix + k) for k in ("warmup", "mem_steps", "steps")}
     shape = jobs.pick(args, "dim", "batch_size", "max_bag", "zipf", "node_merge")
     config.update(variant=variant, rows=rows, **shape)
@@ -116,7 +126,8 @@ def run_once(args: argparse.Namespace, variant: str, rows: int, attempt: int) ->
     with jobs.job_dir(f"lhbench-emb-{variant}-{rows}-", args.keep_logs) as workdir:
         print(f"[{variant}, {rows:,} rows] {NPROC} workers (logs: {workdir}) ...", flush=True)
         markers = jobs.Markers(workdir, ("mem_start", "start", "end"))
-        with jobs.torchrun(NPROC, WORKER, [json.dumps({**config, "job_dir": str(workdir)})], workdir) as proc:
+        worker = TORCHREC_WORKER if variant in ANCHORS else WORKER
+        with jobs.torchrun(NPROC, worker, [json.dumps({**config, "job_dir": str(workdir)})], workdir) as proc:
             try:
                 watch([proc], args.timeout, 0.005, tick)
                 result.worker = json.loads((workdir / "rank0.json").read_text())
@@ -146,7 +157,8 @@ def memory_check(args: argparse.Namespace, variant: str) -> str | None:
 
 
 def summary(bigs: list[JobResult], tiny: JobResult) -> dict[str, Any]:
-    """A variant's row of the table, by column; memory is the max over all samples of all repeats."""
+    """A variant's row of the table, by column; memory is the max over all samples of all repeats,
+    throughput the median of the repeats with their spread."""
     big = max(bigs, key=lambda b: b.peak["Pss"])
     table = big.peak["Pss"] - tiny.peak["Pss"]
     rates = [float(b.worker["samples_per_s"]) for b in bigs]
@@ -157,18 +169,18 @@ def summary(bigs: list[JobResult], tiny: JobResult) -> dict[str, Any]:
         "x table": table / big.worker["table_bytes"],
         "Shmem [GiB]": big.peak.get("Pss_Shmem", 0) / 2**30,
         "Anon [GiB]": big.peak.get("Pss_Anon", 0) / 2**30,
-        "samples/s": statistics.fmean(rates),
+        "samples/s": statistics.median(rates),
         "samples/s range": f"{min(rates):,.0f}-{max(rates):,.0f}",
-        "step [ms]": 1000 * statistics.fmean(float(b.worker["mean_step_s"]) for b in bigs),
+        "step [ms]": 1000 * statistics.median(float(b.worker["median_step_s"]) for b in bigs),
         "jobs x steps": f"{len(bigs)}x{big.worker['steps']}",
         "other cores": max(b.other_cores for b in bigs),
     }
 
 
-def paired_throughput(bigs: dict[str, list[JobResult]]) -> list[float]:
-    """hybrid / ddp_sparse throughput per repeat: the jobs of one repeat ran back to back, so each
+def paired_throughput(bigs: dict[str, list[JobResult]], base: str = REFERENCES[0]) -> list[float]:
+    """hybrid / ``base`` throughput per repeat: the jobs of one repeat ran back to back, so each
     ratio sees one state of the host."""
-    pairs = zip(bigs.get(CONTENDER, []), bigs.get(REFERENCES[0], []))
+    pairs = zip(bigs.get(CONTENDER, []), bigs.get(base, []))
     return [
         float(a.worker["samples_per_s"]) / float(b.worker["samples_per_s"]) for a, b in pairs if a.ok and b.ok
     ]
@@ -188,8 +200,25 @@ def print_paired_throughput(bigs: dict[str, list[JobResult]]) -> None:
     )
 
 
-def print_report(args: argparse.Namespace, variants: list[Variant], skipped: dict[str, str]) -> None:
-    """The settings, the table, the ratios (with the targets), the TorchRec note, the failures; the JSON."""
+def anchor_verdict(done: dict[str, dict[str, Any]], bigs: dict[str, list[JobResult]], anchor: str) -> str:
+    """The goal against a TorchRec anchor: more samples/s (median of the repeats) at no more memory per
+    node (the job's peak PSS: its 4 processes, a shared page such as the /dev/shm table counted once)."""
+    if not {CONTENDER, anchor} <= done.keys():
+        return f"goal {CONTENDER} / {anchor}: not evaluated ({CONTENDER} or {anchor} failed or not run)"
+    throughput = done[CONTENDER]["samples/s"] / done[anchor]["samples/s"]
+    memory = done[CONTENDER]["PSS big [GiB]"] / done[anchor]["PSS big [GiB]"]
+    per_repeat = ", ".join(f"{r:.3f}" for r in paired_throughput(bigs, anchor))
+    met = throughput > 1.0 and memory <= 1.0
+    return (
+        f"goal {CONTENDER} / {anchor}: throughput {throughput:.3f} (per repeat {per_repeat}), "
+        f"memory per node {memory:.3f} (target: throughput > 1, memory <= 1) -> {'MET' if met else 'NOT MET'}"
+    )
+
+
+def print_report(
+    args: argparse.Namespace, variants: list[Variant], skipped: dict[str, str], notes: list[str]
+) -> None:
+    """The settings, the table, the ratios (with the targets), the TorchRec goal, the failures; the JSON."""
     gb = args.rows * args.dim * 4 / 1e9
     print(f"\ntable {args.rows:,} x {args.dim} float32 ({gb:.2f} GB), tiny table {args.tiny_rows:,} rows")
     done = {v.variant: summary(v.big, v.tiny) for v in variants if v.tiny and v.tiny.ok}
@@ -197,7 +226,10 @@ def print_report(args: argparse.Namespace, variants: list[Variant], skipped: dic
     cells = {name: [cell(k, x) for k, x in row.items()] for name, row in done.items()}
     rows = [" ".join([f"{v.variant:<11}", *cells.get(v.variant, ["FAILED (see below)"])]) for v in variants]
     print(report.text_table(" ".join([f"{'variant':<11}", *next(iter(done.values()), {})]), rows) + "\n")
+    bigs = {v.variant: v.big for v in variants}
     for base in REFERENCES:
+        if base not in args.variants:
+            continue
         if not {CONTENDER, base} <= done.keys():
             print(f"{CONTENDER} / {base}: not evaluated ({CONTENDER} or {base} failed or not run)")
             continue
@@ -206,12 +238,22 @@ def print_report(args: argparse.Namespace, variants: list[Variant], skipped: dic
             met = ratio <= target if sign == "<=" else ratio >= target
             verdict = f" (target {sign} {target}) -> {'MET' if met else 'NOT MET'}"
             print(f"{label} {CONTENDER} / {base}: {ratio:.3f}{verdict if base == REFERENCES[0] else ''}")
-    print_paired_throughput({v.variant: v.big for v in variants})
-    print(f"\n{TORCHREC_NOTE}")
+    print_paired_throughput(bigs)
+    verdicts = [anchor_verdict(done, bigs, anchor) for anchor in ANCHORS if anchor in args.variants]
+    print("\n".join(["", *verdicts, *notes]))
     failed = [job for v in variants for job in (*v.big, v.tiny) if job and not job.ok]
     report.print_failures([(f"[{job.variant}, {job.rows:,} rows]", job.error) for job in failed])
     payload = {"config": report.config(args), "results": [asdict(v) for v in variants], "skipped": skipped}
-    report.save_json(args.json_out, lambda: {**payload, "torchrec": TORCHREC_NOTE})
+    report.save_json(args.json_out, lambda: {**payload, "torchrec": [*verdicts, *notes]})
+
+
+def torchrec_missing() -> str | None:
+    """Why TorchRec cannot run here (not installed, or its fbgemm library does not load), or None."""
+    try:
+        import torchrec  # noqa: F401
+    except Exception as exc:  # ImportError, or an OSError from a CUDA fbgemm-gpu on a CPU-only torch
+        return f"{TORCHREC_MISSING}: {type(exc).__name__}: {exc}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     args.variants = cli.comma_list(args.variants)
     if not set(args.variants) <= set(TABLE_COPIES_PER_PROCESS):
         p.error(f"--variants: choose from {', '.join(TABLE_COPIES_PER_PROCESS)}")
+    notes = []
+    if set(ANCHORS) & set(args.variants) and (why := torchrec_missing()):
+        notes.append(f"TorchRec not run: {why}")
+        args.variants = [n for n in args.variants if n not in ANCHORS]
+        print(notes[-1], flush=True)
     skipped = {n: why for n in args.variants if not args.skip_memory_check and (why := memory_check(args, n))}
     for name, why in skipped.items():
         print(f"[{name}] skipped: {why} (--skip-memory-check runs it anyway)", flush=True)
@@ -234,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         if all(b.ok for b in v.big):
             v.tiny = run_job(args, v.variant, args.tiny_rows)
-    print_report(args, variants, skipped)
+    print_report(args, variants, skipped, notes)
     return 0 if all(v.tiny and v.tiny.ok for v in variants) and not skipped else 1
 
 

@@ -1,0 +1,137 @@
+"""One of the 4 training processes of a ``bench_hybrid_embedding.py`` TorchRec job: the same click model,
+batches and Lightning loop as ``_hybrid_embedding_worker.py``, with the table an ``EmbeddingBagCollection``
+sharded by TorchRec's ``DistributedModelParallel`` (variants ``torchrec_tw``: table-wise, ``torchrec_dp``:
+data-parallel). Needs ``pip install -e ".[bench]"`` and the ``--no-deps`` step of benchmarks/README.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _hybrid_embedding_worker import MODEL, ClickModel, click_batch
+from harness.worker import MarkedWindow, quiet_trainer, setup
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader
+
+SHARDING = {"torchrec_tw": "table_wise", "torchrec_dp": "data_parallel"}
+FEATURE = "ids"
+
+
+class CollectionBag(nn.Module):
+    """``nn.EmbeddingBag``'s ``(ids, offsets) -> pooled`` on a one-table ``EmbeddingBagCollection``."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
+        config = EmbeddingBagConfig(
+            name="table",
+            embedding_dim=dim,
+            num_embeddings=rows,
+            feature_names=[FEATURE],
+            pooling=PoolingType.SUM,
+        )
+        # on the meta device: DistributedModelParallel allocates only the shards a rank holds
+        self.collection = EmbeddingBagCollection(tables=[config], device=torch.device("meta"))
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Sum-pooled rows of each bag, ``[bags, dim]``."""
+        from torchrec import KeyedJaggedTensor
+
+        lengths = torch.diff(offsets, append=offsets.new_tensor([ids.numel()]))
+        features = KeyedJaggedTensor(keys=[FEATURE], values=ids, lengths=lengths)
+        return self.collection(features).values()
+
+
+class TorchRecStrategy(DDPStrategy):
+    """Lightning's ``ddp`` with the model wrapped by TorchRec's ``DistributedModelParallel`` instead of
+    ``DistributedDataParallel``: the table sharded as ``sharding`` says, the rest replicated under DDP."""
+
+    def __init__(self, sharding: str, lr: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sharding, self.lr = sharding, lr
+        self.plan: str = ""
+
+    def model_to_device(self) -> None:
+        """Nothing to move: the benchmark runs on CPU, and the table stays on the meta device until
+        ``DistributedModelParallel`` allocates its shards."""
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+        from torchrec.distributed.types import ShardingEnv
+
+        world = dist.get_world_size()
+        # TorchRec sums the table's gradients over the ranks where ddp averages them: lr / world gives the
+        # table the step of the other contenders' SGD (its fused update: exact SGD, applied in backward)
+        fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": self.lr / world}
+        sharders: list[Any] = [EmbeddingBagCollectionSharder(fused_params=fused)]
+        constraints = {"table": ParameterConstraints(sharding_types=[self.sharding])}
+        planner = EmbeddingShardingPlanner(
+            Topology(world_size=world, compute_device="cpu"), constraints=constraints
+        )
+        plan = planner.collective_plan(model, sharders, dist.group.WORLD)
+        self.plan = str(plan)
+        env = ShardingEnv.from_process_group(dist.group.WORLD)
+        return DistributedModelParallel(
+            model, env=env, device=torch.device("cpu"), plan=plan, sharders=sharders
+        )
+
+
+class TorchRecClickModel(ClickModel):
+    """The click model; its optimizer skips the table where TorchRec's fused kernel updates it in
+    backward (those parameters never get a ``.grad``)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Plain SGD on every parameter that receives a gradient (the MLP; a data-parallel table too)."""
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+def main() -> None:
+    """Train: ``warmup`` steps, the memory window, the timed window, one more step; rank 0 writes timings."""
+    config = {**MODEL, **json.loads(sys.argv[1])}
+    job_dir = Path(config.pop("job_dir"))
+    setup()
+    rank, devices, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"))
+    (job_dir / f"pid.{rank}").write_text(str(os.getpid()))
+    variant, rows, dim, lr = config["variant"], config["rows"], config["dim"], config["lr"]
+    table = CollectionBag(rows, dim)
+    strategy = TorchRecStrategy(SHARDING[variant], lr)
+    model = TorchRecClickModel(table, dim, config["dense_features"], config["hidden"], lr)
+    warmup, steps = config["warmup"], config["steps"]
+    first = warmup + config["mem_steps"]
+    window = MarkedWindow(first, steps, job_dir, extra={warmup: "mem_start"})
+    total = first + steps + 1
+    trainer = quiet_trainer(
+        devices=devices,
+        num_nodes=world // devices,
+        strategy=strategy,
+        max_steps=total,
+        use_distributed_sampler=False,
+        callbacks=[window],
+    )
+    batches = DataLoader(range(total), batch_size=None, collate_fn=partial(click_batch, config, rank))
+    t0 = time.perf_counter()
+    trainer.fit(model, batches)
+    if trainer.global_rank == 0:
+        timings = window.summary()
+        result = {**config, "strategy_class": type(trainer.strategy).__name__, "world_size": world}
+        result.update(table_class="EmbeddingBagCollection", table_bytes=rows * dim * 4, plan=strategy.plan)
+        samples_per_s = config["batch_size"] * world * steps / timings["window_s"]
+        result.update(fit_s=time.perf_counter() - t0, samples_per_s=samples_per_s, **timings)
+        result.update(first_loss=model.losses[0], last_loss=model.losses[-1])
+        (job_dir / "rank0.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
