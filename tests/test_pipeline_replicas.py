@@ -20,7 +20,13 @@ from lightning_hier.pipeline.replicas import ReplicaGradients, ReplicaLayout, av
 from lightning_hier.pipeline.settings import PipelineSettings
 from lightning_hier.topology import DEVICE_BACKEND_ENV
 
-SCENARIOS = ("adam_clip_accumulate", "rebalance_tied")
+SCENARIOS = (
+    "adam_clip_accumulate",
+    "rebalance_tied",
+    "batchnorm",
+    "batchnorm_after_backward",
+    "memory_limit",
+)
 RTOL = 1e-9  # float64: micro-batches against whole batches differ by rounding only
 
 
@@ -97,6 +103,66 @@ def test_gradients_and_time_tables_average_over_the_replicas(tmp_path: Path) -> 
     for result in results:
         assert result["grads"] == expected  # a gradient no replica has stays None (the optimizer skips it)
         assert result["table"] == [[1.5, 3.0, 20.0], [4.5, 6.0, 40.0]]
+
+
+def _overlap_on_two_replicas(rank: int, world: int, store: str) -> dict:
+    """Two micro-batches' backward through a float64 model in each of two replicas, averaged once after the
+    backward and once from the hooks of the last micro-batch's backward (buckets of at most 40 bytes: the
+    head's bias, its weight, the first layer's bias and weight each alone, then a parameter only the second
+    replica uses beside one none uses, whose bucket waits for the end)."""
+    init_gloo(rank, world, store)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    only_second = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    unused = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    params = [unused, only_second, *model.parameters()]
+
+    def backward(micro: int) -> None:
+        x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * rank + micro))
+        loss = model(x).pow(2).sum()
+        if rank == 1:
+            loss = loss + (only_second * x[0]).sum()
+        loss.backward()
+
+    after = ReplicaGradients(dist.group.WORLD, 2, torch.device("cpu"), bucket_bytes=40)
+    for micro in range(2):
+        backward(micro)
+    after.average(params)
+    expected = [None if p.grad is None else p.grad.clone() for p in params]
+    for param in params:
+        param.grad = None
+    during = ReplicaGradients(dist.group.WORLD, 2, torch.device("cpu"), bucket_bytes=40)
+    during.arm(params, final_backward=1)
+    for micro in range(2):
+        backward(micro)
+        during.backward_done()
+    started_in_backward = during._step.from_hooks if during._step is not None else None
+    during.flush()
+    during.finish()
+    return {
+        "buckets": [len(b) for b in during._layout],
+        "started_in_backward": started_in_backward,
+        "equal": [
+            a is None and p.grad is None or a is not None and p.grad is not None and torch.equal(a, p.grad)
+            for a, p in zip(expected, params)
+        ],
+        "none": [p.grad is None for p in params],
+        "overlapped_steps": during.overlapped_steps,
+    }
+
+
+def test_the_average_started_in_the_backward_equals_the_one_after_it(tmp_path: Path) -> None:
+    """Bit for bit in float64, a parameter only one replica has a gradient for included (zeros on the
+    other), one no replica has a gradient for keeping None; the first four buckets start from the hooks
+    while the backward runs, the last at the end, in the same order on both replicas."""
+    results = run_spawned(_overlap_on_two_replicas, 2, tmp_path)
+    assert all(result is not None and "error" not in result for result in results), results
+    for result in results:
+        assert result["buckets"] == [1, 1, 1, 1, 2]
+        assert result["started_in_backward"] == 4
+        assert result["equal"] == [True] * 6
+        assert result["none"] == [True, False, False, False, False, False]
+        assert result["overlapped_steps"] == 1
 
 
 # ----------------------------------------------------------------------------------------------- processes
@@ -200,3 +266,88 @@ def test_replicas_issue_every_collective_legally_under_nccl_in_one_order(tmp_pat
         assert any(where in caller for caller in callers), f"no collective from {where} was recorded"
     served = {tuple(sorted(r["group_devices"])) for records in report.records.values() for r in records}
     assert served == {("cpu", "cuda")}
+
+
+def _running_stats(state: dict) -> set[str]:
+    return {key for key in state if "running_" in key}
+
+
+def test_batchnorm_buffers_are_replica_0s_where_ddp_gives_rank_0s(runs: tuple[dict, dict]) -> None:
+    """BatchNorm on both stages, 2 micro-batches per batch and 2 batches per optimizer step, 2 epochs with
+    validation, against ``ddp`` on batches of the micro-batches' size accumulating 4: after every batch (two
+    of ddp's) each pipeline rank's parameters and running statistics equal those of the ddp rank of its
+    replica (ddp sends rank 0's buffers before the first forward of each accumulation window but the first
+    of the second epoch, which follows validation, and before each validation), the ``sync_dist``
+    validation losses (each replica evaluating with replica 0's statistics) equal ddp's, and so do the
+    modules after fit and the checkpoint."""
+    pipeline, ddp = (run["batchnorm"] for run in runs)
+    rtol, atol = 1e-7, 1e-10
+    got = [row["val_loss"] for row in pipeline["logged"] if "val_loss" in row]
+    want = [row["val_loss"] for row in ddp["logged"] if "val_loss" in row]
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        assert abs(a - b) <= rtol * abs(b), (got, want)
+    traces, reference = pipeline["trace_by_rank"], ddp["trace_by_rank"]
+    assert [len(trace) for trace in traces] == [8] * 4 and [len(t) for t in reference] == [8] * 2
+    for rank, trace in enumerate(traces):
+        replica = rank // 2
+        for batch, (held, expected) in enumerate(zip(trace, reference[replica])):
+            assert _running_stats(held), f"rank {rank} holds no BatchNorm"
+            for key, value in held.items():
+                torch.testing.assert_close(
+                    torch.tensor(value),
+                    torch.tensor(expected[key]),
+                    rtol=rtol,
+                    atol=atol,
+                    msg=f"rank {rank} (replica {replica}) after batch {batch}: {key}",
+                )
+    # the ranks of a replica hold every running statistic between them, once
+    for replica in (0, 1):
+        held = [key for rank in (2 * replica, 2 * replica + 1) for key in traces[rank][0]]
+        assert sorted(held) == sorted(reference[replica][0]) and len(_running_stats(dict.fromkeys(held))) == 8
+    for rank in range(4):
+        state = torch.load(pipeline["module"].format(rank=rank))
+        expected_state = torch.load(ddp["module"].format(rank=rank // 2))
+        assert set(state) == set(expected_state)
+        for key, value in expected_state.items():
+            torch.testing.assert_close(state[key], value, rtol=rtol, atol=atol, msg=f"rank {rank}: {key}")
+    saved = torch.load(pipeline["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    expected_saved = torch.load(ddp["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    assert set(saved) == set(expected_saved) and len(_running_stats(saved)) == 8
+    for key, value in expected_saved.items():
+        torch.testing.assert_close(saved[key], value, rtol=rtol, atol=atol, msg=f"checkpoint: {key}")
+    # 4 accumulation windows in 2 epochs: broadcasts before the first, second and fourth (the third follows
+    # the first epoch's validation, whose forward took the broadcast) and before each epoch's validation
+    assert [e["buffer_broadcasts"] for e in pipeline["engines"]] == [5] * 4
+
+
+def test_the_replica_average_started_in_the_backward_trains_bit_equal(runs: tuple[dict, dict]) -> None:
+    """The BatchNorm scenario with the replica average started from the last micro-batch's gradient hooks
+    (several buckets each step) and with it run after the backward: every rank's parameters and buffers
+    after every batch and after fit are bit-equal."""
+    during, after = runs[0]["batchnorm"], runs[0]["batchnorm_after_backward"]
+    assert [e["overlapped_steps"] for e in during["engines"]] == [4] * 4
+    assert all(e["buckets_from_hooks"] > 4 for e in during["engines"]), during["engines"]
+    assert [(e["overlapped_steps"], e["averaged_steps"]) for e in after["engines"]] == [(0, 4)] * 4
+    assert during["trace_by_rank"] == after["trace_by_rank"]
+    for rank in range(4):
+        a = torch.load(during["module"].format(rank=rank))
+        b = torch.load(after["module"].format(rank=rank))
+        assert all(torch.equal(a[key], b[key]) for key in b), f"rank {rank}"
+
+
+def test_memory_limit_with_replicas_trains_as_ddp_and_every_replica_runs_replica_0s_plan(
+    runs: tuple[dict, dict],
+) -> None:
+    """A memory_limit that makes a stage swap or recompute, on 2 stages x 2 replicas, the second replica's
+    host link measured 10^9 times slower than the first's: both replicas' stages run the plan replica 0's
+    stage chose (not every layer kept), and training equals ddp's, which keeps everything."""
+    pipeline, ddp = (run["memory_limit"] for run in runs)
+    _close(pipeline["losses"], ddp["losses"])
+    _assert_states_equal_ddp(pipeline, ddp)
+    plans = {(e["replica"], e["stage"]): e["memory_plan"] for e in pipeline["engines"]}
+    assert all(plan for plan in plans.values()), plans
+    for stage in (0, 1):
+        assert plans[(1, stage)] == plans[(0, stage)], f"stage {stage}: {plans}"
+    assert any(policy != "keep" for plan in plans.values() for policy in plan.values()), plans
+    assert len({e["memory_limit"] for e in pipeline["engines"]}) == 1

@@ -48,8 +48,10 @@ from lightning_hier.pipeline.object_wire import from_wire, to_wire
 from lightning_hier.pipeline.partition import StagePartition, stage_costs
 from lightning_hier.pipeline.rebalance import RebalanceDecision, cluster_costs, decide_rebalance
 from lightning_hier.pipeline.replicas import (
+    ReplicaBuffers,
     ReplicaGradients,
     ReplicaLayout,
+    agree_with_replica_0,
     averaged_over_replicas,
     broadcast_from_replica_0,
 )
@@ -173,13 +175,19 @@ class PipelineEngine:
         self.replica = replica
         self.replica_group = replica_group
         self.replica_gradients: ReplicaGradients | None = None
+        self.replica_buffers: ReplicaBuffers | None = None
         if replica_group is not None:
             self.replica_gradients = ReplicaGradients(replica_group, self.layout.replicas, device)
+            self.replica_buffers = ReplicaBuffers(self.layout, stage, replica_group, device)
+        # set per step by the strategy: this step's backward ends an accumulation window, so the replica
+        # average may start in its last micro-batch's backward (``replica_overlap``; tests turn it off)
+        self.step_synchronises = False
+        self.replica_overlap = True
         self.optimizers: list[Optimizer] = []
         self.executor = StageExecutor(graph, partition, stage, device)
         self.link = StageLink(stage, self.num_stages, self._rank_of_stage, device, group=self.group)
         self.link.open_device_channel()  # before any step: the first exchange involves two stages only
-        self.schedule = PipelineSchedule(self.link, schedule, on_backward_done=self.executor.finish_backward)
+        self.schedule = PipelineSchedule(self.link, schedule, on_backward_done=self._backward_done)
         if isinstance(self.settings.extra_warmup, int):
             self.schedule.extra_warmup = [self.settings.extra_warmup] * (self.num_stages - 1)
         self.history: list[RebalanceEvent] = []
@@ -224,6 +232,11 @@ class PipelineEngine:
             split = WeightGradients(executor.clock.mark, executor.is_timing)
             executor.weight_grads = self.schedule.weight_grads = split
             self._watch_weight_grads()
+
+    def _backward_done(self) -> None:
+        self.executor.finish_backward()
+        if self.replica_gradients is not None:
+            self.replica_gradients.backward_done()
 
     def _splits_backward(self) -> bool:
         """Whether this stage may split its backward (``split_backward``; never the first stage)."""
@@ -318,14 +331,46 @@ class PipelineEngine:
 
     def average_replica_gradients(self) -> None:
         """Before the optimizer step: this stage's gradients averaged over its replicas (collective over
-        them; nothing with one replica). Before the sums of tied parameters and the clipping norm, which
-        then see the averaged gradients, as under ``ddp``."""
-        if self.replica_gradients is None:
+        them; nothing with one replica, nor where the backward's overlapped average already finished).
+        Before the sums of tied parameters and the clipping norm, which then see the averaged gradients, as
+        under ``ddp``."""
+        averager = self.replica_gradients
+        if averager is None or averager.finished:
             return
-        trainable = [
-            t for t in self._owned_state_tensors() if isinstance(t, torch.nn.Parameter) and t.requires_grad
-        ]
-        self.replica_gradients.average(trainable)
+        if averager.pending:
+            averager.finish()
+            return
+        averager.average(self._trainable_owned())
+
+    def finish_replica_average(self) -> None:
+        """After the backward of a step that started its average there: wait for it (nothing otherwise)."""
+        if self.replica_gradients is not None and self.replica_gradients.pending:
+            self.replica_gradients.finish()
+
+    def _trainable_owned(self) -> list[torch.nn.Parameter]:
+        owned = self._owned_state_tensors()
+        return [t for t in owned if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+
+    def _arm_replica_average(self, num_micro: int) -> bool:
+        """Whether this step's replica average starts in its last micro-batch's backward (see
+        :meth:`ReplicaGradients.arm`). Not where this stage splits its backward: the weights' passes run
+        outside that backward, later, and leave no gradient hook to start from. Clipping, tied parameters'
+        sums and migrations stay correct with it: they run after :meth:`finish_replica_average`."""
+        averager = self.replica_gradients
+        if averager is None:
+            return False
+        averager.reset()
+        if not (self.step_synchronises and self.replica_overlap) or self._splits_backward():
+            return False
+        averager.arm(self._trainable_owned(), num_micro - 1)
+        return True
+
+    def before_replica_forward(self, synchronises: bool) -> None:
+        """Before a step's first forward: replica 0's buffers where ``ddp`` would broadcast rank 0's
+        (:class:`ReplicaBuffers`; collective over the stage's replicas, nothing with one replica)."""
+        if self.replica_buffers is not None:
+            buffers = [t for t in self._owned_state_tensors() if not isinstance(t, torch.nn.Parameter)]
+            self.replica_buffers.before_forward(buffers, synchronises)
 
     def sum_tied_gradients(self) -> None:
         """Before the optimizer step: every replica of a parameter tied across stages gets the sum of the
@@ -442,7 +487,15 @@ class PipelineEngine:
         """One step's micro-batches through this stage; ``keys`` see :meth:`PipelineSchedule.train_step`."""
         # a memory policy stashes activations its own way (swap, recompute): no split backward with it
         self.schedule.split_backward = self.executor.layer_run is None
-        self.schedule.train_step(num_micro, forward, keys)
+        armed = self._arm_replica_average(num_micro)
+        try:
+            self.schedule.train_step(num_micro, forward, keys)
+        finally:
+            if armed:
+                assert self.replica_gradients is not None
+                self.replica_gradients.disarm()
+        if armed:
+            self.replica_gradients.flush()  # type: ignore[union-attr]
         self.executor.resolve(wait=False)  # on a GPU: what the device has finished, without waiting
         self.steps += 1
 
@@ -836,7 +889,8 @@ class PipelineEngine:
             return None
         error: tuple[str, int] | None = None
         plan = self.memory_plan
-        if force or needs_new_plan(plan, self.measured_peak_bytes(), limit):
+        deciding = self.replica_group is None or self.replica == 0
+        if deciding and (force or needs_new_plan(plan, self.measured_peak_bytes(), limit)):
             try:
                 plan = decide_memory_plan(
                     self.layer_memory_stats(),
@@ -849,6 +903,10 @@ class PipelineEngine:
                 )
             except MemoryLimitError as exc:
                 error = (f"stage {self.stage}: {exc}", exc.required_bytes)
+        if self.replica_group is not None:
+            # replica 0's stage decides for every replica of it: from their own times and host links the
+            # replicas could choose apart, and the same stage would hold different memory in each
+            plan, error = agree_with_replica_0((plan, error), self.layout, self.stage, self.replica_group)
         # with replicas, over every rank: a replica whose stage fails stops the others too (their
         # next gradient average would wait for it)
         group = self.group if self.replica_group is None else control_group()

@@ -16,7 +16,15 @@ group, and the pipeline group is every rank, as before.
 
 Every replica holds the same layers on the same stages: rebalancing decides from the times of every
 replica (averaged) and each replica migrates the same layers between its own stages; the replicas start
-from replica 0's values and step with the same averaged gradients, so they stay equal.
+from replica 0's values and step with the same averaged gradients, so they stay equal. Buffers (BatchNorm's
+running statistics) follow ``ddp``'s ``broadcast_buffers=True``: each stage of replica 0 sends its buffers to
+the same stage of the other replicas at the points where ``ddp`` sends rank 0's (:class:`ReplicaBuffers`),
+and a memory plan (``memory_limit``) is the one replica 0's stage decides (:func:`agree_with_replica_0`).
+
+**Gradient average.** On the step that ends an accumulation window, each bucket's all-reduce over the
+replicas starts from the gradient hooks of the last micro-batch's backward, as soon as every gradient in it
+is final, and the step waits for them before on_after_backward (:class:`ReplicaGradients`); otherwise the
+average runs after the backward.
 """
 
 from __future__ import annotations
@@ -125,6 +133,78 @@ def broadcast_from_replica_0(
             dist.broadcast(tensor, src=layout.rank(0, stage), group=group)
 
 
+class ReplicaBuffers:
+    """Replica 0's buffers (BatchNorm's running statistics and the like) on every replica of a stage, where
+    and as ``ddp`` (``broadcast_buffers=True``) gives every rank rank 0's: before the first forward of a fit,
+    and before the forward (training or, while fitting, validation) that follows a training step whose
+    backward synchronised the gradients; never after an accumulating step or a validation forward. So every
+    replica evaluates with replica 0's statistics, and a checkpoint (replica 0's) holds what ``ddp``'s holds.
+
+    Collective over the stage's replicas, with the same list of buffers in each: one broadcast per dtype (a
+    flat copy), issued on the communication stream on CUDA, which the compute stream waits for without a host
+    wait."""
+
+    def __init__(self, layout: ReplicaLayout, stage: int, group: Any, device: torch.device) -> None:
+        self.source = layout.rank(0, stage)
+        self.group = group
+        self.device = device
+        self.due = True  # ddp's require_forward_param_sync: a new wrapper (each fit) starts with it set
+        self.broadcasts = 0
+        self._stream: HostStream | None = None
+
+    def before_forward(self, buffers: Sequence[torch.Tensor], synchronises: bool) -> None:
+        """Before a step's first forward: replica 0's ``buffers`` if due. ``synchronises``: whether this
+        step's backward averages the gradients (a training step ending its accumulation window), which makes
+        the next forward receive them."""
+        if self.due:
+            self.broadcast(buffers)
+        self.due = synchronises
+
+    @torch.no_grad()
+    def broadcast(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Replica 0's values of ``buffers`` on every replica (collective over the stage's replicas)."""
+        if self._stream is None:
+            self._stream = comm_stream_for(self.device)
+        stream = self._stream
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for buffer in buffers:
+            if buffer.numel():
+                groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        done = None
+        flats = []
+        for same in groups.values():
+            flat = torch.cat([b.reshape(-1) for b in same])
+            with stream.issuing(stream.ready_marker()):
+                stream.keep_alive(flat)
+                dist.broadcast(flat, src=self.source, group=self.group)
+                done = stream.done_marker()
+            flats.append(flat)
+        stream.join(done)
+        for same, flat in zip(groups.values(), flats):
+            views = [part.view_as(b) for part, b in zip(flat.split([b.numel() for b in same]), same)]
+            torch._foreach_copy_(same, views)
+        self.broadcasts += 1
+
+
+class _OverlappedStep:
+    """One step's all-reduces started from the gradient hooks (see :meth:`ReplicaGradients.arm`)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], buckets: list[list[int]], final_backward: int) -> None:
+        self.params = list(params)
+        self.buckets = buckets
+        self.bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
+        self.missing = [len(members) for members in buckets]
+        self.final_backward = final_backward
+        self.backwards_done = 0
+        self.hooked: set[int] = set()
+        self.next_bucket = 0
+        self.flats: list[torch.Tensor] = []
+        self.works: list[Any] = []
+        self.done: Any = None
+        self.handles: list[Any] = []
+        self.from_hooks = 0
+
+
 class ReplicaGradients:
     """Averages a stage's gradients over its replicas before the optimizer step, as ``ddp`` averages them.
 
@@ -133,7 +213,11 @@ class ReplicaGradients:
     ``ddp``). Which ones have a gradient travels as host flags over the group's CPU backend (no read of a
     device value); the gradients go in flat buckets per dtype, divided by the replica count and summed (as
     DDP's default hook does), each all-reduce issued on a side stream of its own on CUDA, which the compute
-    stream waits for once, without a host wait (``sliced/comm_stream.py``)."""
+    stream waits for once, without a host wait (``sliced/comm_stream.py``).
+
+    Two ways, with the same sums: :meth:`average` after the backward, or, on a step that ends an accumulation
+    window, :meth:`arm` before it: then each bucket's all-reduce starts from the gradient hooks of the last
+    micro-batch's backward, while the earlier layers' backward still runs, and :meth:`finish` waits."""
 
     def __init__(
         self, group: Any, replicas: int, device: torch.device, bucket_bytes: int = BUCKET_BYTES
@@ -144,6 +228,12 @@ class ReplicaGradients:
         self.bucket_bytes = bucket_bytes
         self._stream: HostStream | None = None
         self.averaged_steps = 0
+        self.overlapped_steps = 0  # steps whose average started in the backward
+        self.buckets_from_hooks = 0  # buckets whose all-reduce a gradient hook started, over the run
+        self._step: _OverlappedStep | None = None
+        self._layout_key: tuple[int, ...] = ()
+        self._layout: list[list[int]] = []
+        self.finished = False  # this step's average is done (reset by reset() at the next step)
 
     def _comm_stream(self) -> HostStream:
         if self._stream is None:
@@ -178,6 +268,147 @@ class ReplicaGradients:
             views = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
             torch._foreach_copy_(grads, views)
         self.averaged_steps += 1
+        self.finished = True
+
+    # ------------------------------------------------------------------ overlapped with the backward
+    @property
+    def pending(self) -> bool:
+        """Whether an armed step's average waits for :meth:`finish`."""
+        return self._step is not None
+
+    def reset(self) -> None:
+        """At the start of a step: nothing of the previous one is left (an armed step whose optimizer step
+        never came has its collectives waited for and dropped)."""
+        step, self._step = self._step, None
+        self.finished = False
+        if step is None:
+            return
+        for handle in step.handles:
+            handle.remove()
+        for work in step.works:
+            if work is not None:
+                work.wait()
+        self._comm_stream().join(step.done)
+
+    def arm(self, params: Sequence[nn.Parameter], final_backward: int) -> None:
+        """Before a step whose gradients become final in micro-batch ``final_backward``'s backward (0-based;
+        :meth:`backward_done` counts them): a hook on each of ``params`` (this stage's trainable parameters,
+        the same list in every replica) marks its gradient final in that backward, and the buckets start
+        their all-reduce in a fixed order, a bucket once it and every bucket before it are complete, so every
+        replica issues the same collectives in the same order whatever order its hooks fire in.
+
+        The buckets take the parameters from the last to the first (backward's order), per dtype and
+        device, at most ``bucket_bytes`` each. A parameter whose hook does not fire in that backward (no
+        gradient there, a skipped micro-batch) holds its bucket and every later one until :meth:`flush`."""
+        self.reset()
+        key = tuple(id(p) for p in params)
+        if key != self._layout_key:  # a rebalance moved layers: the buckets follow the stage's parameters
+            self._layout_key, self._layout = key, self._param_buckets(params)
+        step = self._step = _OverlappedStep(params, self._layout, final_backward)
+        step.handles = [
+            param.register_post_accumulate_grad_hook(self._hook(step, index))
+            for index, param in enumerate(step.params)
+        ]
+
+    def _hook(self, step: _OverlappedStep, index: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            if step.backwards_done != step.final_backward or index in step.hooked:
+                return
+            step.hooked.add(index)
+            bucket = step.bucket_of[index]
+            step.missing[bucket] -= 1
+            if step.missing[bucket] == 0:
+                self._launch_ready(step, from_hook=True)
+
+        return hook
+
+    def backward_done(self) -> None:
+        """One micro-batch's backward of this stage ended (the schedule calls it after each)."""
+        if self._step is not None:
+            self._step.backwards_done += 1
+
+    def flush(self) -> None:
+        """After the step's last backward: the hooks go, and the buckets not started yet start, in order."""
+        step = self._step
+        if step is None:
+            return
+        for handle in step.handles:
+            handle.remove()
+        step.handles = []
+        step.missing = [0] * len(step.buckets)
+        self._launch_ready(step, from_hook=False)
+
+    def disarm(self) -> None:
+        """After a failed step: no hook stays on the parameters."""
+        if self._step is not None:
+            for handle in self._step.handles:
+                handle.remove()
+            self._step.handles = []
+
+    @torch.no_grad()
+    def _launch_ready(self, step: _OverlappedStep, from_hook: bool) -> None:
+        stream = self._comm_stream()
+        while step.next_bucket < len(step.buckets) and step.missing[step.next_bucket] == 0:
+            members = [step.params[i] for i in step.buckets[step.next_bucket]]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.replicas)
+            with stream.issuing(stream.ready_marker()):  # after the gradients' kernels (compute stream)
+                stream.keep_alive(flat)
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                if stream.on_device:  # orders the side stream after the collective; the host goes on
+                    work.wait()
+                    work = None
+                step.done = stream.done_marker()
+            step.flats.append(flat)
+            step.works.append(work)
+            step.next_bucket += 1
+            if from_hook:
+                step.from_hooks += 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for the armed step's all-reduces (on CUDA: the compute stream waits, the host does not) and
+        give every parameter the average, or ``None`` where no replica had a gradient (host flags, as in
+        :meth:`average`)."""
+        step = self._step
+        if step is None:
+            return
+        self.flush()
+        self._step = None
+        for work in step.works:
+            if work is not None:
+                work.wait()
+        self._comm_stream().join(step.done)
+        params = step.params
+        flags = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int64)
+        if params:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        any_grad = flags.tolist()
+        targets: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for members, flat in zip(step.buckets, step.flats):
+            parts = flat.split([params[i].numel() for i in members])
+            for i, part in zip(members, parts):
+                if not any_grad[i]:
+                    continue  # zeros from every replica: the parameter keeps grad=None
+                param = params[i]
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                targets.append(param.grad)
+                values.append(part.view_as(param))
+        if targets:
+            torch._foreach_copy_(targets, values)
+        self.averaged_steps += 1
+        self.overlapped_steps += 1
+        self.buckets_from_hooks += step.from_hooks
+        self.finished = True
+
+    def _param_buckets(self, params: Sequence[nn.Parameter]) -> list[list[int]]:
+        """Indices into ``params`` in buckets (:meth:`_buckets` over the parameters, last to first)."""
+        order = list(range(len(params)))[::-1]
+        index_of = {id(params[i]): i for i in order}
+        buckets = self._buckets([params[i] for i in order])
+        return [[index_of[id(p)] for p in bucket] for bucket in buckets]
 
     def _buckets(self, grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """``grads`` in buckets of one dtype and device, at most ``bucket_bytes`` each (a larger gradient
@@ -195,6 +426,14 @@ class ReplicaGradients:
             open_buckets[key] = (bucket, size + nbytes)
         buckets.extend(bucket for bucket, _ in open_buckets.values() if bucket)
         return buckets
+
+
+def agree_with_replica_0(value: Any, layout: ReplicaLayout, stage: int, group: Any) -> Any:
+    """Replica 0's ``value`` (a host object: a stage's memory plan) on every replica of ``stage``, so that
+    every replica runs its stage alike (collective over the stage's replicas, on their CPU backend)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=layout.rank(0, stage), group=group)
+    return box[0]
 
 
 def averaged_over_replicas(

@@ -52,6 +52,7 @@ from lightning_hier.strategies.base import HierStrategy, ddp_arguments
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.instance_hooks import InstanceHooks
 from lightning_hier.strategies.lightning_patches import (
+    accumulating,
     attached_trainer,
     compiled_by_trainer,
     ddp_timeout,
@@ -281,8 +282,8 @@ class HierPipelineStrategy(HierStrategy):
                 f"sync_batchnorm=True with HierPipelineStrategy(stages={self.settings.stages}) on "
                 f"{self.planned_world_size} processes ({replicas} replicas): BatchNorm is not synchronized "
                 "across a pipeline's replicas; each stage's BatchNorm normalizes its own micro-batch. Leave "
-                "sync_batchnorm off (each replica's statistics are its own; rank 0 and checkpoints hold "
-                "replica 0's), or use hier_sliced or ddp for synchronized BatchNorm."
+                "sync_batchnorm off (every replica's running statistics are replica 0's where ddp's are rank "
+                "0's: at validation, in checkpoints), or use hier_sliced or ddp for synchronized BatchNorm."
             )
         if layer_sync(self) is not None:
             rank_zero_warn(
@@ -396,6 +397,8 @@ class HierPipelineStrategy(HierStrategy):
             self.setup_optimizers(trainer)
             assert self.engine is not None
             self.engine.set_optimizers(self.optimizers)
+            if self.engine.replica_buffers is not None:  # as ddp's new wrapper of each fit
+                self.engine.replica_buffers.due = True
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -568,6 +571,11 @@ class HierPipelineStrategy(HierStrategy):
         micro, total = split_batch(batch, self.settings.micro_batches)
         self._zero_grad(int(rest[0]) if rest else trainer.fit_loop.epoch_loop.batch_idx)
         scale = 1.0 / max(int(trainer.accumulate_grad_batches), 1)
+        # ddp's buffer broadcast and gradient sync: this batch's backward averages the gradients unless the
+        # batch only accumulates them
+        synchronises = not accumulating(trainer)
+        self.engine.before_replica_forward(synchronises)
+        self.engine.step_synchronises = synchronises
         with self.precision_plugin.train_step_context():
             # the batch's number in the whole fit (restored on resume): the layers' random streams
             rng_step = int(trainer.fit_loop.total_batch_idx)
@@ -701,6 +709,10 @@ class HierPipelineStrategy(HierStrategy):
             # a validation or test loader's first batch: its metrics pair stage 0's inputs with the last
             # stage's targets too (predict has no targets)
             self._check_every_stage_reads(batch, f"the {step_name.split('_')[0]} run")
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if step_name == "validation_step" and trainer.state.fn == TrainerFn.FITTING:
+            # ddp's wrapper runs validation while fitting (not trainer.validate, test or predict)
+            self.engine.before_replica_forward(synchronises=False)
         with context():
             forward = self._step_forward(step_name, micro, 1, tuple(rest), 1.0, rng_step=-1 - batch_idx)
             self.engine.eval_step(1, forward, self._spec_keys(step_name, micro))
@@ -772,6 +784,13 @@ class HierPipelineStrategy(HierStrategy):
         flag = torch.tensor([int(bool(decision))], dtype=torch.int64)  # host control data: CPU backend
         dist.broadcast(flag, src=self.layout.rank(0, self.num_stages - 1), group=control_group())
         return bool(flag.item())
+
+    def backward_pass_done(self) -> None:
+        """Called by the precision plugin after the backward, before ``on_after_backward``: where the step
+        started its replica average in the backward, wait for it, so that hook sees the averaged gradients
+        as under ``ddp`` (and what it changes is what the optimizer reads)."""
+        if self.engine is not None:
+            self.engine.finish_replica_average()
 
     def before_optimizer_step_hooks(self) -> None:
         """Called by the precision plugin after the closure, before ``on_before_optimizer_step`` and
