@@ -255,19 +255,17 @@ def migrate(
         if stage not in (move.src, move.dst):
             continue
         report.moves.append(move)
+        peer = rank_of_stage(move.dst if stage == move.src else move.src)
         try:
             if stage == move.src:
-                peer = rank_of_stage(move.dst)
                 report.bytes_sent += _send_layer(move, peer, root, params, optimizers, group)
             else:
-                report.bytes_received += _receive_layer(
-                    move, rank_of_stage(move.src), root, params, optimizers, device, group
-                )
+                report.bytes_received += _receive_layer(move, peer, root, params, optimizers, device, group)
         except (RuntimeError, ConnectionError) as exc:
             raise RuntimeError(
                 f"hier_pipeline: migrating layer {move.layer} from stage {move.src} to stage {move.dst} "
-                f"failed ({exc}). The other stage probably died; checkpoints are only written between "
-                "steps, so the last one describes a valid partition: resume from it."
+                f"failed ({exc}). The other stage (rank {peer}) probably died; checkpoints are only written "
+                "between steps, so the last one describes a valid partition: resume from it."
             ) from exc
     report.seconds = perf_counter() - start
     return report
