@@ -72,9 +72,9 @@ class TorchRecStrategy(DDPStrategy):
         from torchrec.distributed.types import ShardingEnv
 
         world = dist.get_world_size()
-        # TorchRec sums the table's gradients over the ranks where ddp averages them: lr / world gives the
-        # table the step of the other contenders' SGD (its fused update: exact SGD, applied in backward)
-        fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": self.lr / world}
+        # the table's update is fused into backward (exact SGD) on gradients averaged over the ranks, as
+        # ddp's are: at the model's lr it takes the other contenders' step (TorchRec's default lr is 0.01)
+        fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": self.lr}
         sharders: list[Any] = [EmbeddingBagCollectionSharder(fused_params=fused)]
         constraints = {"table": ParameterConstraints(sharding_types=[self.sharding])}
         planner = EmbeddingShardingPlanner(
