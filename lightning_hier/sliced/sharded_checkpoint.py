@@ -18,6 +18,7 @@ for inference, or for resuming with another topology.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_hier.sliced.engine import HierSlicedEngine
 
 META_FILE = "meta.pt"
+PARTIAL_SUFFIX = ".partial"  # a sharded save in progress (or cut short): never read as a checkpoint
 FORMAT_KEY = "hier_sliced_sharded"
 
 
@@ -72,18 +74,39 @@ def _optim_key(bucket: int, local: int, state: str) -> str:
 def save_sharded(
     engine: HierSlicedEngine, path: str | os.PathLike, meta: dict[str, Any], is_rank_zero: bool
 ) -> None:
-    """Write this rank's slices (a collective over all ranks) and, on rank 0, ``meta.pt``."""
+    """Write this rank's slices (a collective over all ranks) and, on rank 0, ``meta.pt``.
+
+    Everything goes to ``<path>.partial`` first, which rank 0 renames to ``path`` once complete: a save
+    cut short (a rank killed mid-write) leaves no directory named as a checkpoint, and a previous one at
+    ``path`` (``last.ckpt``) whole rather than partly overwritten. A later save to ``path`` reuses and
+    renames a partial directory left so."""
+    final = Path(path)
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
     local = engine.topology.local_rank
     state: dict[str, Any] = {}
     for b, shard in enumerate(engine.sharding.shards):
         state[_model_key(b, local)] = shard.detach()
         for key, value in engine.optimizer.state.get(shard, {}).items():
             state[_optim_key(b, local, key)] = value
-    Path(path).mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(path), process_group=engine.topology.world_group)
+    partial.mkdir(parents=True, exist_ok=True)
+    # returns on every rank once the coordinator has written DCP's metadata: every slice is on disk
+    dcp.save(state, checkpoint_id=str(partial), process_group=engine.topology.world_group)
     if is_rank_zero:
         meta = {**meta, FORMAT_KEY: {"layout": layout_of(engine), "hyper": _group_hyper(engine)}}
-        torch.save(meta, Path(path) / META_FILE)
+        torch.save(meta, partial / META_FILE)
+        _replace_directory(partial, final)
+
+
+def _replace_directory(new: Path, final: Path) -> None:
+    """Put ``new`` at ``final`` by renames (an old ``final`` is complete until it is moved aside)."""
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        new.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        new.rename(final)
 
 
 def _group_hyper(engine: HierSlicedEngine) -> list[dict[str, Any]]:

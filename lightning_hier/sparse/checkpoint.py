@@ -14,6 +14,7 @@ directory must be on storage every node reads (rank 0 writes it; each node's loc
 
 from __future__ import annotations
 
+import glob
 import json
 import shutil
 import uuid
@@ -46,6 +47,10 @@ def save_tables(modules: list[tuple[str, HybridEmbedding]], checkpoint_path: str
     directory = final.with_name(f"{final.name}.tmp-{token}")
     record: dict[str, Any] = {}
     if write:
+        # what a save of this checkpoint cut short left (its temporary or set-aside copy): only rank 0 writes
+        for pattern in (".tmp-*", ".old-*"):
+            for stale in final.parent.glob(glob.escape(final.name) + pattern):
+                shutil.rmtree(stale, ignore_errors=True)
         directory.mkdir(parents=True)
     for name, module in modules:
         files = {"weight": f"{name}.weight.tbl"}
