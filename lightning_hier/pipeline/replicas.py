@@ -347,6 +347,10 @@ class ReplicaGradients:
 
     @torch.no_grad()
     def _launch_ready(self, step: _OverlappedStep, from_hook: bool) -> None:
+        # From a hook on CUDA this runs on autograd's device thread while the training thread waits in
+        # backward (as DDP's reducer): the event orders the side stream after the gradients' kernels, and
+        # no kernel of the backward waits for the all-reduce. A CPU run checks the order of these
+        # collectives (the emulated NCCL) and their values (gloo), not the device's overlap (docs/gpu.md).
         stream = self._comm_stream()
         while step.next_bucket < len(step.buckets) and step.missing[step.next_bucket] == 0:
             members = [step.params[i] for i in step.buckets[step.next_bucket]]
