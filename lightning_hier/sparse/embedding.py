@@ -405,14 +405,22 @@ class HybridEmbedding(nn.Module):
         if self.init == "zeros":
             return
         generator = torch.Generator().manual_seed(self.seed)
+        # float32 rows are drawn straight into the shared table, other dtypes through one float32 buffer
+        # reused for every chunk: with a fresh buffer per chunk, the allocator keeps freed chunks it cannot
+        # reuse, private memory of local rank 0 that grows with the table's rows (half the table's bytes)
+        buffer = None
+        if table.dtype != torch.float32:
+            rows = min(table.shape[0], _INIT_ROWS_PER_CHUNK)
+            buffer = torch.empty(rows, table.shape[1], dtype=torch.float32)
         for start in range(0, table.shape[0], _INIT_ROWS_PER_CHUNK):
             chunk = table[start : start + _INIT_ROWS_PER_CHUNK]
-            values = torch.empty(chunk.shape, dtype=torch.float32)
+            values = chunk if buffer is None else buffer[: chunk.shape[0]]
             if self.init == "normal":
                 values.normal_(0.0, self.init_scale, generator=generator)
             else:
                 values.uniform_(-self.init_scale, self.init_scale, generator=generator)
-            chunk.copy_(values.to(table.dtype))
+            if buffer is not None:
+                chunk.copy_(values)
 
     # ------------------------------------------------------------------ forward
     def forward(
