@@ -121,6 +121,23 @@ class _RecordingLink:
     def wait(self) -> None:
         pass
 
+    sends_gradients_early = False  # see _EarlyGradientLink
+
+
+class _EarlyGradientLink(_RecordingLink):
+    """As on gloo: records when a gradient goes out, alone ahead of its pair or inside the exchange."""
+
+    sends_gradients_early = True
+
+    def post_early_sends(self, ops: list) -> list:
+        self.events += ["send gradient (early)" for op in ops if op == "send"]
+        return ["sent"]
+
+    def exchange(self, ops: list, posted: list = ()) -> None:  # type: ignore[assignment]
+        self.events += ["send gradient (paired)" for op in ops if op == "send"]
+        if "sent" in posted:
+            self.events.append("wait gradient")
+
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("keys", [None, ["a", "a", "b", "b"]], ids=["headers", "static"])
@@ -147,4 +164,25 @@ def test_the_next_header_is_received_while_the_stage_computes(kind: str, keys: l
         expected = ["read header", "post next data", "forward 0", "wait data (posted ahead)"]
         expected += ["post next header", "forward 1", "read header (posted ahead)", "post next data"]
         expected += ["forward 2", "wait data (posted ahead)", "forward 3"]
+    assert events == expected
+
+
+def test_on_gloo_the_gradient_goes_out_before_the_stage_waits_for_the_next_header() -> None:
+    """The previous stage is blocked on this stage's gradient: posted only after the next activation's
+    header has arrived, it would wait for this stage to wake up on that header. On gloo each gradient but
+    the last (sent after the step's last forward) goes out as soon as its backward ends, before the header
+    read, and is waited in the exchange that receives the next activation."""
+    events: list[str] = []
+
+    def forward(m: int, received: torch.Tensor | None) -> torch.Tensor:
+        events.append(f"forward {m}")
+        assert received is not None
+        return (received * 2).sum()
+
+    PipelineSchedule(_EarlyGradientLink(events), "1f1b").train_step(3, forward)  # type: ignore[arg-type]
+    expected = ["read header", "post next header", "forward 0"]
+    for m in (1, 2):
+        ahead = ["post next header"] if m < 2 else []
+        expected += ["send gradient (early)", "read header (posted ahead)", "wait gradient"]
+        expected += [*ahead, f"forward {m}"]
     assert events == expected

@@ -23,6 +23,10 @@ operations, following the rules torch's own schedules follow for NCCL:
   reason, on gloo, where the next activation's spec is known from memory (``static_shapes``), its
   data receive is posted ahead too, outside the pair; NCCL keeps the pairs (a receive posted
   early would queue the stage's next sends behind it on the communicator's stream).
+- on gloo a stage posts its gradient send as soon as its backward ends, before it waits for the next
+  activation's header: the previous stage, blocked on that gradient, then receives it without waiting
+  for this stage to wake up on the header and post the pair (``torch.distributed.pipelining``'s stages,
+  which send no headers, post the pair at once). NCCL keeps the pair.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch.distributed as dist
 
 from lightning_hier.pipeline.activation_store import ActivationMeter
 from lightning_hier.pipeline.warmup import warmup_counts
+from lightning_hier.topology import runs_as_cuda
 
 if TYPE_CHECKING:
     from lightning_hier.pipeline.weight_grad import WeightGradients
@@ -88,6 +93,8 @@ class StageLink:
         self._pending_activation = None
         # gloo only: on NCCL an early receive would hold the stage's next sends behind it on the stream
         self.posts_data_ahead = torch.device(device).type == "cpu"
+        # gloo only, emulated NCCL included out: a gradient send goes out alone, ahead of its pair
+        self.sends_gradients_early = not runs_as_cuda(torch.device(device))
         self.bytes_sent = 0
         self.headers_sent = 0
         self.headers_received = 0
@@ -256,6 +263,11 @@ class StageLink:
     def post_receives(self, ops: list[dist.P2POp]) -> list[dist.Work]:
         """Post receives without waiting; the caller waits for the returned works when it needs the data."""
         self._release_finished_sends()
+        return list(dist.batch_isend_irecv(ops)) if ops else []
+
+    def post_early_sends(self, ops: list[dist.P2POp]) -> list[dist.Work]:
+        """Post sends now, ahead of the exchange that waits for the returned works (the caller keeps
+        ``ops``, and so their buffers, until then)."""
         return list(dist.batch_isend_irecv(ops)) if ops else []
 
     def post_sends(self, ops: list[dist.P2POp]) -> None:
@@ -581,9 +593,13 @@ class PipelineSchedule:
             bwd += 1
             if fwd < num_micro:
                 recv_ops, posted = [], []
+                sent: list[dist.Work] = []
+                if backward_sends and self.link.sends_gradients_early:
+                    # gloo: out before the wait for the next header (module docstring); waited below
+                    sent = self.link.post_early_sends(backward_sends)
                 if not self.is_first:
                     recv_ops, posted = self._receive_paired(paired, num_micro)
-                self._exchange(backward_sends + recv_ops, posted)
+                self._exchange(([] if sent else backward_sends) + recv_ops, [*posted, *sent])
                 backward_sends = []
                 received, waits = self._inbox.pop(fwd) if fwd in self._inbox else (None, [])
                 if waits:
