@@ -247,23 +247,30 @@ def test_a_rebalance_migrates_alike_in_both_replicas_which_stay_equal_to_ddp(run
 
 
 def test_replicas_issue_every_collective_legally_under_nccl_in_one_order(tmp_path: Path) -> None:
-    """The rebalancing scenario with the groups built as on CUDA and every collective recorded: the
-    replica groups' gradient averages, the averaged rebalance tables, the migrations inside each replica and
-    the ``sync_dist`` means on the last stages mid-schedule are legal under NCCL (device tensors on groups
+    """The rebalancing scenario and a BatchNorm one with the groups built as on CUDA and every collective
+    recorded: the replica groups' gradient averages (started from the backward's hooks), buffer broadcasts
+    and memory plans, the averaged rebalance tables, the migrations inside each replica and the
+    ``sync_dist`` means on the last stages mid-schedule are legal under NCCL (device tensors on groups
     with a device backend, host tensors on their CPU backend) and leave one issuing order without a cycle of
     waits between the ranks. (Validation is left out: the emulation's gloo refuses ``ReduceOp.AVG`` on the
     integer batch sizes Lightning's epoch means reduce, which NCCL accepts; see docs/gpu.md.)"""
     audit_dir = tmp_path / "audit"
     env = {DEVICE_BACKEND_ENV: EMULATED_NCCL, "LIGHTNING_HIER_AUDIT_DIR": str(audit_dir)}
     out = tmp_path / "pipeline.json"
-    run_torchrun("pipeline_replicas.py", 4, "pipeline", str(out), str(tmp_path), "rebalance_tied", env=env)
-    assert json.loads(out.read_text())["rebalance_tied"]["history"], "the layers must have migrated"
+    scenarios = "rebalance_tied,batchnorm_audit"
+    run_torchrun("pipeline_replicas.py", 4, "pipeline", str(out), str(tmp_path), scenarios, env=env)
+    result = json.loads(out.read_text())
+    assert result["rebalance_tied"]["history"], "the layers must have migrated"
+    engines = result["batchnorm_audit"]["engines"]
+    assert all(e["buckets_from_hooks"] and e["buffer_broadcasts"] and e["memory_plan"] for e in engines)
     report = analyze(audit_dir, require_main_thread=True)
     assert sorted(report.records) == [0, 1, 2, 3]
     report.raise_if_problems()
     callers = {record["caller"] for record in report.select(package=True)}
     for where in ("pipeline/replicas.py", "pipeline/migration.py", "pipeline/tied_parameters.py"):
         assert any(where in caller for caller in callers), f"no collective from {where} was recorded"
+    for op in ("broadcast", "all_reduce", "broadcast_object_list"):  # buffers, gradients, memory plans
+        assert report.select(op=op, caller="pipeline/replicas.py"), f"no {op} from pipeline/replicas.py"
     served = {tuple(sorted(r["group_devices"])) for records in report.records.values() for r in records}
     assert served == {("cpu", "cuda")}
 

@@ -85,6 +85,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         pipeline=dict(partition="uniform", rebalance="never", micro_batches=2),
         trainer=dict(max_epochs=2, limit_train_batches=4, limit_val_batches=2, accumulate_grad_batches=2),
     ),
+    # the collectives of the BatchNorm scenario's buffers and overlapped average, and a memory plan's
+    # agreement (a limit everything fits under), recorded under the emulated NCCL (pipeline only)
+    "batchnorm_audit": dict(
+        model="batchnorm",
+        pipeline_only=True,
+        bucket_bytes=2048,
+        pipeline=dict(
+            partition="uniform", rebalance="never", micro_batches=2, memory_limit=10**12, profile_steps=1
+        ),
+        trainer=dict(max_steps=3, accumulate_grad_batches=2),
+    ),
     # a memory_limit between what every stage needs at least and what keeping everything takes (probed by
     # a first fit); the second replica's host link measured far slower: alone, it would choose other policies
     "memory_limit": dict(
