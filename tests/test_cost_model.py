@@ -117,3 +117,65 @@ def test_cli_prints_a_table_and_refuses_bad_input() -> None:
     negative = _cli("--nodes", "2", "--devices-per-node", "2", "--intra-bandwidth", "1GB/s",
                     "--inter-bandwidth", "1GB/s", "--params", "-1")  # fmt: skip
     assert negative.returncode == 2 and "params must be positive" in negative.stderr
+
+
+def test_compressed_hops_carry_their_share_of_the_bytes_by_hand() -> None:
+    """2 nodes x 2 devices, 400 MB of fp32 gradients: the int8 hop carries 1 byte plus a 4-byte scale per
+    2048 elements of each 4, the bf16 hop 2 of 4; the intra-node steps are unchanged."""
+    cluster = Cluster(nodes=2, devices_per_node=2, intra_bandwidth=1e9, inter_bandwidth=1e8, latency=0.0)
+    result = plan(cluster, params=100e6, dtype="fp32", inter_node_dtype="int8")
+    int8, full = result.by_name("hier_sliced, int8 hop"), result.by_name("hier_sliced")
+    share = (1 + 4 / 2048) / 4
+    assert int8.inter_bytes_per_node == pytest.approx(400 * MB * share)  # ring of 2: (2 - 1) / 2 x 2 x S
+    intra_seconds = 2 * (200 * MB / 1e9)  # reduce-scatter and all-gather of half the gradients each
+    assert int8.seconds == pytest.approx(intra_seconds + 400 * MB * share / 1e8)
+    assert full.seconds == pytest.approx(intra_seconds + 400 * MB / 1e8)
+    bf16 = plan(cluster, params=100e6, dtype="fp32", inter_node_dtype="bfloat16")
+    assert bf16.by_name("hier_sliced, bfloat16 hop").inter_bytes_per_node == pytest.approx(200 * MB)
+    same = plan(cluster, params=100e6, dtype="bf16", inter_node_dtype="bfloat16")  # nothing to compress
+    assert same.by_name("hier_sliced, bfloat16 hop").seconds == pytest.approx(
+        same.by_name("hier_sliced").seconds
+    )
+    with pytest.raises(ValueError, match="inter_node_dtype='fp8' is not one of"):
+        plan(cluster, params=1e6, inter_node_dtype="fp8")
+
+
+def test_pipeline_stages_by_replicas_by_hand() -> None:
+    """2 nodes x 2 devices, 400 bytes of gradients, 4 micro-batches of 8-byte boundary activations, 1 s of
+    compute per step, no latency. Two stages x two replicas: each node's link carries the rings of both
+    stages (200 bytes each way, 40 s at 10 B/s), the boundary stays inside the node (0.08 s per send).
+    Four stages x one replica: no all-reduce, the boundary between the nodes bounds the step."""
+    from lightning_hier.plan import pipeline_estimate
+
+    cluster = Cluster(nodes=2, devices_per_node=2, intra_bandwidth=100.0, inter_bandwidth=10.0, latency=0.0)
+    two = pipeline_estimate(cluster, 400.0, stages=2, micro_batches=4, activation_bytes=8.0, step_seconds=1.0)
+    assert two.inter_bytes_per_node == pytest.approx(400.0)
+    assert two.intra_bytes_per_device == pytest.approx(200.0 + 2 * 4 * 8.0)
+    assert two.seconds == pytest.approx(40.0 + 2 * 4 * 0.08)
+    bubble, fill_and_drain, hidden = 0.25, 2 * 0.08, 2 / 3 * 0.25  # last micro-batch's backward hides some
+    assert two.exposed_seconds == pytest.approx(bubble + fill_and_drain + 40.0 - hidden)
+    four = pipeline_estimate(
+        cluster, 400.0, stages=4, micro_batches=4, activation_bytes=8.0, step_seconds=1.0
+    )
+    sends = [0.08, 0.8, 0.08]  # ranks 1 -> 2 cross the nodes' link
+    assert four.seconds == pytest.approx(2 * 4 * sum(sends))
+    link_bound = 4 * (2 * 0.8 - 0.25)  # a micro-batch's two sends take longer than its compute
+    assert four.exposed_seconds == pytest.approx(0.75 + 2 * sum(sends) + link_bound)
+    assert four.inter_bytes_per_node == pytest.approx(4 * 8.0)
+    with pytest.raises(
+        ValueError, match=r"stages=3 does not divide the world size 4; choose one of \[1, 2, 4\]"
+    ):
+        pipeline_estimate(cluster, 400.0, stages=3, micro_batches=4, activation_bytes=8.0, step_seconds=1.0)
+
+
+def test_cli_prices_pipelines_and_hops_and_names_what_is_missing() -> None:
+    base = ("--nodes", "2", "--devices-per-node", "8", "--intra-bandwidth", "300GB/s", "--inter-bandwidth",
+            "200Gbit", "--params", "7e9", "--dtype", "bf16", "--backward", "300ms")  # fmt: skip
+    ok = _cli(*base, "--inter-node-dtype", "int8", "--pipeline-stages", "2", "16", "--activation-mb", "64")
+    assert ok.returncode == 0, ok.stderr
+    rows = {line.split("  ")[0] for line in ok.stdout.splitlines()}
+    assert {"hier_sliced, int8 hop", "hier_pipeline (stages=2)", "hier_pipeline (stages=16)"} <= rows
+    missing = _cli(*base, "--pipeline-stages", "2")
+    assert missing.returncode == 2 and "--activation-mb" in missing.stderr
+    odd = _cli(*base, "--pipeline-stages", "3", "--activation-mb", "1")
+    assert odd.returncode == 2 and "stages=3 does not divide the world size 16" in odd.stderr

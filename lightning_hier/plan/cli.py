@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -39,7 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m lightning_hier plan",
         description="Predicted communication per step of ddp (flat ring), hier_sliced (equal and weighted "
-        "slices, with and without overlapping backward), hier_bsp (per superstep) and the bandwidth bound.",
+        "slices, with and without overlapping backward, with a compressed inter-node hop), hier_bsp (per "
+        "superstep), hier_pipeline (stages x replicas) and the bandwidth bound.",
     )
     p.add_argument("--nodes", type=int, default=None)
     p.add_argument("--world-size", type=int, default=None, help="instead of --nodes: nodes = world / devices")
@@ -53,6 +55,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", type=duration, default=None, help="backward time per step, e.g. 120ms")
     p.add_argument("--slice-weights", type=float, nargs="+", default=None)
     p.add_argument("--superstep-steps", type=int, default=4)
+    p.add_argument(
+        "--inter-node-dtype", choices=["bfloat16", "int8"], default=None,
+        help="adds hier_sliced with this compressed inter-node hop",
+    )  # fmt: skip
+    p.add_argument(
+        "--pipeline-stages", type=int, nargs="+", default=[], metavar="S",
+        help="adds a hier_pipeline row per number of stages (each must divide the world size)",
+    )  # fmt: skip
+    p.add_argument("--micro-batches", type=int, default=4, help="hier_pipeline: micro-batches per step")
+    p.add_argument(
+        "--activation-mb", type=float, default=None,
+        help="hier_pipeline: one micro-batch's activation at a stage boundary, in MiB",
+    )  # fmt: skip
+    p.add_argument(
+        "--step-compute", type=duration, default=None,
+        help="forward + backward per device and step under ddp (default: 1.5x --backward)",
+    )  # fmt: skip
     p.add_argument(
         "--calibrate-from", nargs="+", default=None, metavar="CSV",
         help="CommProfiler comm_profile.csv of a measured run (one or more of one layout): the fitted "
@@ -114,9 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(calibration.table(cluster))
             print()
             cluster = calibration.apply(cluster)
+        activation_mb = args.activation_mb
+        if activation_mb is not None and not (math.isfinite(activation_mb) and activation_mb >= 0):
+            raise ValueError(f"activation_mb must be a finite number >= 0, got {activation_mb!r}.")
         result = plan(
             cluster, args.params, args.dtype, args.bucket_mb, args.backward, args.slice_weights,
-            args.superstep_steps,
+            args.superstep_steps, args.step_compute, args.inter_node_dtype, args.pipeline_stages,
+            args.micro_batches, None if activation_mb is None else activation_mb * 2**20,
         )  # fmt: skip
     except ValueError as error:
         print(f"plan: error: {error}", file=sys.stderr)

@@ -9,11 +9,14 @@ link (its NIC) carries the traffic of all its devices that talk across nodes. Se
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_hier.checks import check_integer, check_megabytes, is_real
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
+INT8_BLOCK = 2048  # elements per fp32 scale of the int8 hop (lightning_hier.sliced.int8_codec.BLOCK)
+HOP_BYTES = {"bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}  # per element on the inter-node hop
 
 
 @dataclass(frozen=True)
@@ -89,20 +92,37 @@ def flat_ring(cluster: Cluster, nbytes: float) -> Estimate:
     return Estimate("ddp (flat ring)", seconds, seconds, inter, ring_bytes(nbytes, p))
 
 
-def hierarchical(cluster: Cluster, nbytes: float, weights: list[float] | None = None) -> Estimate:
+def hierarchical(
+    cluster: Cluster,
+    nbytes: float,
+    weights: list[float] | None = None,
+    hop_ratio: float = 1.0,
+    name: str = "",
+) -> Estimate:
     """``hier_sliced``: reduce-scatter in the node, all-reduce of each slice across nodes (the node's
     ``L`` slices share its link), all-gather in the node. Unequal ``weights`` change the intra-node
-    steps (the largest slice is the slowest) but not the bytes each node sends across."""
+    steps (the largest slice is the slowest) but not the bytes each node sends across; ``hop_ratio`` < 1
+    is a compressed inter-node hop (``inter_node_dtype``), which carries that share of the bytes."""
     nodes, local = cluster.nodes, cluster.devices_per_node
     shares = _shares(weights, local)
     largest = max(shares) * nbytes
     intra_rs = _sliced_ring_seconds(largest, local, cluster.intra_bandwidth, cluster.latency)
-    inter = ring_seconds(nbytes, nodes, cluster.inter_bandwidth, cluster.latency)  # all slices, one link
+    hop_bytes = nbytes * hop_ratio
+    inter = ring_seconds(hop_bytes, nodes, cluster.inter_bandwidth, cluster.latency)  # all slices, one link
     seconds = 2 * intra_rs + inter
-    name = "hier_sliced" if weights is None else "hier_sliced (weighted)"
+    name = name or ("hier_sliced" if weights is None else "hier_sliced (weighted)")
     return Estimate(
-        name, seconds, seconds, ring_bytes(nbytes, nodes), 2 * ring_bytes(nbytes, local, passes=1)
+        name, seconds, seconds, ring_bytes(hop_bytes, nodes), 2 * ring_bytes(nbytes, local, passes=1)
     )
+
+
+def hop_ratio(dtype: str, inter_node_dtype: str) -> float:
+    """The share of a ``dtype`` gradient's bytes that ``inter_node_dtype``'s inter-node hop carries:
+    ``"bfloat16"`` 2 bytes per element, ``"int8"`` 1 byte plus one fp32 scale per block
+    (:mod:`lightning_hier.sliced.int8_codec`). Never more than the gradients themselves."""
+    if inter_node_dtype not in HOP_BYTES:
+        raise ValueError(f"inter_node_dtype={inter_node_dtype!r} is not one of {sorted(HOP_BYTES)}.")
+    return min(1.0, HOP_BYTES[inter_node_dtype] / DTYPE_BYTES[dtype])
 
 
 def with_overlap(estimate: Estimate, backward_seconds: float, buckets: int, name: str) -> Estimate:
@@ -154,8 +174,17 @@ def plan(
     slice_weights: list[float] | None = None,
     superstep_steps: int = 4,
     step_seconds: float | None = None,
+    inter_node_dtype: str | None = None,
+    pipeline_stages: Sequence[int] = (),
+    micro_batches: int = 4,
+    activation_bytes: float | None = None,
 ) -> Plan:
-    """Every technique's predicted communication for a model of ``params`` parameters."""
+    """Every technique's predicted communication for a model of ``params`` parameters.
+
+    ``inter_node_dtype`` (``"bfloat16"``, ``"int8"``) adds ``hier_sliced`` with that compressed hop;
+    ``pipeline_stages`` adds a ``hier_pipeline`` row per number of stages (``micro_batches`` each, one
+    micro-batch's boundary activation of ``activation_bytes``, compute ``step_seconds`` per device and step:
+    :mod:`lightning_hier.plan.pipeline_cost`)."""
     if not (is_real(params) and 0 < params < math.inf):
         raise ValueError(f"params must be positive and finite, got {params!r}.")
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
@@ -165,6 +194,13 @@ def plan(
         if seconds is not None and not (is_real(seconds) and 0 <= seconds < math.inf):
             raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}.")
     check_integer("superstep_steps", superstep_steps, 1)
+    if inter_node_dtype is not None:
+        hop_ratio(dtype, inter_node_dtype)  # refused before anything is computed
+    if pipeline_stages and (activation_bytes is None or (step_seconds is None and backward_seconds is None)):
+        raise ValueError(
+            "pricing hier_pipeline needs one micro-batch's activation at a stage boundary (activation_bytes, "
+            "--activation-mb) and the compute per step (step_seconds, --step-compute, or backward_seconds)."
+        )
     nbytes = float(params) * DTYPE_BYTES[dtype]
     if not math.isfinite(nbytes):
         raise ValueError(f"params={params!r} of {dtype} is beyond floating point ({nbytes} bytes).")
@@ -181,7 +217,15 @@ def plan(
         estimates.append(with_overlap(estimates[0], backward_seconds, buckets, "ddp, overlapped buckets"))
         estimates.append(with_overlap(estimates[1], backward_seconds, buckets, "hier_sliced, time buckets"))
     compute = step_seconds if step_seconds is not None else (backward_seconds or 0.0) * 1.5
+    if inter_node_dtype is not None:
+        ratio = hop_ratio(dtype, inter_node_dtype)
+        estimates.append(hierarchical(cluster, nbytes, None, ratio, f"hier_sliced, {inter_node_dtype} hop"))
     estimates.append(bsp_superstep(cluster, nbytes, superstep_steps, compute))
+    from lightning_hier.plan.pipeline_cost import pipeline_estimate  # it builds on this module's pieces
+
+    for stages in pipeline_stages:
+        assert activation_bytes is not None  # checked above
+        estimates.append(pipeline_estimate(cluster, nbytes, stages, micro_batches, activation_bytes, compute))
     estimates.append(bandwidth_bound(cluster, nbytes))
     for e in estimates:  # finite inputs at the edges of float range (1e300 params) may still overflow
         numbers = (e.seconds, e.exposed_seconds, e.inter_bytes_per_node, e.intra_bytes_per_device)
