@@ -243,7 +243,7 @@ def fit_hsdp(
         loss = torch.nn.functional.mse_loss(model.net(x), y)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     dist.destroy_process_group()
     return losses
 
