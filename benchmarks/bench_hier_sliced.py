@@ -26,9 +26,10 @@ CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     "hier_sliced": ("hier_sliced", {}),
     "hier_sliced_bf16": ("hier_sliced", {"inter_node_dtype": "bf16"}),
     "hier_sliced_int8": ("hier_sliced", {"inter_node_dtype": "int8"}),
+    "hier_sliced_fp16": ("hier_sliced", {"inter_node_dtype": "fp16"}),
     "hier_bsp": ("hier_bsp", {}),
 }
-DEFAULT_CONTENDERS = [name for name in CONTENDERS if name != "hier_bsp"]
+DEFAULT_CONTENDERS = [name for name in CONTENDERS if name not in ("hier_bsp", "hier_sliced_fp16")]
 DEVICES_PER_NODE, BASE_PORT, LR = 2, 29540, 1e-3
 # per hier_sliced contender: (median step time against ddp's, worst node's bytes against the fp32 bound)
 TARGETS = {"hier_sliced": (0.70, 1.1), "hier_sliced_bf16": (0.45, 0.55), "hier_sliced_int8": (0.30, 0.30)}
@@ -44,7 +45,8 @@ OPTIONS = """
 --layers        int    6                number of Linear(hidden, hidden) layers
 --batch-size    int    8                per-process batch size
 --bucket-cap-mb float  25.0             bucket cap of ddp, ddp_bf16, hier_sliced*, hier_bsp (MB)
---contenders    str    default          comma-separated (README); default: all but hier_bsp
+--contenders    str    default          comma-separated (README); default: all but hier_bsp, hier_sliced_fp16
+--inter-node-dtype str ""               bf16, fp16 or int8: short for --contenders ddp,hsdp,hier_sliced_<it>
 --superstep-steps int  4                hier_bsp: superstep (a step count)
 --max-staleness int    1                hier_bsp: max_staleness
 --repeats       int    1                run every contender this many times, interleaved; medians
@@ -264,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, OPTIONS, run_options)
     args = p.parse_args(argv)
     args.contenders = DEFAULT_CONTENDERS if args.contenders == "default" else cli.comma_list(args.contenders)
+    if args.inter_node_dtype:
+        args.contenders = [REFERENCE, HSDP, f"hier_sliced_{args.inter_node_dtype}"]
     if not args.contenders or not set(args.contenders) <= set(CONTENDERS):
         p.error(f"--contenders: choose from {', '.join(CONTENDERS)}")
 
