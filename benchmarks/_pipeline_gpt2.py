@@ -15,7 +15,6 @@ from torch import nn
 # embeddings, as GPT-2's own); no dropout, so every contender computes the same numbers
 N_LAYER, N_EMBD, N_HEAD, VOCAB, SEQ = 4, 256, 4, 2048, 64
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
-DEFAULTS = {"batch_size": 32, "micro_batches": 8, "steps": 12, "warmup": 3, "max_settle_steps": 24}
 
 
 def gpt2() -> nn.Module:

@@ -394,7 +394,11 @@ def run_pipelining(c: dict[str, Any], job_dir: Path) -> dict[str, Any] | None:
     window.losses = last_rank_losses[0]
     dist.barrier()
     dist.destroy_process_group()
-    return {**window.result(c["batch_size"]), "final_starts": starts} if rank == 0 else None
+    if rank != 0:
+        return None
+    owners = c.get("cluster_owners")
+    split = {"num_clusters": len(owners), "cluster_owners": owners} if owners else {}
+    return {**window.result(c["batch_size"]), "final_starts": starts, **split}
 
 
 # ---------------------------------------------------------------------- one process, no pipeline

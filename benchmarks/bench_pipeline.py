@@ -34,14 +34,14 @@ QUICK = {"stages": "2", "steps": 8, "warmup": 3, "repeats": 1, "rebalance_every"
 # what an option left out (None) means, by --model
 DEFAULTS = {
     "mlp": {"steps": 12, "warmup": 4, "max_settle_steps": 40, "micro_batches": 16, "batch_size": 1024},
-    "gpt2": {"steps": 12, "warmup": 3, "max_settle_steps": 24, "micro_batches": 8, "batch_size": 32},
+    "gpt2": {"steps": 8, "warmup": 2, "max_settle_steps": 12, "micro_batches": 8, "batch_size": 32},
 }
 OPTIONS = """
 --stages           str  2,4   comma-separated numbers of stage processes
---steps            int  None  measured steps per job (12)
---warmup           int  None  steps before the window (uniform, pipelining; 4, gpt2: 3)
+--steps            int  None  measured steps per job (12, gpt2: 8)
+--warmup           int  None  steps before the window (uniform, pipelining; 4, gpt2: 2)
 --rebalance-every  int  4     rebalanced: check every N steps
---max-settle-steps int  None  rebalanced: start measuring by then (40, gpt2: 24)
+--max-settle-steps int  None  rebalanced: start measuring by then (40, gpt2: 12)
 --micro-batches    int  None  micro-batches per step (16, gpt2: 8)
 --batch-size       int  None  samples per step (1024, gpt2: 32 sequences of 64 tokens)
 --repeats          int  3     rounds: jobs per contender, interleaved; median and every round reported
