@@ -84,3 +84,20 @@ def test_each_process_holds_private_memory_for_the_rows_a_step_touches_and_the_n
             small, large = (growth[rows][rank][phase]["Anonymous"] for rows in (SMALL, LARGE))
             assert large < PRIVATE_LIMIT, (phase, rank, small, large)
             assert large - small < SLOPE_LIMIT * (LARGE - SMALL) * DIM * 4, (phase, rank, small, large)
+
+
+def _export_growth(rank: int, world: int, store: str, directory: str) -> int:
+    """Growth of this process's private memory from attaching a table to after exporting it twice."""
+    table = HybridEmbedding(LARGE, DIM, optimizer="sgd")
+    table.attach()
+    before = _rollup()
+    for name in ("first.tbl", "second.tbl"):
+        table.export(Path(directory) / name)
+    return _rollup()["Anonymous"] - before["Anonymous"]
+
+
+def test_exporting_a_table_writes_its_rows_without_a_private_copy(tmp_path: Path) -> None:
+    # checkpoints write every table and optimizer state the same way
+    (growth,) = run_spawned(_export_growth, 1, tmp_path, str(tmp_path))
+    assert isinstance(growth, int), growth
+    assert growth < PRIVATE_LIMIT, growth

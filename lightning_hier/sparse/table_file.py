@@ -84,7 +84,7 @@ def save_table(path: str | os.PathLike, table: torch.Tensor) -> None:
             data = table[start : start + _ROWS_PER_WRITE].detach().contiguous().cpu()
             if data.dtype == torch.bfloat16:
                 data = data.view(torch.int16)
-            handle.write(data.numpy().tobytes())
+            handle.write(data.numpy().data)  # the rows themselves: a bytes copy is a chunk malloc may keep
     os.replace(tmp, path)
 
 
