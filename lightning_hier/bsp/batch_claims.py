@@ -9,6 +9,11 @@ batch per epoch and the epoch starts without a round trip); after that a worker 
 with an atomic add on the job's key-value store (the TCP store every ``torch.distributed`` job
 already has; one round trip per batch and no collective, so the training thread never waits for
 another worker). Every sample is still seen once per epoch.
+
+In lockstep (``in_turn``) no worker can take more batches than another, so claims in arrival order would
+only make which batches a superstep sums depend on timing. There worker ``r``'s ``k``-th batch is chunk
+``k x num_replicas + r``, without the store: a superstep of ``n`` micro-steps per worker sums the
+epoch's next ``n x num_replicas`` chunks, as ``ddp`` with ``n`` accumulated batches sums them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class ClaimingSampler(Sampler[int]):
     straddle two claims. Deliberately unsized: how many batches a worker gets is known only at the end.
 
     ``key``: a store prefix the same on every rank; each pass over the sampler (one per epoch on every
-    rank) counts on its own key. Needs at least ``num_replicas`` batches per epoch.
+    rank) counts on its own key. Needs at least ``num_replicas`` batches per epoch. ``in_turn``: the
+    workers run in lockstep; chunks go to them in turn instead of by claims (module docstring).
     """
 
     def __init__(
@@ -44,6 +50,7 @@ class ClaimingSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         store: Any | None = None,
+        in_turn: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
@@ -58,6 +65,7 @@ class ClaimingSampler(Sampler[int]):
         self.epoch = 0
         self.passes = 0
         self._store = store
+        self.in_turn = in_turn
         if self.num_chunks < num_replicas:
             raise ValueError(
                 f"{self.num_chunks} batches of {batch_size} per epoch cannot be shared by "
@@ -66,7 +74,7 @@ class ClaimingSampler(Sampler[int]):
 
     @classmethod
     def replacing(
-        cls, sampler: DistributedSampler, batch_size: int, drop_last: bool, key: str
+        cls, sampler: DistributedSampler, batch_size: int, drop_last: bool, key: str, in_turn: bool = False
     ) -> ClaimingSampler:
         """The claiming equivalent of the ``DistributedSampler`` Lightning put on a train loader."""
         size = len(sampler.dataset)  # type: ignore[arg-type]
@@ -79,6 +87,7 @@ class ClaimingSampler(Sampler[int]):
             sampler.num_replicas,
             sampler.shuffle,
             sampler.seed,
+            in_turn=in_turn,
         )
 
     @property
@@ -99,10 +108,14 @@ class ClaimingSampler(Sampler[int]):
         return torch.randperm(self.num_samples, generator=generator).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        store = self._store if self._store is not None else dist.distributed_c10d._get_default_store()
         counter = f"{self.key}/pass{self.passes}"
         self.passes += 1
         order = self.order()
+        if self.in_turn:
+            for chunk in range(self.rank, self.num_chunks, self.num_replicas):
+                yield from order[chunk * self.batch_size : (chunk + 1) * self.batch_size]
+            return
+        store = self._store if self._store is not None else dist.distributed_c10d._get_default_store()
         chunk = self.rank
         while chunk < self.num_chunks:
             yield from order[chunk * self.batch_size : (chunk + 1) * self.batch_size]

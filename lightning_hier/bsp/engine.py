@@ -362,8 +362,12 @@ class BSPEngine:
 
     @property
     def epoch_should_end(self) -> bool:
-        """Another worker ran out of batches: end this epoch too (all then drain together)."""
-        return self.memory.peer_epoch_ended
+        """Another worker ran out of batches: end this epoch too (all then drain together). Never in
+        lockstep: there every worker has as many batches as the others and ends at its own last one. A
+        peer may fold a superstep's later micro-steps, and drain at its epoch's end, while this worker
+        still computes an earlier one; ending here would drop this worker's remaining batches from the
+        superstep, depending on who got there first."""
+        return self.memory.peer_epoch_ended and not self.settings.lockstep
 
     @property
     def records(self) -> list[SuperstepRecord]:

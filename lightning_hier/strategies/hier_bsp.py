@@ -443,7 +443,11 @@ class HierBSPStrategy(HierStrategy):
         sampler = dataloader.sampler
         assert isinstance(sampler, DistributedSampler)
         claiming = ClaimingSampler.replacing(
-            sampler, dataloader.batch_size or 1, dataloader.drop_last, f"{new_run_key()}/batches"
+            sampler,
+            dataloader.batch_size or 1,
+            dataloader.drop_last,
+            f"{new_run_key()}/batches",
+            in_turn=self.settings.lockstep,  # no claims in arrival order where no worker may take more
         )
         self._claiming = True
         return with_train_sampler(dataloader, claiming)
