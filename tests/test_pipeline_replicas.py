@@ -139,22 +139,52 @@ def _overlap_on_two_replicas(rank: int, world: int, store: str) -> dict:
     started_in_backward = during._step.from_hooks if during._step is not None else None
     during.flush()
     during.finish()
+    equal = [
+        a is None and p.grad is None or a is not None and p.grad is not None and torch.equal(a, p.grad)
+        for a, p in zip(expected, params)
+    ]
+    # the second replica's last micro-batch reaches the parameters in two backward calls (as a reentrant
+    # checkpoint does): its buckets started after the first, so both replicas average again after the backward
+    twice = []
+    for averager in (
+        ReplicaGradients(dist.group.WORLD, 2, torch.device("cpu"), bucket_bytes=40),
+        ReplicaGradients(dist.group.WORLD, 2, torch.device("cpu"), bucket_bytes=40),
+    ):
+        for param in params:
+            param.grad = None
+        overlapping = not twice
+        if overlapping:
+            averager.arm(params, final_backward=1)
+        for call, micro in enumerate((0, 1, 1) if rank == 1 else (0, 1)):
+            backward(micro)
+            if overlapping and call == 0:
+                averager.backward_done()
+        if overlapping:
+            averager.backward_done()
+            averager.finish()
+            repeated = averager.repeated_steps
+        else:
+            averager.average(params)
+        twice.append([None if p.grad is None else p.grad.clone() for p in params])
     return {
         "buckets": [len(b) for b in during._layout],
         "started_in_backward": started_in_backward,
-        "equal": [
-            a is None and p.grad is None or a is not None and p.grad is not None and torch.equal(a, p.grad)
-            for a, p in zip(expected, params)
-        ],
+        "equal": equal,
         "none": [p.grad is None for p in params],
         "overlapped_steps": during.overlapped_steps,
+        "twice_equal": [
+            a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+            for a, b in zip(*twice)
+        ],
+        "repeated_steps": repeated,
     }
 
 
 def test_the_average_started_in_the_backward_equals_the_one_after_it(tmp_path: Path) -> None:
     """Bit for bit in float64, a parameter only one replica has a gradient for included (zeros on the
     other), one no replica has a gradient for keeping None; the first four buckets start from the hooks
-    while the backward runs, the last at the end, in the same order on both replicas."""
+    while the backward runs, the last at the end, in the same order on both replicas. Where one replica's
+    gradients accumulate again after their bucket started, both average after the backward instead."""
     results = run_spawned(_overlap_on_two_replicas, 2, tmp_path)
     assert all(result is not None and "error" not in result for result in results), results
     for result in results:
@@ -163,6 +193,7 @@ def test_the_average_started_in_the_backward_equals_the_one_after_it(tmp_path: P
         assert result["equal"] == [True] * 6
         assert result["none"] == [True, False, False, False, False, False]
         assert result["overlapped_steps"] == 1
+        assert result["twice_equal"] == [True] * 6 and result["repeated_steps"] == 1
 
 
 # ----------------------------------------------------------------------------------------------- processes

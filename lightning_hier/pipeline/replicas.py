@@ -203,6 +203,7 @@ class _OverlappedStep:
         self.done: Any = None
         self.handles: list[Any] = []
         self.from_hooks = 0
+        self.repeated = False  # a gradient accumulated twice in the final backward (ReplicaGradients.finish)
 
 
 class ReplicaGradients:
@@ -230,6 +231,7 @@ class ReplicaGradients:
         self.averaged_steps = 0
         self.overlapped_steps = 0  # steps whose average started in the backward
         self.buckets_from_hooks = 0  # buckets whose all-reduce a gradient hook started, over the run
+        self.repeated_steps = 0  # armed steps averaged again after the backward (see finish)
         self._step: _OverlappedStep | None = None
         self._layout_key: tuple[int, ...] = ()
         self._layout: list[list[int]] = []
@@ -312,7 +314,10 @@ class ReplicaGradients:
 
     def _hook(self, step: _OverlappedStep, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            if step.backwards_done != step.final_backward or index in step.hooked:
+            if step.backwards_done != step.final_backward:
+                return
+            if index in step.hooked:
+                step.repeated = True
                 return
             step.hooked.add(index)
             bucket = step.bucket_of[index]
@@ -384,10 +389,18 @@ class ReplicaGradients:
                 work.wait()
         self._comm_stream().join(step.done)
         params = step.params
-        flags = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int64)
-        if params:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        any_grad = flags.tolist()
+        # host flags: which parameters have a gradient, and (last) whether a gradient accumulated again after
+        # its bucket started (a parameter reached by two backward calls within the last micro-batch's, as a
+        # reentrant checkpoint does): then every replica drops the started sums and averages after the
+        # backward, from the gradients as they are now
+        have = [int(p.grad is not None) for p in params]
+        flags = torch.tensor([*have, int(step.repeated)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        *any_grad, repeated = flags.tolist()
+        if repeated:
+            self.repeated_steps += 1
+            self.average(params)
+            return
         targets: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for members, flat in zip(step.buckets, step.flats):
