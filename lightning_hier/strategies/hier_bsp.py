@@ -17,7 +17,8 @@ before ``fit``:
   ``1 / world_size`` each, so a faster worker trains on more of them and nobody idles at the epoch's end;
   the train loader is then unsized (no total in the progress bar, ``trainer.estimated_stepping_batches``
   is infinite; :mod:`lightning_hier.bsp.batch_claims`). ``None`` (default): on unless workers run in
-  lockstep.
+  lockstep. Set in lockstep, the batches go to the workers in turn rather than by claims, so a superstep
+  sums the same samples whatever the timing.
 """
 
 from __future__ import annotations
