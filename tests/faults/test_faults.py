@@ -1,6 +1,7 @@
 """A rank killed by SIGKILL while state is in flight: the survivors fail within the strategy timeout
-and name the error, nothing of the job outlives it, and a rerun resumes from the last complete
-checkpoint to the parameters of an uninterrupted run. Run with ``python -m pytest -m faults tests/faults``."""
+with a distributed error (naming the lost rank where the strategy knows it), nothing of the job outlives
+it, and a rerun resumes from the last complete checkpoint to the parameters of an uninterrupted run.
+Run with ``python -m pytest -m faults tests/faults``."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ MIGRATION_STEPS = (("announce", 1), ("ready", 0), ("state", 1), ("release", 1))
 NPROC = {"hier_sliced_2nodes": 4}  # 2 nodes x 2 (devices_per_node=2); every other strategy runs on 2
 
 
-def case(strategy: str, point: str, killed: int, name: str, resumes_from: str = "epoch=0-step=4.ckpt", **kw):  # noqa: ANN003, ANN201
-    """(strategy, fault point, killed rank, the last complete checkpoint the rerun must start from)."""
-    return pytest.param(strategy, point, killed, resumes_from, id=f"{strategy}-{name}", **kw)
+def case(strategy: str, point: str, killed: int, name: str, **marks):  # noqa: ANN003, ANN201
+    """(strategy, fault point of fault_run.POINTS, killed rank, the last complete checkpoint the rerun must
+    start from: every fault is in the second epoch, so the first epoch's)."""
+    return pytest.param(strategy, point, killed, "epoch=0-step=4.ckpt", id=f"{strategy}-{name}", **marks)
 
 
 CASES = [
@@ -209,7 +211,6 @@ def check_fault_run(strategy: str, point: str, killed: int, root: Path) -> Run:
 def test_killed_rank(
     strategy: str, point: str, killed: int, resumes_from: str, tmp_path: Path, reference_params
 ) -> None:  # noqa: ANN001
-    expected = reference_params(strategy)
     fault = check_fault_run(strategy, point, killed, tmp_path)
     # (d) the interrupted run left complete checkpoints only, last.ckpt the last complete one
     ckpt = tmp_path / "ckpt"
@@ -220,6 +221,7 @@ def test_killed_rank(
     assert resumed.code == 0, resumed.output[-6000:]
     assert f"Restored all states from the checkpoint at {ckpt / 'last.ckpt'}" in resumed.output
     params = load_params(resumed)
+    expected = reference_params(strategy)  # after the fault's checks: a failing case ends sooner
     assert params.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7, msg=name)
