@@ -1,7 +1,8 @@
 """One of the 4 training processes of a ``bench_hybrid_embedding.py`` TorchRec job: the same click model,
 batches and Lightning loop as ``_hybrid_embedding_worker.py``, with the table an ``EmbeddingBagCollection``
 sharded by TorchRec's ``DistributedModelParallel`` (variants ``torchrec_tw``: table-wise, ``torchrec_dp``:
-data-parallel). Needs ``pip install -e ".[bench]"`` and the ``--no-deps`` step of benchmarks/README.md."""
+data-parallel, ``torchrec_cw``: column-wise). Needs ``pip install -e ".[bench]"`` and the install steps
+after it in benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
-SHARDING = {"torchrec_tw": "table_wise", "torchrec_dp": "data_parallel"}
+SHARDING = {"torchrec_tw": "table_wise", "torchrec_dp": "data_parallel", "torchrec_cw": "column_wise"}
 FEATURE = "ids"
 
 

@@ -1,5 +1,5 @@
 """Memory and throughput of a >= 1 GB embedding table: ``HybridEmbedding`` vs ``nn.EmbeddingBag`` + ddp and
-TorchRec's ``DistributedModelParallel`` (table-wise and data-parallel sharding).
+TorchRec's ``DistributedModelParallel`` (table-wise, data-parallel and column-wise sharding).
 
 Four processes on one host, Linux, no root; variants, measurements and options: benchmarks/README.md."""
 
@@ -23,7 +23,7 @@ WORKER = jobs.BENCH_DIR / "_hybrid_embedding_worker.py"
 TORCHREC_WORKER = jobs.BENCH_DIR / "_torchrec_worker.py"
 NPROC = 4
 CONTENDER, REFERENCES = "hybrid", ("ddp_sparse", "ddp_dense")  # the targets are against the first
-ANCHORS = ("torchrec_tw", "torchrec_dp")  # TorchRec, table-wise and data-parallel (the CPU planner's options)
+ANCHORS = ("torchrec_tw", "torchrec_dp", "torchrec_cw")  # TorchRec: table-wise, data-parallel, column-wise
 DENSE_STEPS = ("ddp_dense", "torchrec_dp")  # all-reduce the whole table every step: the --dense-* step counts
 RATIOS = (("table memory", "table mem [GiB]", "<=", 0.30), ("throughput  ", "samples/s", ">=", 1.0))
 PAIRED_THROUGHPUT_TARGET = 1.2  # hybrid / ddp_sparse in every repeat (the jobs of a repeat run back to back)
@@ -33,6 +33,7 @@ TABLE_COPIES_PER_PROCESS = {  # rough peak, in tables
     "ddp_sparse": 1.2,
     "torchrec_tw": 0.5,  # the whole table on rank 0
     "torchrec_dp": 3.2,
+    "torchrec_cw": 0.5,  # column slices of the table over the ranks
 }
 PROCESS_OVERHEAD_BYTES = 700 * 2**20
 PSS_FIELDS, SAMPLE_INTERVAL_S = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File", "Rss"), 0.2
@@ -54,7 +55,7 @@ OPTIONS = """
 --dense-mem-steps int    1          memory-window steps of ddp_dense
 --dense-steps     int    4          timed steps of ddp_dense
 --repeats int 2 big-table jobs per variant (interleaved; throughput = their median); ddp_dense runs once
---variants str hybrid,ddp_dense,ddp_sparse,torchrec_tw,torchrec_dp comma-separated (torchrec_*: TorchRec)
+--variants str hybrid,ddp_dense,ddp_sparse,torchrec_tw,torchrec_dp,torchrec_cw comma-separated (torchrec_*)
 --skip-memory-check flag -          run even if MemAvailable looks short
 """
 
