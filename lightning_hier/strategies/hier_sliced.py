@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 
 from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
 from lightning_hier.checks import check_flag, check_megabytes, check_names
+from lightning_hier.pipeline.replicas import ReplicaBuffers, ReplicaLayout
 from lightning_hier.sliced.checkpoints import PLAN_KEY, SlicedCheckpoints, validate_checkpoint_format
 from lightning_hier.sliced.engine import HierSlicedEngine, TrainedParameters, take_in_new_parameters
 from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
@@ -71,7 +72,7 @@ from lightning_hier.strategies.lightning_patches import (
     unwrapped_optimizer,
     without_optimizer,
 )
-from lightning_hier.topology import Topology, validate_layout
+from lightning_hier.topology import Topology, all_ranks_group, validate_layout
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,9 @@ class HierSlicedStrategy(HierStrategy):
         inter_node_dtype: ``"bf16"`` or ``"fp16"``: the inter-node all-reduce carries half the bytes, with
             error feedback, at a little accuracy; ``"int8"``: about a quarter (int8 blocks with one fp32
             scale each, also with error feedback); ``None``: full precision.
-        broadcast_buffers: copy buffers (BatchNorm statistics) from rank 0 before each training forward, as
-            ``ddp`` does.
+        broadcast_buffers: copy buffers (BatchNorm statistics) from rank 0 where ``ddp`` does: before the
+            first forward of a fit and before each forward (training, or validation while fitting) that
+            follows a training forward whose backward synchronises the gradients (not an accumulating one).
         checkpoint_format: ``"consolidated"``: one file that loads into a plain LightningModule and resumes
             under any topology or ``ddp``; ``"sharded"``: each rank writes and reads its own slices.
         bucketing: ``"size"``: buckets by ``bucket_cap_mb``, each sent when its last gradient is ready;
@@ -139,6 +141,7 @@ class HierSlicedStrategy(HierStrategy):
         "_backward_engines": list,
         "tables": NodeTables,
         "_table_exchange": lambda: None,
+        "_rank_0_buffers": lambda: None,
     }
 
     strategy_name = "hier_sliced"
@@ -215,7 +218,10 @@ class HierSlicedStrategy(HierStrategy):
         self.tables = NodeTables()
         self._checkpoint_engine_state: dict[str, Any] | None = None
         self._table_exchange: Topology | None = None  # the tables' thread's own groups, built once
-        self._buffers_changed = False
+        # ddp's buffer broadcast while fitting (None otherwise), and whether the running training step only
+        # accumulates its gradients (Lightning's block_backward_sync, ddp's no_sync)
+        self._rank_0_buffers: ReplicaBuffers | None = None
+        self._backward_sync_blocked = False
         self._nodes_span_hosts: str | None = None  # what is wrong where a node's ranks run on several hosts
 
     # ------------------------------------------------------------------ environment
@@ -277,6 +283,16 @@ class HierSlicedStrategy(HierStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
             install_global_norm_clipping(self.precision_plugin, self)
             self._install_sharded_grad_scaler()
+        self._rank_0_buffers = None
+        if fitting and self.broadcast_buffers and self.world_size > 1:
+            # ddp wraps the module anew for each fit, with a broadcast due at its first forward; hier_sliced
+            # is ddp's replicas of one stage, so the pipeline's replica broadcast serves it
+            self._rank_0_buffers = ReplicaBuffers(
+                ReplicaLayout(stages=1, replicas=self.world_size),
+                0,
+                all_ranks_group(ddp_timeout(self)),
+                self.root_device,
+            )
         self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
 
     def _groups(self) -> Topology:
@@ -443,36 +459,33 @@ class HierSlicedStrategy(HierStrategy):
         with ExitStack() as stack:
             for engine in self.engines:
                 stack.enter_context(engine.no_sync())
+            stack.callback(setattr, self, "_backward_sync_blocked", self._backward_sync_blocked)
+            self._backward_sync_blocked = True
             yield None
 
-    def _sync_buffers(self, training: bool) -> None:
-        """Rank 0's buffers before every training forward and before the first evaluation forward
-        after training: what DDP's wrapper does, so every rank evaluates the model rank 0 saves."""
-        if self.engine is None or not self.broadcast_buffers:
+    def _sync_buffers(self) -> None:
+        """Before a forward while fitting: rank 0's buffers where DDP's wrapper sends them, the first
+        forward of a fit and any forward after one whose backward synchronised the gradients (DDP's
+        ``require_forward_param_sync``, set by each forward from the grad mode and ``no_sync``). So every
+        rank's running statistics, and what it evaluates, are ddp's. Decided on the host, alike on every
+        rank (the same steps accumulate everywhere): one broadcast per buffer dtype, no device read."""
+        if self._rank_0_buffers is None:
             return
-        if training or self._buffers_changed:
-            self.engine.broadcast_buffers()
-        self._buffers_changed = training
+        assert self.lightning_module is not None
+        synchronises = torch.is_grad_enabled() and not self._backward_sync_blocked
+        self._rank_0_buffers.before_forward(list(self.lightning_module.buffers()), synchronises)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         take_in_new_parameters(self.engines)  # unfrozen or added since the last step (alike on every rank)
         super().on_train_batch_start(batch, batch_idx)
 
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self._sync_buffers(training=True)
+        self._sync_buffers()
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._sync_buffers(training=False)
+        self._sync_buffers()  # while fitting ddp's wrapper runs validation too (not trainer.validate's)
         return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._sync_buffers(training=False)
-        return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._sync_buffers(training=False)
-        return super().predict_step(*args, **kwargs)
 
     def backward_pass_done(self) -> None:
         """Called by the precision plugin (``lightning_patches.install_global_norm_clipping``) between the
@@ -618,4 +631,5 @@ class HierSlicedStrategy(HierStrategy):
         remove_global_norm_clipping(self.precision_plugin)
         remove_optimizer_toggle(self.lightning_module)
         stop_showing_user_param_groups(self.lightning_module)
+        self._rank_0_buffers = None
         super().teardown()
