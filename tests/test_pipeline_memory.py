@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import SCRIPTS, run_torchrun
 from torch import nn
 
 from lightning_hier.pipeline.activation_store import (
@@ -30,6 +33,9 @@ from lightning_hier.pipeline.memory_policy import (
     minimum_peak_bytes,
     needs_new_plan,
 )
+
+sys.path.insert(0, str(SCRIPTS))
+import pipeline_batchnorm  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # decision
@@ -697,3 +703,64 @@ def test_cuda_swap_and_recompute_match_keep():
         for got, want in zip(grads, reference[1]):
             torch.testing.assert_close(got, want)
         assert meter.current_bytes == 0 and meter.host_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# layers that update buffers in forward (BatchNorm's running statistics)
+# ---------------------------------------------------------------------------------------------
+def _batch_norm_step(policy: str, wrap: str, micro_batches: int = 3) -> tuple[nn.Module, list[torch.Tensor]]:
+    """``micro_batches`` forwards of a BatchNorm layer through a runner, then their backwards in reverse
+    (as a pipeline stage runs them); the layer and the input gradients."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(5, momentum=0.3).double()
+    fn = {"module": norm, "closure": lambda x: norm(x), "method": norm.forward}[wrap]
+    runner = LayerRunner(ActivationMeter())
+    inputs = [
+        (torch.randn(8, 5, dtype=torch.float64) * (i + 2) + i).requires_grad_() for i in range(micro_batches)
+    ]
+    outputs = []
+    for x in inputs:
+        runner.begin_forward()
+        outputs.append(runner.run("norm", policy, fn, x * 1.0))
+    for y in reversed(outputs):
+        (y * torch.arange(5, dtype=torch.float64)).pow(2).sum().backward()
+    return norm, [x.grad for x in inputs]
+
+
+@pytest.mark.parametrize("wrap", ["module", "closure", "method"])
+@pytest.mark.parametrize("policy", [RECOMPUTE, SWAP])
+def test_recomputed_layer_updates_its_buffers_once_per_forward(policy: str, wrap: str) -> None:
+    """A recomputed BatchNorm's running statistics advance once per micro-batch, as when kept (the
+    recompute in backward leaves them as it found them), and its gradients are the kept layer's."""
+    expected, expected_grads = _batch_norm_step(KEEP, wrap)
+    norm, grads = _batch_norm_step(policy, wrap)
+    assert int(expected.num_batches_tracked) == 3
+    for name, buffer in expected.named_buffers():
+        assert torch.equal(dict(norm.named_buffers())[name], buffer), name
+    for got, want in zip(grads, expected_grads):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("policy", [KEEP, RECOMPUTE])
+def test_pipeline_with_batchnorm_matches_one_process_accumulating_micro_batches(
+    policy: str, tmp_path: Path
+) -> None:
+    """hier_pipeline over 2 stages with every layer under ``policy``: parameters and BatchNorm's
+    running_mean / running_var / num_batches_tracked equal one process that accumulates the same
+    micro-batches (each micro-batch's forward once)."""
+    out = tmp_path / "state.pt"
+    run_torchrun("pipeline_batchnorm.py", 2, policy, str(out), timeout=300)
+    got = torch.load(out)
+    model = pipeline_batchnorm.BatchNormChain()
+    micro = pipeline_batchnorm.BATCH // pipeline_batchnorm.MICRO_BATCHES
+    pipeline_batchnorm.trainer(devices=1, accumulate_grad_batches=pipeline_batchnorm.MICRO_BATCHES).fit(
+        model, train_dataloaders=pipeline_batchnorm.batch_norm_loader(micro)
+    )
+    expected = model.state_dict()
+    assert (
+        int(expected["norm1.num_batches_tracked"])
+        == pipeline_batchnorm.STEPS * pipeline_batchnorm.MICRO_BATCHES
+    )
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-12, msg=key)

@@ -5,7 +5,8 @@
 
 * ``keep``: the layer runs as is; with a meter attached, saved tensors are only accounted;
 * ``recompute``: the layer runs under a non-reentrant ``torch.utils.checkpoint``; only its inputs
-  stay alive until backward, which re-runs its forward;
+  stay alive until backward, which re-runs its forward (with the layer's buffers put back afterwards,
+  so BatchNorm's running statistics advance once per micro-batch, as when kept);
 * ``swap``: every tensor the layer saves for backward is copied to host memory during forward
   (pinned memory, asynchronously on a side CUDA stream when the tensor is on a GPU) and the device
   tensor is let go; backward copies it back, prefetching the previous swapped layer while the
@@ -24,6 +25,7 @@ regardless of the policy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import threading
 import weakref
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from lightning_hier.pipeline.memory_policy import (
     KEEP,
@@ -270,6 +272,72 @@ class _SwapEntry:
         self.restored: weakref.ref[torch.Tensor] | None = None
 
 
+def _layer_buffers(fn: Any, depth: int = 0) -> dict[int, torch.Tensor]:
+    """The buffers of the modules behind a layer callable: a module, a bound method of one, a
+    ``functools.partial`` or closure over one, or an exported layer (its state names under its root)."""
+    found: dict[int, torch.Tensor] = {}
+    if isinstance(fn, nn.Module):
+        found.update((id(b), b) for b in fn.buffers())
+        return found
+    if depth > 2:
+        return found
+    parts: list[Any] = [getattr(fn, "__self__", None)]
+    if isinstance(fn, functools.partial):
+        parts += [fn.func, *fn.args, *fn.keywords.values()]
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            parts.append(cell.cell_contents)
+    root, names = getattr(fn, "root", None), getattr(fn, "state_names", None)
+    if isinstance(root, nn.Module) and isinstance(names, tuple):
+        for name in names:
+            with contextlib.suppress(AttributeError):  # a parameter, not a buffer
+                buffer = root.get_buffer(name)
+                found[id(buffer)] = buffer
+    for part in parts:
+        if part is not None and (isinstance(part, nn.Module) or callable(part)):
+            found.update(_layer_buffers(part, depth + 1))
+    return found
+
+
+class _BufferGuard:
+    """Keeps a recomputed layer's buffers as the first forward left them.
+
+    A layer that updates buffers in forward (BatchNorm's running statistics in training mode) would
+    update them again when its forward is re-run in backward, unlike a kept layer or one process. The
+    recompute clones the layer's buffers before it runs and copies them back after: device-side
+    copies on the current stream, nothing waits on the device. Every buffer is guarded, as kernels
+    update some in place without bumping their version counter (BatchNorm's running_mean on the CPU),
+    so which ones changed cannot be told without reading them. The recomputed output is unchanged
+    where the layer's output does not read what it updates (BatchNorm in training mode normalises
+    with the batch statistics). CPU runs check this; on CUDA, that cuDNN's BatchNorm backward accepts
+    the running statistics written back after the recompute is unverified (docs/gpu.md).
+    """
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+
+    @classmethod
+    def contexts_for(cls, fn: Any) -> Callable[[], tuple[Any, Any]]:
+        """A ``context_fn`` for ``torch.utils.checkpoint``: the default one when ``fn`` has no buffers."""
+        # an inference tensor cannot be written outside inference mode, so the layer cannot update it
+        buffers = [b for b in _layer_buffers(fn).values() if not b.is_inference()]
+        if not buffers:
+            return noop_context_fn
+        guard = cls(buffers)
+        return lambda: (contextlib.nullcontext(), guard.recompute())
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        with torch.no_grad():
+            saved = [b.clone() for b in self.buffers]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(self.buffers, saved):
+                    buffer.copy_(value)
+
+
 class LayerRunner:
     """Runs layers under ``keep`` / ``swap`` / ``recompute`` and reports to an optional meter.
 
@@ -317,10 +385,11 @@ class LayerRunner:
                 # The checkpoint stashes its inputs as saved tensors, so the keep hooks around it
                 # count them (device-resident until backward frees them); the layer's own saved
                 # tensors go through the checkpoint's inner hooks and are not materialised.
+                context = _BufferGuard.contexts_for(fn)
                 if self.meter is None:
-                    return checkpoint(fn, *args, use_reentrant=False)
+                    return checkpoint(fn, *args, use_reentrant=False, context_fn=context)
                 with saved_tensors_hooks(self._pack_kept, _unpack_kept):
-                    return checkpoint(fn, *args, use_reentrant=False)
+                    return checkpoint(fn, *args, use_reentrant=False, context_fn=context)
             assert policy == SWAP
             group = _SwapGroup(name, self._last_group)
             seen: dict[int, tuple[weakref.ref[torch.Tensor], _SwapEntry]] = {}
