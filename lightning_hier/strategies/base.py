@@ -11,12 +11,15 @@
 - pickling (``torch.save(trainer)``, ``copy.deepcopy``) without the live distributed state;
 - restoring a checkpoint's module and callbacks before ``on_fit_start``, as ``ddp`` does;
 - ``on_exception`` / ``teardown``: after a failure, teardown waits in no collective for peers that may be
-  gone;
+  gone; a failure of the communication names the lost rank(s) (every process beats in the job's store,
+  :mod:`lightning_hier.liveness`) in an ERROR log line and a note on the exception;
 - the strategy's registration with Lightning's ``StrategyRegistry``.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_hier import liveness
 from lightning_hier.audit import start_from_env
 from lightning_hier.strategies.lightning_patches import (
     attached_trainer,
@@ -34,6 +38,8 @@ from lightning_hier.strategies.lightning_patches import (
 )
 from lightning_hier.strategies.process_group_exit import destroy_process_group_at_exit
 from lightning_hier.topology import Topology, gather_hosts, nodes_across_hosts_problem, resolve_backend
+
+log = logging.getLogger(__name__)
 
 #: ``DDPStrategy.__init__``'s arguments that the strategies take as they are
 DDP_ARGUMENTS = (
@@ -87,6 +93,7 @@ class HierStrategy(DDPStrategy):
         self._warn_ignored_ddp_arguments(ignored)
         super().__init__(**arguments)
         self._failed = False  # an exception ended the run: teardown waits for no peer
+        self._heartbeat: liveness.Heartbeat | None = None  # this process's beat, from setup to teardown
 
     def _warn_ignored_ddp_arguments(self, given: Mapping[str, Any]) -> None:
         changed = [
@@ -111,7 +118,56 @@ class HierStrategy(DDPStrategy):
         start_from_env()  # the emulated backend and the audit where the environment asks for them
         super().setup_distributed()
         destroy_process_group_at_exit()
+        self._start_heartbeat()
         self._after_process_group()
+
+    def _start_heartbeat(self) -> None:
+        """Beat in the job's store for the whole run, so that a peer's failed collective can name this rank
+        lost or not (one thread per process, shared with hier_bsp's module; no collective)."""
+        if self._heartbeat is not None or not dist.is_available() or not dist.is_initialized():
+            return
+        if dist.get_world_size() == 1:
+            return
+        self._heartbeat = liveness.Heartbeat(liveness.new_run_key(), dist.get_rank())
+        self._heartbeat.start()
+
+    def _stop_heartbeat(self) -> None:
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
+
+    def _node_of(self, rank: int) -> int:
+        """The node of global ``rank``: the strategy's topology where it has one, else its host."""
+        topology = getattr(self, "topology", None)
+        if isinstance(topology, Topology):
+            return rank // topology.devices_per_node
+        return rank // max(1, self.num_processes)
+
+    def _name_lost_ranks(self, exception: BaseException) -> None:
+        """After a failed collective: which ranks stopped beating (a few seconds' watch, every store call
+        bounded), said in an ERROR log line and, on Python 3.11+, in a note the traceback shows."""
+        heartbeat = self._heartbeat
+        if heartbeat is None or not heartbeat.beating or not liveness.from_communication(exception):
+            return
+        world_size = dist.get_world_size() if dist.is_initialized() else self.planned_world_size
+        lost = liveness.lost_ranks(heartbeat.run_key, world_size)
+        if lost == []:
+            return  # every rank still beats: the error says what failed
+        cause = f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}"
+        if lost is None:
+            note = (
+                f"{self.strategy_name}: the job's key-value store is unreachable: its host, global rank 0 "
+                f"(node {self._node_of(0)}), may be the lost rank: {cause}"
+            )
+        else:
+            note = "; ".join(
+                f"{self.strategy_name}: rank {rank} (node {self._node_of(rank)}) is gone: its heartbeat "
+                "stopped" for rank in lost
+            )
+            note = f"{note}; the collective failed with: {cause}"
+        log.error(note)
+        if sys.version_info >= (3, 11):
+            exception.add_note(note)
 
     def _validate_before_process_group(self) -> None:
         """Raise on a run the strategy cannot serve (settings, callbacks, the module); no collective yet."""
@@ -145,6 +201,7 @@ class HierStrategy(DDPStrategy):
         for name, fresh in self._runtime_state.items():
             if name in state:
                 state[name] = fresh()
+        state["_heartbeat"] = None  # a thread of this process
         return state
 
     # ------------------------------------------------------------------ restore order
@@ -191,12 +248,14 @@ class HierStrategy(DDPStrategy):
     # ------------------------------------------------------------------ end of a run
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown must not wait in a collective for ranks that may be gone
+        self._name_lost_ranks(exception)
         super().on_exception(exception)
 
     def teardown(self) -> None:
         # the next run asks again before its setup, and starts unfailed
         self._restored_in_setup = self._restores_before_setup = self._awaiting_setup = False
         self._failed = False
+        self._stop_heartbeat()
         super().teardown()
 
     @classmethod
