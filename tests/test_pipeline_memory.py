@@ -764,3 +764,17 @@ def test_pipeline_with_batchnorm_matches_one_process_accumulating_micro_batches(
     assert set(got) == set(expected)
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-12, msg=key)
+
+
+def test_measure_layer_stats_leaves_batchnorm_running_statistics_as_they_were() -> None:
+    """Profiling runs each layer several times; the model's running statistics are not advanced by it."""
+    torch.manual_seed(0)
+    lin, norm = nn.Linear(4, 6), nn.BatchNorm1d(6)
+    with torch.no_grad():
+        norm.running_mean.fill_(0.5)
+    before = {name: b.clone() for name, b in norm.named_buffers()}
+    stats = measure_layer_stats([("lin", lin), ("norm", norm)], torch.randn(10, 4) + 3, repeats=2)
+    assert [s.name for s in stats] == ["lin", "norm"]
+    assert stats[1].saved_bytes > 0
+    for name, buffer in norm.named_buffers():
+        assert torch.equal(buffer, before[name]), name

@@ -300,7 +300,7 @@ def _layer_buffers(fn: Any, depth: int = 0) -> dict[int, torch.Tensor]:
 
 
 class _BufferGuard:
-    """Keeps a recomputed layer's buffers as the first forward left them.
+    """Puts layers' buffers back after a block that re-runs them: a recompute, or profiling.
 
     A layer that updates buffers in forward (BatchNorm's running statistics in training mode) would
     update them again when its forward is re-run in backward, unlike a kept layer or one process. The
@@ -319,15 +319,23 @@ class _BufferGuard:
     @classmethod
     def contexts_for(cls, fn: Any) -> Callable[[], tuple[Any, Any]]:
         """A ``context_fn`` for ``torch.utils.checkpoint``: the default one when ``fn`` has no buffers."""
-        # an inference tensor cannot be written outside inference mode, so the layer cannot update it
-        buffers = [b for b in _layer_buffers(fn).values() if not b.is_inference()]
-        if not buffers:
+        guard = cls.over([fn])
+        if not guard.buffers:
             return noop_context_fn
-        guard = cls(buffers)
-        return lambda: (contextlib.nullcontext(), guard.recompute())
+        return lambda: (contextlib.nullcontext(), guard.restoring())
+
+    @classmethod
+    def over(cls, fns: Sequence[Any]) -> _BufferGuard:
+        """A guard over the buffers behind every callable in ``fns``."""
+        found: dict[int, torch.Tensor] = {}
+        for fn in fns:
+            found.update(_layer_buffers(fn))
+        # an inference tensor cannot be written outside inference mode, so no layer can update it
+        return cls([b for b in found.values() if not b.is_inference()])
 
     @contextlib.contextmanager
-    def recompute(self) -> Iterator[None]:
+    def restoring(self) -> Iterator[None]:
+        """Clone the buffers before the block, copy them back after it."""
         with torch.no_grad():
             saved = [b.clone() for b in self.buffers]
         try:
@@ -606,7 +614,8 @@ def measure_layer_stats(
     bytes of each layer's tensor input; forward and backward seconds are medians over
     ``repeats`` runs of each layer alone (after one warm-up), with ``time.perf_counter`` on the
     CPU and CUDA events on a GPU. Backward covers the gradients of the layer's input and of every
-    leaf it uses (its parameters) but leaves their ``.grad`` untouched.
+    leaf it uses (its parameters) but leaves their ``.grad`` untouched, and the layers' buffers (BatchNorm's
+    running statistics) as they were.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
@@ -614,50 +623,52 @@ def measure_layer_stats(
     if len(set(names)) != len(names):
         raise ValueError(f"layer names must be unique, got {names}.")
 
-    meter = ActivationMeter()
-    runner = LayerRunner(meter)
-    inputs: list[Any] = []
-    x = _as_chain_input(example_input)
-    with torch.enable_grad():
-        for name, fn in named_fns:
-            inputs.append(x)
-            x = runner.run(name, KEEP, fn, x)
-    del x
-    input_bytes = [storage_bytes([v], skip_parameters=True) for v in inputs]
-    inputs = [v.detach() if isinstance(v, torch.Tensor) else v for v in inputs]
+    # every layer runs several times here: buffers it updates in forward (running statistics) are put back
+    with _BufferGuard.over([fn for _, fn in named_fns]).restoring():
+        meter = ActivationMeter()
+        runner = LayerRunner(meter)
+        inputs: list[Any] = []
+        x = _as_chain_input(example_input)
+        with torch.enable_grad():
+            for name, fn in named_fns:
+                inputs.append(x)
+                x = runner.run(name, KEEP, fn, x)
+        del x
+        input_bytes = [storage_bytes([v], skip_parameters=True) for v in inputs]
+        inputs = [v.detach() if isinstance(v, torch.Tensor) else v for v in inputs]
 
-    stats: list[LayerMemoryStats] = []
-    for (name, fn), layer_input, in_bytes in zip(named_fns, inputs, input_bytes):
-        device = layer_input.device if isinstance(layer_input, torch.Tensor) else torch.device("cpu")
-        timer = _Timer(device)
-        forward: list[float] = []
-        backward: list[float] = []
-        for i in range(repeats + 1):
-            fwd: list[float] = []
-            bwd: list[float] = []
-            h = _as_chain_input(layer_input)
-            with torch.enable_grad():
-                with timer.measure(fwd):
-                    out = fn(h)
-                outs = [t for t in _tensors_in(out) if t.requires_grad]
-                if outs:
-                    leaves = _graph_leaves(outs)
-                    grads = [torch.ones_like(t) for t in outs]
-                    with timer.measure(bwd):
-                        torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-                else:
-                    bwd.append(0.0)
-            if i > 0:
-                forward += fwd
-                backward += bwd
-            del out, outs
-        stats.append(
-            LayerMemoryStats(
-                name=name,
-                saved_bytes=meter.layer_bytes.get(name, 0),
-                input_bytes=in_bytes,
-                forward_seconds=statistics.median(forward),
-                backward_seconds=statistics.median(backward),
+        stats: list[LayerMemoryStats] = []
+        for (name, fn), layer_input, in_bytes in zip(named_fns, inputs, input_bytes):
+            device = layer_input.device if isinstance(layer_input, torch.Tensor) else torch.device("cpu")
+            timer = _Timer(device)
+            forward: list[float] = []
+            backward: list[float] = []
+            for i in range(repeats + 1):
+                fwd: list[float] = []
+                bwd: list[float] = []
+                h = _as_chain_input(layer_input)
+                with torch.enable_grad():
+                    with timer.measure(fwd):
+                        out = fn(h)
+                    outs = [t for t in _tensors_in(out) if t.requires_grad]
+                    if outs:
+                        leaves = _graph_leaves(outs)
+                        grads = [torch.ones_like(t) for t in outs]
+                        with timer.measure(bwd):
+                            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+                    else:
+                        bwd.append(0.0)
+                if i > 0:
+                    forward += fwd
+                    backward += bwd
+                del out, outs
+            stats.append(
+                LayerMemoryStats(
+                    name=name,
+                    saved_bytes=meter.layer_bytes.get(name, 0),
+                    input_bytes=in_bytes,
+                    forward_seconds=statistics.median(forward),
+                    backward_seconds=statistics.median(backward),
+                )
             )
-        )
-    return stats
+        return stats
