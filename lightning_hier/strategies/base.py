@@ -146,6 +146,9 @@ class HierStrategy(DDPStrategy):
     def _name_lost_ranks(self, exception: BaseException) -> None:
         """After a failed collective: which ranks stopped beating (a few seconds' watch, every store call
         bounded), said in an ERROR log line and, on Python 3.11+, in a note the traceback shows."""
+        # Reached only where the failure raised. Under NCCL a collective whose peer died may instead wait
+        # until NCCL's watchdog ends the process, and nothing is named; a CPU run cannot show that
+        # (docs/gpu.md).
         heartbeat = self._heartbeat
         if heartbeat is None or not heartbeat.beating or not liveness.from_communication(exception):
             return
