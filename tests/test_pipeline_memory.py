@@ -778,3 +778,40 @@ def test_measure_layer_stats_leaves_batchnorm_running_statistics_as_they_were() 
     assert stats[1].saved_bytes > 0
     for name, buffer in norm.named_buffers():
         assert torch.equal(buffer, before[name]), name
+
+
+def _exported_classifier_step(policy: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two micro-batches through a one-stage executor of the exported ``ImageClassifier`` (BatchNorm
+    layers captured by ``torch.export``), every layer under ``policy``; its state and gradients."""
+    from pipeline_export_capture import ImageClassifier
+
+    from lightning_hier.pipeline.graph import LayerGraph
+    from lightning_hier.pipeline.partition import StagePartition
+    from lightning_hier.pipeline.stage import StageExecutor
+
+    torch.manual_seed(0)
+    model = ImageClassifier().double()
+    graph = LayerGraph(model, example_input=((torch.zeros(2, 3, 16, 16, dtype=torch.float64),), {}))
+    assert graph.capture == "export"
+    executor = StageExecutor(graph, StagePartition((0,), graph.num_clusters), 0)
+    executor.layer_run, executor.layer_run_always = LayerRunner(ActivationMeter()), True
+    executor.policies = {graph.layers[i].name: policy for i in executor.layer_range}
+    torch.manual_seed(1)
+    outputs = [executor.forward(torch.randn(4, 3, 20, 20, dtype=torch.float64)) for _ in range(2)]
+    for out in reversed(outputs):
+        out.pow(2).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return model.state_dict(), grads
+
+
+def test_recomputed_exported_layers_update_batchnorm_statistics_once() -> None:
+    """Exported layers read the model's buffers by name; recomputing them leaves BatchNorm's running
+    statistics and the gradients as keeping them does."""
+    state, grads = _exported_classifier_step(RECOMPUTE)
+    expected_state, expected_grads = _exported_classifier_step(KEEP)
+    assert any(name.endswith("num_batches_tracked") for name in expected_state)
+    for name, value in expected_state.items():
+        assert torch.equal(state[name], value), name
+    assert grads.keys() == expected_grads.keys() and grads
+    for name, value in expected_grads.items():
+        assert torch.equal(grads[name], value), name
