@@ -21,7 +21,15 @@ from helpers import init_gloo, run_spawned, run_torchrun
 from lightning_hier import HierSlicedStrategy, Topology
 from lightning_hier.audit import analyze
 from lightning_hier.audit.emulation import EMULATED_NCCL
-from lightning_hier.sliced.int8_codec import BLOCK, dequantize, int8_all_reduce, pack, quantize, unpack
+from lightning_hier.sliced.int8_codec import (
+    BLOCK,
+    blocks_of,
+    dequantize,
+    int8_all_reduce,
+    pack,
+    quantize,
+    unpack,
+)
 from lightning_hier.sliced.reducer import ReduceJob, make_reducer
 from lightning_hier.topology import DEVICE_BACKEND_ENV
 
@@ -265,3 +273,164 @@ def test_a_non_finite_step_leaves_the_next_steps_finite(dtype: torch.dtype, one_
     assert torch.isfinite(residual).all() and torch.isfinite(out).all(), (out, residual)
     # bf16 holds these exactly; int8 within half a scale of the block (max 3 / 127)
     torch.testing.assert_close(out, gradient, rtol=0, atol=3 / 254 * 1.0001)
+
+
+# ---------------------------------------------------------------------- the same bits as the plain codec
+def _reference_quantize(rows: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codec written plainly, one padded copy per step: what the in-place passes must reproduce."""
+    count, length = rows.shape
+    nb = -(-length // block)
+    work = rows.float() if rows.dtype != torch.float64 else rows
+    padded = torch.nn.functional.pad(work, (0, nb * block - length)).view(count, nb, block)
+    scales = (padded.abs().amax(dim=2) / 127).float()
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).to(work.dtype)
+    values = torch.round(padded / divisor.unsqueeze(2)).clamp_(-127, 127)
+    return values.view(count, nb * block)[:, :length].to(torch.int8), scales
+
+
+def _reference_dequantize(
+    q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    count, length = q.shape
+    nb = scales.shape[1]
+    padded = torch.nn.functional.pad(q.to(dtype), (0, nb * block - length)).view(count, nb, block)
+    return (padded * scales.to(dtype).unsqueeze(2)).view(count, nb * block)[:, :length]
+
+
+def _reference_all_reduce(out: torch.Tensor, residual: torch.Tensor | None, group: dist.ProcessGroup) -> None:
+    size, rank, n = dist.get_world_size(group), dist.get_rank(group), out.numel()
+    part = -(-n // size)
+    compute = torch.float64 if out.dtype == torch.float64 else torch.float32
+    if residual is not None:
+        out.add_(residual)
+    rows = torch.nn.functional.pad(out.to(compute), (0, size * part - n)).view(size, part)
+    q, scales = _reference_quantize(rows)
+    if residual is not None:
+        torch.sub(out, _reference_dequantize(q, scales, BLOCK, compute).reshape(-1)[:n], out=residual)
+    message = pack(q, scales)
+    received = torch.empty_like(message)
+    dist.all_to_all_single(received, message, group=group)
+    total = _reference_dequantize(*unpack(received, part), BLOCK, compute).sum(dim=0, keepdim=True)
+    q_sum, scales_sum = _reference_quantize(total)
+    if residual is not None:
+        lo, hi = min(rank * part, n), min((rank + 1) * part, n)
+        dropped = total - _reference_dequantize(q_sum, scales_sum, BLOCK, compute)
+        residual[lo:hi].add_(dropped[0, : hi - lo])
+        residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    gathered = torch.empty((size, message.shape[1]), dtype=torch.int8)
+    dist.all_gather_into_tensor(gathered, pack(q_sum, scales_sum), group=group)
+    out.copy_(_reference_dequantize(*unpack(gathered, part), BLOCK, compute).reshape(-1)[:n])
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s bytes, so that -0.0 and 0.0 (or two NaNs) compare by their encoding."""
+    return x.contiguous().view(torch.uint8)
+
+
+def _awkward(rows: int, length: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows of mixed magnitudes with a block of zeros, one of -0.0 and one of subnormals (whose scale
+    rounds coarsely, so that clamping matters) where the rows are long enough."""
+    x = _gradient(seed, rows * length).view(rows, length).to(dtype)
+    if length > 3 * BLOCK:
+        x[0, :BLOCK] = 0.0
+        x[-1, BLOCK : 2 * BLOCK] = -0.0
+        x[0, 2 * BLOCK : 3 * BLOCK] = torch.randn(BLOCK).to(dtype) * 1e-43
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 3 * BLOCK + 77), (2, 4 * BLOCK), (4, BLOCK - 1), (1, 5)])
+def test_quantize_and_dequantize_give_the_bits_of_the_plain_codec(shape: tuple, dtype: torch.dtype) -> None:
+    x = _awkward(*shape, dtype, seed=len(shape) + shape[1])
+    q, scales = quantize(x)
+    q_ref, scales_ref = _reference_quantize(x)
+    assert torch.equal(q, q_ref) and torch.equal(_bits(scales), _bits(scales_ref))
+    for out_dtype in (torch.float32, torch.float64):
+        back = dequantize(q, scales, BLOCK, out_dtype)
+        assert torch.equal(_bits(back), _bits(_reference_dequantize(q_ref, scales_ref, BLOCK, out_dtype)))
+    strided = torch.cat([x, x], dim=1)[:, : shape[1]]  # rows that are views with a longer stride
+    assert torch.equal(quantize(strided)[0], q_ref)
+
+
+_SIZES = [(SLICE, torch.float32), (4 * BLOCK, torch.float32), (3, torch.float32), (6244, torch.float64),
+          (SLICE, torch.bfloat16)]  # fmt: skip
+
+
+def _against_reference(rank: int, world: int, store: str) -> dict:
+    init_gloo(rank, world, store)
+    mismatches = []
+    try:
+        for n, dtype in _SIZES:
+            for feedback in (True, False):
+                gradient = _awkward(1, n, dtype, seed=rank)[0]
+                ours, theirs = gradient.clone(), gradient.clone()
+                residuals = [torch.zeros(n, dtype=dtype) for _ in range(2)] if feedback else [None, None]
+                for step in range(3):  # from the second step on, the residuals are not zero
+                    work, decode = int8_all_reduce(ours, residuals[0], dist.group.WORLD)
+                    work.wait()
+                    decode()
+                    _reference_all_reduce(theirs, residuals[1], dist.group.WORLD)
+                    if not torch.equal(_bits(ours), _bits(theirs)):
+                        mismatches.append((n, str(dtype), feedback, step, "sum"))
+                    if feedback and not torch.equal(_bits(residuals[0]), _bits(residuals[1])):
+                        mismatches.append((n, str(dtype), feedback, step, "residual"))
+                    ours.add_(gradient)
+                    theirs.add_(gradient)
+        return {"mismatches": mismatches}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_int8_all_reduce_gives_the_bits_of_the_plain_codec(world: int, tmp_path: Path) -> None:
+    # 4 nodes of 3 elements: parts of one element and a last node with none (all padding)
+    for result in run_spawned(_against_reference, world, tmp_path):
+        assert result is not None and "error" not in result, result
+        assert result["mismatches"] == [], result["mismatches"]
+
+
+# ---------------------------------------------------------------------- passes over the data
+class _Traffic:
+    """Counts, per aten operation that is not a view, the elements of its largest tensor (the data it
+    reads or writes), and the bytes of the tensors it returns in fresh memory."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        traffic = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+                inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+                result = func(*args, **(kwargs or {}))
+                if not func.is_view:
+                    outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+                    traffic.elements += max((t.numel() for t in inputs + outputs), default=0)
+                    known = {t.untyped_storage().data_ptr() for t in inputs}
+                    fresh = [t for t in outputs if t.untyped_storage().data_ptr() not in known]
+                    traffic.fresh_bytes += sum(t.numel() * t.element_size() for t in fresh)
+                return result
+
+        self.mode = Mode()
+        self.elements = 0
+        self.fresh_bytes = 0
+
+
+def test_the_int8_hop_makes_few_passes_and_allocates_only_its_all_gathers_messages(one_process_group) -> None:  # noqa: ANN001
+    """The hop is bound by passes over the slice on a CPU: adding the residual, quantising (max, min,
+    divide, round, clamp, store as int8), the residual (dequantise, subtract), the owner's sum (dequantise,
+    sum), quantising the sum and its residual, and decoding what arrives; and by memory it takes anew."""
+    n = 3 * BLOCK + 100  # a short last block
+    out, residual = _gradient(0, n), torch.zeros(n)
+    for _step in range(2):  # the second call: scratch buffers already there
+        traffic = _Traffic()
+        with traffic.mode:
+            work, decode = int8_all_reduce(out, residual, one_process_group)
+            work.wait()
+            decode()
+    passes = traffic.elements / n
+    assert passes <= 32, passes  # the codec written plainly: 46, most of them on zero-padded copies
+    # the all-gather's two int8 messages (its own: it runs asynchronously) and per-block scales, no float
+    # copy of the slice (on a CPU a fresh page costs a fault)
+    assert traffic.fresh_bytes <= 2 * (n + 4 * blocks_of(n)) + 64 * 4 * blocks_of(n), traffic.fresh_bytes

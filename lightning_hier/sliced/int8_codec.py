@@ -21,19 +21,28 @@ Every tensor here is on the gradients' device and every size is a host integer, 
 back from the device; its two collectives are issued on the inter-node group in the same order on every
 rank. gloo runs ``all_to_all_single`` and the flat all-gather on int8 CPU tensors (torch 2.13), so the same
 calls serve gloo and NCCL.
+
+The codec makes few passes over the data: blocks are views of the rows (only a row's last, short block is
+its own view, nothing is padded by copy), the divisions, rounding and clamping run in place in one scratch
+buffer, the int8 values are written straight into the message, the received parts are dequantised by one
+multiplication each and error feedback is computed in place in the residual. On the CPU the scratch buffers
+are kept across calls (allocating them anew costs a page fault per 4 KiB); on a GPU the caching allocator
+already reuses memory, in stream order.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 BLOCK = 2048
 """Elements per quantisation block (one fp32 scale each)."""
 LEVELS = 127  # int8 values used: -127..127, symmetric, so -x quantises to -q
+
+_scratch = threading.local()  # the CPU's reused buffers, one set per thread (the reducer's own thread)
 
 
 def blocks_of(length: int, block: int = BLOCK) -> int:
@@ -41,18 +50,76 @@ def blocks_of(length: int, block: int = BLOCK) -> int:
     return -(-length // block)
 
 
+def _buffer(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch tensor of ``shape`` whose contents are used only until the caller returns."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    key = (role, dtype)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel].view(shape)
+
+
+def _sections(length: int, block: int) -> list[tuple[int, int, int]]:
+    """A row of ``length`` as ``(first element, blocks, block width)``: its whole blocks, then its short
+    one."""
+    whole, tail = divmod(length, block)
+    sections = [(0, whole, block)] if whole else []
+    if tail:
+        sections.append((whole * block, 1, tail))
+    return sections
+
+
+def _quantize_into(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """Quantise ``rows`` (2-d float, last dim contiguous) into ``q`` (int8, the same shape, may be a strided
+    view) and ``scales`` (fp32, ``[rows, blocks_of(row length)]``)."""
+    count, length = rows.shape
+    work = _buffer("quantize", (count * length,), rows.dtype, rows.device)
+    for first, blocks, width in _sections(length, block):
+        x = rows[:, first : first + blocks * width].view(count, blocks, width)
+        b = first // block
+        # max |x| as max(max x, -min x): two reads, no |x| written out; abs_ gives a block of -0.0 scale +0.0
+        top = torch.maximum(x.amax(dim=2), x.amin(dim=2).neg_()).abs_()
+        scale = scales[:, b : b + blocks]
+        # the scales as they travel (fp32) are the ones divided by, so that dequantize inverts exactly this
+        scale.copy_(top.div_(LEVELS))
+        divisor = torch.where(scale > 0, scale, 1.0).to(rows.dtype).unsqueeze(2)
+        values = work[: count * blocks * width].view(count, blocks, width)
+        torch.div(x, divisor, out=values)
+        values.round_().clamp_(-LEVELS, LEVELS)  # round half to even
+        q[:, first : first + blocks * width].view(count, blocks, width).copy_(values)
+
+
+def _dequantize_into(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """``q * scale`` per block into ``out`` (2-d, the shape of ``q``); ``scales`` in the dtype to compute
+    in."""
+    count, length = q.shape
+    for first, blocks, width in _sections(length, block):
+        b = first // block
+        span = slice(first, first + blocks * width)
+        # the int8 values converted in place, then one multiplication: a mixed int8 * float product would
+        # convert through a temporary, many times slower on the CPU; the values are integers below 128, exact
+        # in every float dtype
+        values = out[:, span].view(count, blocks, width)
+        values.copy_(q[:, span].view(count, blocks, width))
+        values.mul_(scales[:, b : b + blocks].unsqueeze(2))
+
+
 def quantize(rows: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` (2-d, float) as int8 of the same shape and fp32 scales ``[rows, blocks_of(row length)]``:
     each block of a row is ``round(x / scale)`` with ``scale = max|x| / 127`` (0 for a block of zeros)."""
     count, length = rows.shape
-    nb = blocks_of(length, block)
     work = rows.float() if rows.dtype != torch.float64 else rows
-    padded = F.pad(work, (0, nb * block - length)).view(count, nb, block)
-    # the scales as they travel (fp32) are the ones divided by, so that dequantize inverts exactly this
-    scales = (padded.abs().amax(dim=2) / LEVELS).float()
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).to(work.dtype)
-    values = torch.round(padded / divisor.unsqueeze(2)).clamp_(-LEVELS, LEVELS)
-    q = values.view(count, nb * block)[:, :length].to(torch.int8)
+    if work.stride(-1) != 1:
+        work = work.contiguous()
+    q = torch.empty((count, length), dtype=torch.int8, device=rows.device)
+    scales = torch.empty((count, blocks_of(length, block)), dtype=torch.float32, device=rows.device)
+    _quantize_into(work, q, scales, block)
     return q, scales
 
 
@@ -60,10 +127,9 @@ def dequantize(
     q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """What :func:`quantize` encoded, in ``dtype``: ``q * scale`` per block, the shape of ``q``."""
-    count, length = q.shape
-    nb = scales.shape[1]
-    padded = F.pad(q.to(dtype), (0, nb * block - length)).view(count, nb, block)
-    return (padded * scales.to(dtype).unsqueeze(2)).view(count, nb * block)[:, :length]
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    _dequantize_into(q if q.stride(-1) == 1 else q.contiguous(), scales.to(dtype), out, block)
+    return out
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -79,6 +145,17 @@ def unpack(message: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tens
 def _flat_collective(name: str, older_name: str):  # noqa: ANN202
     # looked up at each call, so that the wrappers of CommProfiler and the audit see the call
     return getattr(dist, name, None) or getattr(dist, older_name)
+
+
+def _row_groups(flat: torch.Tensor, part: int) -> list[tuple[int, torch.Tensor]]:
+    """``flat`` (1-d) cut into rows of ``part`` as views: ``(first row, rows)`` for its whole rows, then for
+    its short last row; the rows after it (padding) are not in ``flat`` at all."""
+    n = flat.numel()
+    whole, tail = divmod(n, part)
+    groups = [(0, flat[: whole * part].view(whole, part))] if whole else []
+    if tail:
+        groups.append((whole, flat[whole * part :].view(1, tail)))
+    return groups
 
 
 @torch.no_grad()
@@ -100,32 +177,76 @@ def int8_all_reduce(
     rank = dist.get_rank(group)
     n = out.numel()
     part = -(-n // size)
+    blocks = blocks_of(part, block)
+    width = part + 4 * blocks
+    device = out.device
     compute = torch.float64 if out.dtype == torch.float64 else torch.float32
     if residual is not None:
         out.add_(residual)
-    rows = F.pad(out.to(compute), (0, size * part - n)).view(size, part)
-    q, scales = quantize(rows, block)
+    if out.dtype == compute and out.is_contiguous():
+        source = out
+    else:
+        source = _buffer("source", (n,), compute, device)
+        source.copy_(out.reshape(-1))
+    # the all-to-all is waited for below, so on the CPU its buffers are free again when this call returns
+    message = _buffer("message", (size, width), torch.int8, device)
+    scales = _buffer("scales", (size, blocks), torch.float32, device)
+    if n < size * part:  # the padding: zeros, and scale 0 for blocks of nothing but padding
+        full = n // part
+        message[full:].zero_()
+        scales[full:].zero_()
+    sent = None
     if residual is not None:
-        sent = dequantize(q, scales, block, compute).reshape(-1)[:n]
-        torch.sub(out, sent, out=residual)
-    message = pack(q, scales)
-    received = torch.empty_like(message)
+        sent = residual if residual.dtype == compute and residual.is_contiguous() else None
+        if sent is None:
+            sent = _buffer("sent", (n,), compute, device)
+    for row, rows in _row_groups(source, part):
+        count, length = rows.shape
+        q = message[row : row + count, :length]
+        row_scales = scales[row : row + count]
+        _quantize_into(rows, q, row_scales, block)
+        if sent is not None:  # what this rank's parts lose in transit: x - q * scale, in place
+            sent_rows = sent[row * part : row * part + count * length].view(count, length)
+            _dequantize_into(q, row_scales.to(compute), sent_rows, block)
+            torch.sub(rows, sent_rows, out=sent_rows)
+    if residual is not None and sent is not residual:
+        residual.copy_(sent.view(residual.shape))
+    message[:, part:].copy_(scales.view(torch.int8))
+    received = _buffer("received", (size, width), torch.int8, device)
     dist.all_to_all_single(received, message, group=group, async_op=True).wait()
-    total = dequantize(*unpack(received, part), block, compute).sum(dim=0, keepdim=True)
-    q_sum, scales_sum = quantize(total, block)
+    summands = _buffer("summands", (size, part), compute, device)
+    _dequantize_into(received[:, :part], unpack(received, part)[1].to(compute), summands, block)
+    total = _buffer("total", (1, part), compute, device)
+    torch.sum(summands, dim=0, keepdim=True, out=total)
+    # the all-gather is asynchronous: its buffers are its own, never reused
+    outgoing = torch.empty((1, width), dtype=torch.int8, device=device)
+    scales_sum = torch.empty((1, blocks), dtype=torch.float32, device=device)
+    _quantize_into(total, outgoing[:, :part], scales_sum, block)
+    outgoing[:, part:].copy_(scales_sum.view(torch.int8))
     if residual is not None:
         lo, hi = min(rank * part, n), min((rank + 1) * part, n)
-        dropped = total - dequantize(q_sum, scales_sum, block, compute)
-        residual[lo:hi].add_(dropped[0, : hi - lo])
+        if hi > lo:  # what quantising the sum dropped from this rank's part: total - q * scale
+            dropped = summands[:1, : hi - lo]
+            _dequantize_into(outgoing[:, : hi - lo], scales_sum.to(compute), dropped, block)
+            torch.sub(total[:, : hi - lo], dropped, out=dropped)
+            residual[lo:hi].add_(dropped[0])
         # a non-finite gradient (an fp16 loss scale that overflowed) is dropped with its step; carried in the
         # residual it would make every later step non-finite too
         residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    gathered = torch.empty((size, message.shape[1]), dtype=torch.int8, device=out.device)
+    gathered = torch.empty((size, width), dtype=torch.int8, device=device)
     all_gather = _flat_collective("all_gather_single", "all_gather_into_tensor")
-    work = all_gather(gathered, pack(q_sum, scales_sum), group=group, async_op=True)
+    work = all_gather(gathered, outgoing, group=group, async_op=True)
 
     def finish() -> None:
-        summed = dequantize(*unpack(gathered, part), block, compute).reshape(-1)[:n]
-        out.copy_(summed)
+        # may run on another thread than the call: it writes into ``out`` only, no shared scratch buffer
+        gathered_scales = unpack(gathered, part)[1].to(compute)
+        if out.is_contiguous():
+            for row, rows in _row_groups(out, part):
+                count, length = rows.shape
+                q = gathered[row : row + count, :length]
+                _dequantize_into(q, gathered_scales[row : row + count], rows, block)
+        else:
+            summed = dequantize(gathered[:, :part], gathered_scales, block, compute).reshape(-1)[:n]
+            out.copy_(summed.view(out.shape))
 
     return work, finish
