@@ -122,9 +122,11 @@ def _leave_at_exit() -> None:
                 bounded(lambda left=left: dist.distributed_c10d._get_default_store().set(left, "1"))
 
 
-def bounded(call: Callable[[], _T], timeout_s: float = STORE_TIMEOUT_S) -> _T:
-    """``call()`` on a daemon thread, waited for at most ``timeout_s`` (``TimeoutError`` past it): a store
-    call whose host vanished without closing the connection must not hang the caller."""
+def bounded(call: Callable[[], _T], timeout_s: float | None = None) -> _T:
+    """``call()`` on a daemon thread, waited for at most ``timeout_s`` (default :data:`STORE_TIMEOUT_S`;
+    ``TimeoutError`` past it): a store call whose host vanished without closing the connection must not
+    hang the caller."""
+    timeout_s = STORE_TIMEOUT_S if timeout_s is None else timeout_s
     done = threading.Event()
     result: list[Any] = []
 

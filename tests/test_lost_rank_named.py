@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import init_gloo, run_spawned
 
 TESTS = Path(__file__).parent
 STRATEGY_TIMEOUT_S = 30.0  # lost_rank_named.TIMEOUT
@@ -42,3 +43,68 @@ def test_survivor_names_the_killed_rank(strategy: str, tmp_path: Path) -> None:
     # traceback's note, beside gloo's error
     assert re.search(rf"^(?!\[rank0\]).*{named}", output, re.MULTILINE), output[-6000:]
     assert re.search(rf"\[rank0\]: {named}", output), output[-6000:]
+
+
+def _one_beating_thread(rank: int, world: int, store: str) -> dict:
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_hier import liveness
+    from lightning_hier.bsp.liveness import Heartbeat as ModuleHeartbeat
+
+    init_gloo(rank, world, store)
+    kv = dist.distributed_c10d._get_default_store()
+    process = liveness.Heartbeat("process", rank)  # the strategy's, from setup to teardown
+    process.start()
+    module = ModuleHeartbeat("module", rank)  # hier_bsp's module, started later in the run
+    module.start()
+    time.sleep(2.5)
+    threads = sorted(t.name for t in threading.enumerate() if "heartbeat" in t.name)
+    module_beats = kv.add("module/beat/0", 0)
+    module.stop()
+    result = {
+        "threads": threads,
+        "module_beats": module_beats,
+        "module_left": kv.check(["module/left/0"]),
+        "process_beats_on": process.is_alive(),
+    }
+    process.stop()
+    result["ended"] = not process.is_alive()
+    return result
+
+
+def test_one_heartbeat_thread_per_process(tmp_path: Path) -> None:
+    """hier_bsp's module starts its heartbeat while the strategy's beats: its counter goes to that thread
+    (one thread, both counters beat), and stopping it says it left without ending the strategy's."""
+    (result,) = run_spawned(_one_beating_thread, 1, tmp_path)
+    assert result == {
+        "threads": ["hier-heartbeat-rank0"],
+        "module_beats": result["module_beats"],
+        "module_left": True,
+        "process_beats_on": True,
+        "ended": True,
+    }, result
+    assert result["module_beats"] >= 2  # beaten about once a second for 2.5 s
+
+
+def test_an_unanswering_store_counts_as_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose host vanished without closing the connection: the question ends within its bound and
+    answers ``None`` (unreachable), never hangs."""
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_hier import liveness
+
+    class Silent:
+        def add(self, key: str, amount: int) -> int:
+            time.sleep(30)
+            return 0
+
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", Silent)
+    monkeypatch.setattr(liveness, "STORE_TIMEOUT_S", 0.3)
+    started = time.monotonic()
+    assert liveness.lost_ranks("run", 2, watch_s=0.1) is None
+    assert time.monotonic() - started < 2.0
