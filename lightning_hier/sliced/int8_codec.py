@@ -50,19 +50,21 @@ def blocks_of(length: int, block: int = BLOCK) -> int:
     return -(-length // block)
 
 
-def _buffer(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A scratch tensor of ``shape`` whose contents are used only until the caller returns."""
+def _buffer(role: str, shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """A scratch tensor of ``shape`` on ``like``'s device (and of its tensor type), whose contents are used
+    only until the caller returns."""
+    if like.device.type != "cpu":
+        return like.new_empty(shape, dtype=dtype)
     numel = 1
     for dim in shape:
         numel *= dim
-    if device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
     buffers = _scratch.__dict__.setdefault("buffers", {})
     key = (role, dtype)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = buffers[key] = torch.empty(numel, dtype=dtype)
-    return buffer[:numel].view(shape)
+    view = buffer[:numel].view(shape)
+    return view if type(like) is torch.Tensor else view.as_subclass(type(like))
 
 
 def _sections(length: int, block: int) -> list[tuple[int, int, int]]:
@@ -79,7 +81,7 @@ def _quantize_into(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bl
     """Quantise ``rows`` (2-d float, last dim contiguous) into ``q`` (int8, the same shape, may be a strided
     view) and ``scales`` (fp32, ``[rows, blocks_of(row length)]``)."""
     count, length = rows.shape
-    work = _buffer("quantize", (count * length,), rows.dtype, rows.device)
+    work = _buffer("quantize", (count * length,), rows.dtype, rows)
     for first, blocks, width in _sections(length, block):
         x = rows[:, first : first + blocks * width].view(count, blocks, width)
         b = first // block
@@ -117,8 +119,8 @@ def quantize(rows: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torc
     work = rows.float() if rows.dtype != torch.float64 else rows
     if work.stride(-1) != 1:
         work = work.contiguous()
-    q = torch.empty((count, length), dtype=torch.int8, device=rows.device)
-    scales = torch.empty((count, blocks_of(length, block)), dtype=torch.float32, device=rows.device)
+    q = rows.new_empty((count, length), dtype=torch.int8)
+    scales = rows.new_empty((count, blocks_of(length, block)), dtype=torch.float32)
     _quantize_into(work, q, scales, block)
     return q, scales
 
@@ -127,7 +129,7 @@ def dequantize(
     q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """What :func:`quantize` encoded, in ``dtype``: ``q * scale`` per block, the shape of ``q``."""
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    out = q.new_empty(q.shape, dtype=dtype)
     _dequantize_into(q if q.stride(-1) == 1 else q.contiguous(), scales.to(dtype), out, block)
     return out
 
@@ -179,18 +181,17 @@ def int8_all_reduce(
     part = -(-n // size)
     blocks = blocks_of(part, block)
     width = part + 4 * blocks
-    device = out.device
     compute = torch.float64 if out.dtype == torch.float64 else torch.float32
     if residual is not None:
         out.add_(residual)
     if out.dtype == compute and out.is_contiguous():
         source = out
     else:
-        source = _buffer("source", (n,), compute, device)
+        source = _buffer("source", (n,), compute, out)
         source.copy_(out.reshape(-1))
     # the all-to-all is waited for below, so on the CPU its buffers are free again when this call returns
-    message = _buffer("message", (size, width), torch.int8, device)
-    scales = _buffer("scales", (size, blocks), torch.float32, device)
+    message = _buffer("message", (size, width), torch.int8, out)
+    scales = _buffer("scales", (size, blocks), torch.float32, out)
     if n < size * part:  # the padding: zeros, and scale 0 for blocks of nothing but padding
         full = n // part
         message[full:].zero_()
@@ -199,7 +200,7 @@ def int8_all_reduce(
     if residual is not None:
         sent = residual if residual.dtype == compute and residual.is_contiguous() else None
         if sent is None:
-            sent = _buffer("sent", (n,), compute, device)
+            sent = _buffer("sent", (n,), compute, out)
     for row, rows in _row_groups(source, part):
         count, length = rows.shape
         q = message[row : row + count, :length]
@@ -212,15 +213,15 @@ def int8_all_reduce(
     if residual is not None and sent is not residual:
         residual.copy_(sent.view(residual.shape))
     message[:, part:].copy_(scales.view(torch.int8))
-    received = _buffer("received", (size, width), torch.int8, device)
+    received = _buffer("received", (size, width), torch.int8, out)
     dist.all_to_all_single(received, message, group=group, async_op=True).wait()
-    summands = _buffer("summands", (size, part), compute, device)
+    summands = _buffer("summands", (size, part), compute, out)
     _dequantize_into(received[:, :part], unpack(received, part)[1].to(compute), summands, block)
-    total = _buffer("total", (1, part), compute, device)
+    total = _buffer("total", (1, part), compute, out)
     torch.sum(summands, dim=0, keepdim=True, out=total)
     # the all-gather is asynchronous: its buffers are its own, never reused
-    outgoing = torch.empty((1, width), dtype=torch.int8, device=device)
-    scales_sum = torch.empty((1, blocks), dtype=torch.float32, device=device)
+    outgoing = out.new_empty((1, width), dtype=torch.int8)
+    scales_sum = out.new_empty((1, blocks), dtype=torch.float32)
     _quantize_into(total, outgoing[:, :part], scales_sum, block)
     outgoing[:, part:].copy_(scales_sum.view(torch.int8))
     if residual is not None:
@@ -233,7 +234,7 @@ def int8_all_reduce(
         # a non-finite gradient (an fp16 loss scale that overflowed) is dropped with its step; carried in the
         # residual it would make every later step non-finite too
         residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    gathered = torch.empty((size, width), dtype=torch.int8, device=device)
+    gathered = out.new_empty((size, width), dtype=torch.int8)
     all_gather = _flat_collective("all_gather_single", "all_gather_into_tensor")
     work = all_gather(gathered, outgoing, group=group, async_op=True)
 
