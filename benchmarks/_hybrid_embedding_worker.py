@@ -86,6 +86,18 @@ def main() -> None:
     else:
         table, strategy = nn.EmbeddingBag(rows, dim, mode="sum", sparse=variant == "ddp_sparse"), "ddp"
     model = ClickModel(table, dim, config["dense_features"], config["hidden"], lr)
+    result = fit_and_measure(config, job_dir, model, strategy)
+    if result is not None:
+        result["table_class"] = type(table).__name__
+        (job_dir / "rank0.json").write_text(json.dumps(result, indent=2))
+
+
+def fit_and_measure(
+    config: dict[str, Any], job_dir: Path, model: LightningModule, strategy: Any
+) -> dict[str, Any] | None:
+    """Fit ``model`` for the warm-up, the memory window, the timed window and one more step; on rank 0 the
+    result (the config, timings, samples/s, losses), elsewhere ``None``."""
+    rank, devices, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"))
     warmup, steps = config["warmup"], config["steps"]
     first = warmup + config["mem_steps"]
     window = MarkedWindow(first, steps, job_dir, extra={warmup: "mem_start"})
@@ -102,14 +114,15 @@ def main() -> None:
     batches = DataLoader(range(total), batch_size=None, collate_fn=partial(click_batch, config, rank))
     t0 = time.perf_counter()
     trainer.fit(model, batches)
-    if trainer.global_rank == 0:
-        timings = window.summary()
-        result = {**config, "strategy_class": type(trainer.strategy).__name__, "world_size": world}
-        result.update(table_class=type(table).__name__, table_bytes=rows * dim * 4)
-        samples_per_s = config["batch_size"] * world * steps / timings["window_s"]
-        result.update(fit_s=time.perf_counter() - t0, samples_per_s=samples_per_s, **timings)
-        result.update(first_loss=model.losses[0], last_loss=model.losses[-1])
-        (job_dir / "rank0.json").write_text(json.dumps(result, indent=2))
+    if trainer.global_rank != 0:
+        return None
+    timings = window.summary()
+    result = {**config, "strategy_class": type(trainer.strategy).__name__, "world_size": world}
+    result.update(table_bytes=config["rows"] * config["dim"] * 4)
+    samples_per_s = config["batch_size"] * world * steps / timings["window_s"]
+    result.update(fit_s=time.perf_counter() - t0, samples_per_s=samples_per_s, **timings)
+    result.update(first_loss=model.losses[0], last_loss=model.losses[-1])
+    return result
 
 
 if __name__ == "__main__":

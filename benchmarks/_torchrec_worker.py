@@ -9,18 +9,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _hybrid_embedding_worker import MODEL, ClickModel, click_batch
-from harness.worker import MarkedWindow, quiet_trainer, setup
+from _hybrid_embedding_worker import MODEL, ClickModel, fit_and_measure
+from harness.worker import setup
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader
 
 SHARDING = {"torchrec_tw": "table_wise", "torchrec_dp": "data_parallel", "torchrec_cw": "column_wise"}
 FEATURE = "ids"
@@ -103,34 +100,15 @@ def main() -> None:
     config = {**MODEL, **json.loads(sys.argv[1])}
     job_dir = Path(config.pop("job_dir"))
     setup()
-    rank, devices, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"))
+    rank = int(os.environ["RANK"])
     (job_dir / f"pid.{rank}").write_text(str(os.getpid()))
     variant, rows, dim, lr = config["variant"], config["rows"], config["dim"], config["lr"]
     table = CollectionBag(rows, dim)
     strategy = TorchRecStrategy(SHARDING[variant], lr)
     model = TorchRecClickModel(table, dim, config["dense_features"], config["hidden"], lr)
-    warmup, steps = config["warmup"], config["steps"]
-    first = warmup + config["mem_steps"]
-    window = MarkedWindow(first, steps, job_dir, extra={warmup: "mem_start"})
-    total = first + steps + 1
-    trainer = quiet_trainer(
-        devices=devices,
-        num_nodes=world // devices,
-        strategy=strategy,
-        max_steps=total,
-        use_distributed_sampler=False,
-        callbacks=[window],
-    )
-    batches = DataLoader(range(total), batch_size=None, collate_fn=partial(click_batch, config, rank))
-    t0 = time.perf_counter()
-    trainer.fit(model, batches)
-    if trainer.global_rank == 0:
-        timings = window.summary()
-        result = {**config, "strategy_class": type(trainer.strategy).__name__, "world_size": world}
-        result.update(table_class="EmbeddingBagCollection", table_bytes=rows * dim * 4, plan=strategy.plan)
-        samples_per_s = config["batch_size"] * world * steps / timings["window_s"]
-        result.update(fit_s=time.perf_counter() - t0, samples_per_s=samples_per_s, **timings)
-        result.update(first_loss=model.losses[0], last_loss=model.losses[-1])
+    result = fit_and_measure(config, job_dir, model, strategy)
+    if result is not None:
+        result.update(table_class="EmbeddingBagCollection", plan=strategy.plan)  # the plan the fit made
         (job_dir / "rank0.json").write_text(json.dumps(result, indent=2))
 
 
