@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_hier.buffer_broadcast import RootBuffers
 from lightning_hier.pipeline.activation_store import ActivationMeter, LayerRunner
 from lightning_hier.pipeline.delegation import forward_delegate
 from lightning_hier.pipeline.foreign_layers import ForeignLayerGuard
@@ -48,7 +49,6 @@ from lightning_hier.pipeline.object_wire import from_wire, to_wire
 from lightning_hier.pipeline.partition import StagePartition, stage_costs
 from lightning_hier.pipeline.rebalance import RebalanceDecision, cluster_costs, decide_rebalance
 from lightning_hier.pipeline.replicas import (
-    ReplicaBuffers,
     ReplicaGradients,
     ReplicaLayout,
     agree_with_replica_0,
@@ -175,10 +175,10 @@ class PipelineEngine:
         self.replica = replica
         self.replica_group = replica_group
         self.replica_gradients: ReplicaGradients | None = None
-        self.replica_buffers: ReplicaBuffers | None = None
+        self.replica_buffers: RootBuffers | None = None
         if replica_group is not None:
             self.replica_gradients = ReplicaGradients(replica_group, self.layout.replicas, device)
-            self.replica_buffers = ReplicaBuffers(self.layout, stage, replica_group, device)
+            self.replica_buffers = RootBuffers(self.layout.rank(0, stage), replica_group, device)
         # set per step by the strategy: this step's backward ends an accumulation window, so the replica
         # average may start in its last micro-batch's backward (``replica_overlap``; tests turn it off)
         self.step_synchronises = False
@@ -367,7 +367,8 @@ class PipelineEngine:
 
     def before_replica_forward(self, synchronises: bool) -> None:
         """Before a step's first forward: replica 0's buffers where ``ddp`` would broadcast rank 0's
-        (:class:`ReplicaBuffers`; collective over the stage's replicas, nothing with one replica)."""
+        (:class:`~lightning_hier.buffer_broadcast.RootBuffers`; collective over the stage's replicas, nothing
+        with one replica)."""
         if self.replica_buffers is not None:
             buffers = [t for t in self._owned_state_tensors() if not isinstance(t, torch.nn.Parameter)]
             self.replica_buffers.before_forward(buffers, synchronises)

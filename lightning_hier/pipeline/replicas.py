@@ -18,8 +18,9 @@ Every replica holds the same layers on the same stages: rebalancing decides from
 replica (averaged) and each replica migrates the same layers between its own stages; the replicas start
 from replica 0's values and step with the same averaged gradients, so they stay equal. Buffers (BatchNorm's
 running statistics) follow ``ddp``'s ``broadcast_buffers=True``: each stage of replica 0 sends its buffers to
-the same stage of the other replicas at the points where ``ddp`` sends rank 0's (:class:`ReplicaBuffers`),
-and a memory plan (``memory_limit``) is the one replica 0's stage decides (:func:`agree_with_replica_0`).
+the same stage of the other replicas at the points where ``ddp`` sends rank 0's
+(:class:`~lightning_hier.buffer_broadcast.RootBuffers`), and a memory plan (``memory_limit``) is the one
+replica 0's stage decides (:func:`agree_with_replica_0`).
 
 **Gradient average.** On the step that ends an accumulation window, each bucket's all-reduce over the
 replicas starts from the gradient hooks of the last micro-batch's backward, as soon as every gradient in it
@@ -131,59 +132,6 @@ def broadcast_from_replica_0(
     for tensor in tensors:
         if tensor.numel():
             dist.broadcast(tensor, src=layout.rank(0, stage), group=group)
-
-
-class ReplicaBuffers:
-    """Replica 0's buffers (BatchNorm's running statistics and the like) on every replica of a stage, where
-    and as ``ddp`` (``broadcast_buffers=True``) gives every rank rank 0's: before the first forward of a fit,
-    and before the forward (training or, while fitting, validation) that follows a training step whose
-    backward synchronised the gradients; never after an accumulating step or a validation forward. So every
-    replica evaluates with replica 0's statistics, and a checkpoint (replica 0's) holds what ``ddp``'s holds.
-
-    Collective over the stage's replicas, with the same list of buffers in each: one broadcast per dtype (a
-    flat copy), issued on the communication stream on CUDA, which the compute stream waits for without a host
-    wait."""
-
-    def __init__(self, layout: ReplicaLayout, stage: int, group: Any, device: torch.device) -> None:
-        self.source = layout.rank(0, stage)
-        self.group = group
-        self.device = device
-        self.due = True  # ddp's require_forward_param_sync: a new wrapper (each fit) starts with it set
-        self.broadcasts = 0
-        self._stream: HostStream | None = None
-
-    def before_forward(self, buffers: Sequence[torch.Tensor], synchronises: bool) -> None:
-        """Before a step's first forward: replica 0's ``buffers`` if due. ``synchronises``: whether this
-        step's backward averages the gradients (a training step ending its accumulation window), which makes
-        the next forward receive them."""
-        if self.due:
-            self.broadcast(buffers)
-        self.due = synchronises
-
-    @torch.no_grad()
-    def broadcast(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Replica 0's values of ``buffers`` on every replica (collective over the stage's replicas)."""
-        if self._stream is None:
-            self._stream = comm_stream_for(self.device)
-        stream = self._stream
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for buffer in buffers:
-            if buffer.numel():
-                groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-        done = None
-        flats = []
-        for same in groups.values():
-            flat = torch.cat([b.reshape(-1) for b in same])
-            with stream.issuing(stream.ready_marker()):
-                stream.keep_alive(flat)
-                dist.broadcast(flat, src=self.source, group=self.group)
-                done = stream.done_marker()
-            flats.append(flat)
-        stream.join(done)
-        for same, flat in zip(groups.values(), flats):
-            views = [part.view_as(b) for part, b in zip(flat.split([b.numel() for b in same]), same)]
-            torch._foreach_copy_(same, views)
-        self.broadcasts += 1
 
 
 class _OverlappedStep:

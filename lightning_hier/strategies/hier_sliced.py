@@ -42,8 +42,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 
 from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
+from lightning_hier.buffer_broadcast import RootBuffers
 from lightning_hier.checks import check_flag, check_megabytes, check_names
-from lightning_hier.pipeline.replicas import ReplicaBuffers, ReplicaLayout
 from lightning_hier.sliced.checkpoints import PLAN_KEY, SlicedCheckpoints, validate_checkpoint_format
 from lightning_hier.sliced.engine import HierSlicedEngine, TrainedParameters, take_in_new_parameters
 from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
@@ -220,7 +220,7 @@ class HierSlicedStrategy(HierStrategy):
         self._table_exchange: Topology | None = None  # the tables' thread's own groups, built once
         # ddp's buffer broadcast while fitting (None otherwise), and whether the running training step only
         # accumulates its gradients (Lightning's block_backward_sync, ddp's no_sync)
-        self._rank_0_buffers: ReplicaBuffers | None = None
+        self._rank_0_buffers: RootBuffers | None = None
         self._backward_sync_blocked = False
         self._nodes_span_hosts: str | None = None  # what is wrong where a node's ranks run on several hosts
 
@@ -285,14 +285,8 @@ class HierSlicedStrategy(HierStrategy):
             self._install_sharded_grad_scaler()
         self._rank_0_buffers = None
         if fitting and self.broadcast_buffers and self.world_size > 1:
-            # ddp wraps the module anew for each fit, with a broadcast due at its first forward; hier_sliced
-            # is ddp's replicas of one stage, so the pipeline's replica broadcast serves it
-            self._rank_0_buffers = ReplicaBuffers(
-                ReplicaLayout(stages=1, replicas=self.world_size),
-                0,
-                all_ranks_group(ddp_timeout(self)),
-                self.root_device,
-            )
+            # ddp wraps the module anew for each fit, with a broadcast due at its first forward
+            self._rank_0_buffers = RootBuffers(0, all_ranks_group(ddp_timeout(self)), self.root_device)
         self._restore_at_end_of_setup(trainer)  # the checkpoint's module and callbacks, before on_fit_start
 
     def _groups(self) -> Topology:
