@@ -62,3 +62,16 @@ def test_a_partial_file_of_a_live_process_is_kept(tmp_path: Path) -> None:
 def test_file_urls_are_local_paths(tmp_path: Path) -> None:
     SameDirectoryCheckpointIO().save_checkpoint({"step": 1}, f"file://{tmp_path}/a/b.ckpt")
     assert torch.load(tmp_path / "a" / "b.ckpt", weights_only=True) == {"step": 1}
+
+
+def test_every_strategy_saves_through_it_unless_the_user_gives_an_io() -> None:
+    from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO
+
+    from lightning_hier import HierBSPStrategy, HierPipelineStrategy, HierSlicedStrategy
+
+    for strategy_class in (HierSlicedStrategy, HierBSPStrategy, HierPipelineStrategy):
+        assert type(strategy_class().checkpoint_io) is SameDirectoryCheckpointIO
+        given = TorchCheckpointIO()
+        assert strategy_class(checkpoint_io=given).checkpoint_io is given
+        wrapped = strategy_class(checkpoint_io=AsyncCheckpointIO()).checkpoint_io
+        assert type(wrapped.checkpoint_io) is SameDirectoryCheckpointIO  # the async wrapper around it

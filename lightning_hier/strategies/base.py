@@ -25,11 +25,14 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hier import liveness
 from lightning_hier.audit import start_from_env
+from lightning_hier.strategies.checkpoint_files import SameDirectoryCheckpointIO
 from lightning_hier.strategies.lightning_patches import (
     attached_trainer,
     requested_backend,
@@ -107,6 +110,21 @@ class HierStrategy(DDPStrategy):
             )
 
     # ------------------------------------------------------------------ process group
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's default, except that a local save is written beside its final name and renamed into
+        place (:class:`SameDirectoryCheckpointIO`: a save cut short leaves nothing in ``TMPDIR``); a
+        ``checkpoint_io`` or IO plugin the user gives is kept."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = SameDirectoryCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = SameDirectoryCheckpointIO()  # kept if one was configured
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
     @property
     def planned_world_size(self) -> int:
         """The processes of the run (``num_nodes x devices``), known before the process group exists."""
