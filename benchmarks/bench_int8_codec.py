@@ -2,7 +2,8 @@
 
 One process, no network: ``quantize`` and ``dequantize`` of a slice cut into ``--nodes`` parts, and the
 whole hop (``int8_all_reduce`` with error feedback on a one-process gloo group, so the collectives are local
-copies and what is timed is the codec's passes over the data). Anchors: a plain bf16 cast of the slice and
+copies and what is timed is the codec's passes over the data; ``collectives`` times those copies alone, on
+int8 messages of the hop's sizes). Anchors: a plain bf16 cast of the slice and
 the bf16 hop's host work (error feedback, cast, residual). Default size: one rank's slice of
 ``bench_hier_sliced.py`` (6.3 M parameters over 2 processes per node); ``--piece-mb 1`` cuts it into the
 1 MB pieces that hier_sliced's CPU reducer sends one by one.
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 
 def _variants(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
-    from lightning_hier.sliced.int8_codec import dequantize, int8_all_reduce, quantize
+    from lightning_hier.sliced.int8_codec import blocks_of, dequantize, int8_all_reduce, quantize
 
     generator = torch.Generator().manual_seed(0)
     gradient = torch.randn(args.numel, generator=generator)
@@ -56,12 +57,27 @@ def _variants(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
             piece_residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             piece_out.copy_(narrow)
 
+    messages = []  # the hop's two collectives on int8 messages of its sizes: what is not the codec
+    for lo, hi in bounds:
+        piece_part = -(-(hi - lo) // dist.get_world_size(group))
+        width = piece_part + 4 * blocks_of(piece_part)
+        shape = (dist.get_world_size(group), width)
+        messages.append([torch.zeros(shape, dtype=torch.int8) for _ in range(3)])
+
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def collectives() -> None:
+        for message, received, gathered in messages:
+            dist.all_to_all_single(received, message, group=group)
+            all_gather(gathered, message[:1], group=group)
+
     return {
         "bf16_cast": lambda: gradient.to(torch.bfloat16),
         "quantize": lambda: quantize(rows),
         "dequantize": lambda: dequantize(q, scales),
         "bf16_hop": bf16_hop,
         "int8_hop": int8_hop,
+        "collectives": collectives,
     }
 
 
@@ -100,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in medians.items():
         print(f"  {name:<11} {value * 1e3:9.2f} ms  {value / anchor:7.2f}x bf16_cast")
     print(f"  int8_hop / bf16_hop: {medians['int8_hop'] / medians['bf16_hop']:.2f}")
+    codec = medians["int8_hop"] - medians["collectives"]
+    print(f"  int8_hop less collectives: {codec * 1e3:.2f} ms, {codec / medians['bf16_hop']:.2f}x bf16_hop")
 
 
 if __name__ == "__main__":
