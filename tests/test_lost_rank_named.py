@@ -108,3 +108,30 @@ def test_an_unanswering_store_counts_as_unreachable(monkeypatch: pytest.MonkeyPa
     started = time.monotonic()
     assert liveness.lost_ranks("run", 2, watch_s=0.1) is None
     assert time.monotonic() - started < 2.0
+
+
+def test_an_error_raised_in_teardown_names_the_lost_rank_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A teardown that waits on a background thread's communication (HybridEmbedding's row updates under
+    hier_sliced) raises that thread's error in place of the one the lost rank was named on: it carries the
+    same note, so the error the user sees names the rank."""
+    from types import SimpleNamespace
+
+    from lightning_hier import liveness
+    from lightning_hier.strategies.base import HierStrategy
+
+    class Closing(HierStrategy):
+        strategy_name = "closing"
+
+        def teardown(self) -> None:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:2")  # before the base's teardown
+
+    monkeypatch.setattr(liveness, "lost_ranks", lambda run_key, world_size: [1])
+    strategy = Closing()
+    strategy._heartbeat = SimpleNamespace(beating=True, run_key="run")
+    first = RuntimeError("Connection reset by peer [127.0.0.1]:1")
+    strategy.on_exception(first)
+    note = "closing: rank 1 (node 1) is gone: its heartbeat stopped"
+    assert any(n.startswith(note) for n in first.__notes__), first.__notes__
+    with pytest.raises(RuntimeError) as raised:
+        strategy.teardown()
+    assert any(n.startswith(note) for n in raised.value.__notes__), getattr(raised.value, "__notes__", None)

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -64,6 +65,29 @@ IGNORED_DDP_DEFAULTS = {
 }
 
 
+def _add_note(exception: BaseException, note: str) -> None:
+    if sys.version_info >= (3, 11) and note not in getattr(exception, "__notes__", ()):
+        exception.add_note(note)
+
+
+def _noting_lost_ranks(teardown: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A strategy's ``teardown`` whose error, after a failure that named lost ranks, names them too: a
+    teardown that waits on a background thread's communication (HybridEmbedding's row updates) raises
+    that thread's error in place of the one the ranks were named on."""
+
+    @functools.wraps(teardown)
+    def noting(self: HierStrategy) -> None:
+        try:
+            teardown(self)
+        except BaseException as error:
+            note = getattr(self, "_lost_note", None)
+            if note is not None:
+                _add_note(error, note)
+            raise
+
+    return noting
+
+
 def ddp_arguments(given: Mapping[str, Any]) -> dict[str, Any]:
     """The ``DDPStrategy`` arguments among a constructor's ``locals()``, for :class:`HierStrategy`."""
     return {name: given[name] for name in (*DDP_ARGUMENTS, *IGNORED_DDP_DEFAULTS) if name in given}
@@ -97,6 +121,7 @@ class HierStrategy(DDPStrategy):
         super().__init__(**arguments)
         self._failed = False  # an exception ended the run: teardown waits for no peer
         self._heartbeat: liveness.Heartbeat | None = None  # this process's beat, from setup to teardown
+        self._lost_note: str | None = None  # the lost ranks named after this run's failure
 
     def _warn_ignored_ddp_arguments(self, given: Mapping[str, Any]) -> None:
         changed = [
@@ -187,8 +212,8 @@ class HierStrategy(DDPStrategy):
             )
             note = f"{note}; the collective failed with: {cause}"
         log.error(note)
-        if sys.version_info >= (3, 11):
-            exception.add_note(note)
+        self._lost_note = note
+        _add_note(exception, note)
 
     def _validate_before_process_group(self) -> None:
         """Raise on a run the strategy cannot serve (settings, callbacks, the module); no collective yet."""
@@ -276,8 +301,14 @@ class HierStrategy(DDPStrategy):
         # the next run asks again before its setup, and starts unfailed
         self._restored_in_setup = self._restores_before_setup = self._awaiting_setup = False
         self._failed = False
+        self._lost_note = None
         self._stop_heartbeat()
         super().teardown()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "teardown" in cls.__dict__:
+            cls.teardown = _noting_lost_ranks(cls.__dict__["teardown"])  # type: ignore[method-assign]
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -68,10 +68,10 @@ CASES = [
 
 
 def names_lost_rank(strategy: str, point: str) -> bool:
-    """Where the survivors' error names the lost rank: hier_bsp (its ranks' heartbeats) and a migration's
-    handshake and state (the peer of the move). Elsewhere it is gloo's "Connection closed by peer
-    [address]" (docs/reliability.md, known gaps)."""
-    return strategy == "hier_bsp" or point in ("migrate_announce", "migrate_ready", "migrate_state")
+    """Where the survivors' error names the lost rank: every strategy's heartbeats name it (or, where the
+    killed rank hosts the job's store, say that store is unreachable and name rank 0), beside gloo's
+    "Connection closed by peer [address]"."""
+    return True
 
 
 @dataclass

@@ -381,7 +381,8 @@ def main() -> None:
     try:
         trainer.fit(model, train_dataloaders=data, ckpt_path="last" if mode == "resume" else None)
     except Exception as err:  # noqa: BLE001 - recorded for the test, then the process fails
-        error = f"{type(err).__name__}: {err}"
+        # with its notes: the strategy's naming of the lost rank is one
+        error = "\n".join([f"{type(err).__name__}: {err}", *getattr(err, "__notes__", ())])
     (out / f"rank{RANK}.json").write_text(json.dumps({"error": error, "ended": time.time()}))
     if error is not None:
         print(f"rank {RANK} failed: {error}", file=sys.stderr)
