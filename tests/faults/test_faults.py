@@ -56,14 +56,7 @@ CASES = [
     case("hier_pipeline", "swap_in", 1, "swap_back"),
     case("hybrid_embedding", "row_update", 0, "row_update"),
     case("hybrid_embedding", "table_save", 0, "table_checkpoint"),
-    case(
-        "hier_sliced", "write", 0, "save_write",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="a checkpoint file killed mid-write stays in TMPDIR: Lightning's atomic save writes it "
-            "through an fsspec transaction, whose local file is a tempfile.mkstemp() file renamed on commit",
-        ),
-    ),  # fmt: skip
+    case("hier_sliced", "write", 0, "save_write"),
 ]
 
 
