@@ -1,6 +1,6 @@
 """A rank killed by SIGKILL while state is in flight: the survivors fail within the strategy timeout
-with a distributed error naming the lost rank, nothing of the job outlives
-it, and a rerun resumes from the last complete checkpoint to the parameters of an uninterrupted run.
+with a distributed error naming the lost rank, nothing of the job outlives it, and a rerun resumes from
+the last complete checkpoint to the parameters of an uninterrupted run.
 Run with ``python -m pytest -m faults tests/faults``."""
 
 from __future__ import annotations
