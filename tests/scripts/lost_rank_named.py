@@ -15,13 +15,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import lightning.pytorch as pl  # noqa: E402
-from models import EquivModel, loader  # noqa: E402
+from models import EquivModel, Regressor, loader  # noqa: E402
 
 from lightning_hier import HierPipelineStrategy, HierSlicedStrategy  # noqa: E402
 
@@ -43,24 +42,6 @@ class DyingEquivModel(EquivModel):
         if RANK == 1 and batch_idx == DIE_AT_BATCH:
             die(Path(sys.argv[2]))
         return loss
-
-
-class Regressor(pl.LightningModule):
-    """A small MLP that ``hier_pipeline`` splits into two stages."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self):  # noqa: ANN201
-        return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
 class DieInSchedule(pl.Callback):

@@ -145,6 +145,24 @@ class EquivModel(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class Regressor(pl.LightningModule):
+    """A 5-layer MLP (MSE, Adam) that ``hier_pipeline`` splits into stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
 def loader(batch_size: int = 8, **dataset_kwargs) -> DataLoader:  # noqa: ANN003
     return DataLoader(make_dataset(**dataset_kwargs), batch_size=batch_size, shuffle=False)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from models import EquivModel, loader  # noqa: E402
+from models import EquivModel, Regressor, loader  # noqa: E402
 
 from lightning_hier import (  # noqa: E402
     HierBSPStrategy,
@@ -265,24 +265,6 @@ POINTS: dict[str, tuple[Callable[[Path], None], bool]] = {
     "row_update": (_row_update, False),
     "table_save": (_table_save, True),
 }
-
-
-class Regressor(pl.LightningModule):
-    """A 5-layer MLP that ``hier_pipeline`` splits into stages."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self):  # noqa: ANN201
-        return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
 class Clicks(pl.LightningModule):
