@@ -40,6 +40,11 @@ class RootBuffers:
             self.broadcast(buffers)
         self.due = synchronises
 
+    def new_fit(self) -> None:
+        """Start a new fit: the next :meth:`before_forward` broadcasts the source's buffers, as ``ddp``'s new
+        wrapper of each fit does, whatever the last step of an earlier fit left due."""
+        self.due = True
+
     @torch.no_grad()
     def broadcast(self, buffers: Sequence[torch.Tensor]) -> None:
         """The source's values of ``buffers`` on every rank of the group (collective over it)."""

@@ -397,8 +397,8 @@ class HierPipelineStrategy(HierStrategy):
             self.setup_optimizers(trainer)
             assert self.engine is not None
             self.engine.set_optimizers(self.optimizers)
-            if self.engine.replica_buffers is not None:  # as ddp's new wrapper of each fit
-                self.engine.replica_buffers.due = True
+            if self.engine.replica_buffers is not None:
+                self.engine.replica_buffers.new_fit()
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
