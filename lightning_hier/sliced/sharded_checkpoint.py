@@ -18,7 +18,6 @@ for inference, or for resuming with another topology.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_hier.partial_saves import replace_directory
 from lightning_hier.sliced.engine import HierSlicedEngine
 
 META_FILE = "meta.pt"
@@ -94,19 +94,7 @@ def save_sharded(
     if is_rank_zero:
         meta = {**meta, FORMAT_KEY: {"layout": layout_of(engine), "hyper": _group_hyper(engine)}}
         torch.save(meta, partial / META_FILE)
-        _replace_directory(partial, final)
-
-
-def _replace_directory(new: Path, final: Path) -> None:
-    """Put ``new`` at ``final`` by renames (an old ``final`` is complete until it is moved aside)."""
-    if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        new.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        new.rename(final)
+        replace_directory(partial, final)
 
 
 def _group_hyper(engine: HierSlicedEngine) -> list[dict[str, Any]]:

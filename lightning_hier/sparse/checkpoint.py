@@ -25,6 +25,7 @@ import numpy as np
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hier.partial_saves import replace_directory
 from lightning_hier.sparse.embedding import HybridEmbedding
 from lightning_hier.sparse.table_file import TableFileError, read_header, save_table
 
@@ -47,10 +48,10 @@ def save_tables(modules: list[tuple[str, HybridEmbedding]], checkpoint_path: str
     directory = final.with_name(f"{final.name}.tmp-{token}")
     record: dict[str, Any] = {}
     if write:
-        # what a save of this checkpoint cut short left (its temporary or set-aside copy): only rank 0 writes
-        for pattern in (".tmp-*", ".old-*"):
-            for stale in final.parent.glob(glob.escape(final.name) + pattern):
-                shutil.rmtree(stale, ignore_errors=True)
+        # what a save of this checkpoint cut short while writing left: only rank 0 writes. A copy it set aside
+        # (killed between the renames) is the only complete one until the new tables are in place
+        for stale in final.parent.glob(glob.escape(final.name) + ".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         directory.mkdir(parents=True)
     for name, module in modules:
         files = {"weight": f"{name}.weight.tbl"}
@@ -68,19 +69,8 @@ def save_tables(modules: list[tuple[str, HybridEmbedding]], checkpoint_path: str
         record[name] = {"files": files, "step": step, "directory": str(final.resolve()), "token": token}
     if write:
         (directory / MANIFEST).write_text(json.dumps({"token": token}))
-        _replace_directory(directory, final)
+        replace_directory(directory, final)
     return record
-
-
-def _replace_directory(new: Path, final: Path) -> None:
-    """Put ``new`` at ``final`` (renames only: the old directory stays complete until the swap)."""
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{new.name.rsplit('-', 1)[-1]}")
-        final.rename(old)
-        new.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        new.rename(final)
 
 
 def _check_token(directory: Path, entry: dict[str, Any], name: str) -> None:
