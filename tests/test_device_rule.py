@@ -152,8 +152,9 @@ CASES = {
     "sliced_gan": ("sliced/engine.py", "sliced/reducer.py", "sliced/sharded_optim.py"),
     # the tables' thread exchanges and updates beside the step, on groups of its own
     "hybrid": ("sparse/sync.py", "sparse/embedding.py", "sparse/checkpoint.py"),
-    # the local BSP module thread issues the training phase's collectives; the main thread only at drains
-    "bsp": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py", "sliced/piece_sharding.py"),
+    # the local BSP module thread issues the training phase's collectives; the main thread only at drains;
+    # the push across nodes in int8 blocks (the codec's collectives in place of the server's all-reduce)
+    "bsp": ("bsp/local_module.py", "sliced/int8_codec.py", "sliced/reducer.py", "sliced/piece_sharding.py"),
     # plain BSP: the buckets of each superstep's last micro-step are pushed as they fill
     "bsp_plain": ("bsp/local_module.py", "bsp/server.py", "sliced/reducer.py"),
     # fresh gradients with fill_idle: time-dependent rows, the same decision on every rank

@@ -41,7 +41,7 @@ from lightning_hier import (
 )
 from lightning_hier.plan.cli import main as plan_main
 from lightning_hier.plan.cost_model import DTYPE_BYTES
-from lightning_hier.strategies.hier_sliced import INTER_NODE_DTYPES
+from lightning_hier.sliced.compressed_hop import INTER_NODE_DTYPES
 
 NAN, INF = math.nan, math.inf
 FUZZ = settings(max_examples=120, deadline=None, database=None)  # nothing written into the tree
@@ -138,6 +138,9 @@ def check(build: Callable[..., Any], kwargs: dict[str, Any], offenders: frozense
 
 
 # ---------------------------------------------------------------------- hier_sliced
+INTER_NODE_DTYPE = Arg(
+    st.sampled_from(list(INTER_NODE_DTYPES)), one_of("fp8", "BF16", "", ["bf16"], 16, True, torch.bfloat16)
+)
 SLICED = {
     "devices_per_node": DEVICES_PER_NODE,
     "slice_weights": Arg(
@@ -154,10 +157,7 @@ SLICED = {
         ),
     ),
     "bucket_cap_mb": MEGABYTES,
-    "inter_node_dtype": Arg(
-        st.sampled_from(list(INTER_NODE_DTYPES)),
-        one_of("fp8", "BF16", "", ["bf16"], 16, True, torch.bfloat16),
-    ),
+    "inter_node_dtype": INTER_NODE_DTYPE,
     "broadcast_buffers": BOOL,
     "checkpoint_format": Arg(one_of("consolidated", "sharded"), one_of("Sharded", "", None, ["sharded"])),
     "bucketing": Arg(one_of("size", "time", "none", TimeBuckets()), one_of("fast", "", None, ["time"], 1)),
@@ -218,6 +218,7 @@ BSP = {
     "log_supersteps": BOOL,
     "elementwise_optimizers": NAMES,
     "bucketing": Arg(one_of("size", "time", TimeBuckets()), one_of("none", "fast", None, ["size"])),
+    "inter_node_dtype": INTER_NODE_DTYPE,
 }
 
 
@@ -247,6 +248,7 @@ def bsp_conflicts(kwargs: dict[str, Any], wrong: frozenset[str]) -> set[str]:
         ({"log_supersteps": "x"}, frozenset({"log_supersteps"})),
         ({"elementwise_optimizers": "Adam"}, frozenset({"elementwise_optimizers"})),
         ({"superstep": 10**30}, frozenset()),  # a huge step count is a valid (if odd) setting
+        ({"inter_node_dtype": ["int8"]}, frozenset({"inter_node_dtype"})),
     ]
 )
 def test_hier_bsp_strategy(case: Case) -> None:

@@ -65,10 +65,12 @@ class BSPEngine:
         early_push: bool = False,
         plan: BucketPlan | None = None,
         profile: tuple[int, int] | None = None,
+        inter_node_dtype: torch.dtype | None = None,
     ) -> None:
         """``plan``: the buckets (default: by size, up to ``bucket_cap_mb``). ``profile``: ``(warmup, steps)``
         to time when each gradient is ready in the last backward of that many micro-steps, after skipping
-        ``warmup``, for :meth:`time_plan`."""
+        ``warmup``, for :meth:`time_plan`. ``inter_node_dtype``: the dtype of the push across nodes
+        (:mod:`lightning_hier.sliced.compressed_hop`; ``None``: the gradients' own)."""
         devices_per_node = topology.devices_per_node if topology is not None else None
         check_server_optimizer(optimizer, elementwise_optimizers, devices_per_node)
         # plain BSP only: there a worker's last micro-step of a superstep is known before its backward
@@ -100,7 +102,7 @@ class BSPEngine:
         self.bucket_plan = plan
         slice_plan = slice_plan or SlicePlan((1.0,) * topology.devices_per_node)
         self.server = ShardedParameterServer(
-            self.params, group_of, optimizer, original_groups, topology, plan, slice_plan
+            self.params, group_of, optimizer, original_groups, topology, plan, slice_plan, inter_node_dtype
         )
         self.buckets: list[FlatBucket] = build_flat_buckets(
             self.params, plan, slice_plan, topology.local_rank

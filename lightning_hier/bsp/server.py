@@ -16,7 +16,6 @@ master model.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -26,6 +25,7 @@ from torch import nn
 
 from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.single_rank import alone_in
+from lightning_hier.sliced.compressed_hop import compresses, hop_bytes, start_compressed_all_reduce
 from lightning_hier.sliced.flat_buckets import FlatBucket, build_flat_buckets
 from lightning_hier.sliced.piece_sharding import PieceSharding
 from lightning_hier.sliced.reducer import all_gather_slices, reduce_scatter_into
@@ -50,6 +50,7 @@ class ShardedParameterServer:
         topology: Topology,
         plan: BucketPlan,
         slice_plan: SlicePlan,
+        inter_node_dtype: torch.dtype | None = None,
     ) -> None:
         assert topology.intra_group is not None and topology.inter_group is not None
         self.topology = topology
@@ -75,6 +76,13 @@ class ShardedParameterServer:
         )
         for shard, grad in zip(self.sharding.shards, self._slice_grads):
             shard.grad = grad
+        # the push across nodes in ``inter_node_dtype``, each slice with its own error feedback (what
+        # rounding dropped from this rank's slice, added to the next superstep's node sum)
+        compressing = not alone_in(topology.inter_group) and any(
+            compresses(inter_node_dtype, grad.dtype) for grad in self._slice_grads
+        )
+        self.inter_node_dtype = inter_node_dtype if compressing else None
+        self._residuals = [torch.zeros_like(grad) if compressing else None for grad in self._slice_grads]
 
     def flat_params(self) -> list[torch.Tensor]:
         """The full master model, one flat tensor per bucket (valid after :meth:`apply`)."""
@@ -86,6 +94,7 @@ class ShardedParameterServer:
         this rank's gradient slices; returns the bytes this rank sent (a ring's ``(n-1)/n`` of what it
         reduces, per group). :meth:`scale` then makes them means."""
         intra, inter = self.topology.intra_group, self.topology.inter_group
+        intra_size, inter_size = dist.get_world_size(intra), dist.get_world_size(inter)
         sent = 0
         for b in range(len(self.buckets)) if buckets is None else buckets:
             bucket, total, grad = self.buckets[b], sums[b], self._slice_grads[b]
@@ -98,11 +107,19 @@ class ShardedParameterServer:
             else:
                 reduce_scatter_into(grad, total, bucket.bounds, intra)
             if not alone_in(inter):
-                dist.all_reduce(grad, group=inter)
-            sent += _ring_bytes(total, dist.get_world_size(intra)) + _ring_bytes(
-                grad, dist.get_world_size(inter)
-            )
+                self._all_reduce_across_nodes(grad, self._residuals[b])
+            sent += hop_bytes(total.numel(), total.element_size(), None, intra_size)
+            sent += hop_bytes(grad.numel(), grad.element_size(), self.inter_node_dtype, inter_size)
         return sent
+
+    def _all_reduce_across_nodes(self, grad: torch.Tensor, residual: torch.Tensor | None) -> None:
+        inter = self.topology.inter_group
+        if not compresses(self.inter_node_dtype, grad.dtype):
+            dist.all_reduce(grad, group=inter)
+            return
+        work, finish = start_compressed_all_reduce(grad, residual, self.inter_node_dtype, inter)
+        work.wait()  # on a GPU the current stream waits, not the host
+        finish()
 
     @torch.no_grad()
     def scale(self, factor: float) -> None:
@@ -146,7 +163,8 @@ class ShardedParameterServer:
             works.extend(all_gather_slices(bucket.params, bucket.bounds, intra))
         for work in works:
             work.wait()
-        return sum(_ring_bytes(bucket.params, dist.get_world_size(intra)) for bucket in self.buckets)
+        size = dist.get_world_size(intra)
+        return sum(hop_bytes(b.params.numel(), b.params.element_size(), None, size) for b in self.buckets)
 
 
 def server_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -168,8 +186,3 @@ def server_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     copied.state = defaultdict(dict, optimizer.state)
     return copied
 
-
-def _ring_bytes(tensor: torch.Tensor, group_size: int) -> int:
-    if group_size <= 1:
-        return 0
-    return math.ceil(tensor.numel() * tensor.element_size() * (group_size - 1) / group_size)

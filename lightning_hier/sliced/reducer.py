@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from lightning_hier.single_rank import alone, alone_in
 from lightning_hier.sliced.comm_stream import HostStream, comm_stream_for
-from lightning_hier.sliced.int8_codec import int8_all_reduce
+from lightning_hier.sliced.compressed_hop import compresses, start_compressed_all_reduce
 from lightning_hier.topology import runs_as_cuda
 
 log = logging.getLogger(__name__)
@@ -109,10 +109,9 @@ class ReduceJob:
     works: list[dist.Work] = field(default_factory=list)  # what wait() still has to wait on
     error: BaseException | None = None
     # inter_node_dtype: what rounding to the narrower dtype left out of this slice last time (error
-    # feedback; added to the next step's node sum), and the narrow copies to copy back after the reduce
-    # (int8: what decodes each piece's gathered sum into the slice)
+    # feedback; added to the next step's node sum), and what writes each piece's compressed sum back into
+    # the slice once its collective is done
     residual: torch.Tensor | None = None
-    narrowed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     decoders: list[Callable[[], None]] = field(default_factory=list)
     submitted_at: float = 0.0  # perf_counter() clock
     scatter_done_at: float = 0.0
@@ -128,9 +127,6 @@ class ReduceJob:
     @torch.no_grad()
     def widen(self) -> None:
         """After the inter-node reduce: the narrow sums back into ``out`` (a no-op without compression)."""
-        for narrow, out in self.narrowed:
-            out.copy_(narrow)
-        self.narrowed = []
         for decode in self.decoders:
             decode()
         self.decoders = []
@@ -238,26 +234,14 @@ class HierarchicalReducer:
             return None
         lo, hi = piece[1]
         out = job.out[lo:hi]
-        if self.inter_dtype is None or out.dtype == self.inter_dtype:
+        if not compresses(self.inter_dtype, out.dtype):
             return dist.all_reduce(out, group=self.inter_group, async_op=True)
-        if self.inter_dtype == torch.int8:
-            # all-to-all, sum, all-gather (int8_codec); on gloo this waits for the all-to-all, so the next
-            # piece's reduce-scatter starts once the all-gather is issued
-            residual = job.residual[lo:hi] if job.residual is not None else None
-            work, decode = int8_all_reduce(out, residual, self.inter_group)
-            job.decoders.append(decode)
-            return work
-        with torch.no_grad():  # the slow hop in the narrow dtype, with error feedback
-            if job.residual is not None:
-                out.add_(job.residual[lo:hi])
-            narrow = out.to(self.inter_dtype)
-            if job.residual is not None:
-                torch.sub(out, narrow, out=job.residual[lo:hi])
-                # inf - inf: a non-finite gradient (an overflowed fp16 loss scale) goes with its skipped
-                # step, not into every later one
-                job.residual[lo:hi].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        job.narrowed.append((narrow, out))
-        return dist.all_reduce(narrow, group=self.inter_group, async_op=True)
+        # int8 on gloo waits for its all-to-all here, so the next piece's reduce-scatter starts once the
+        # all-gather is issued
+        residual = job.residual[lo:hi] if job.residual is not None else None
+        work, finish = start_compressed_all_reduce(out, residual, self.inter_dtype, self.inter_group)
+        job.decoders.append(finish)
+        return work
 
 
 class InlineReducer(HierarchicalReducer):

@@ -52,6 +52,7 @@ from lightning_hier.bucketing.size_plan import BucketPlan
 from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketing
 from lightning_hier.bucketing.time_plan import TimePlan
 from lightning_hier.checks import check_flag, check_megabytes, check_names
+from lightning_hier.sliced.compressed_hop import inter_node_dtype_of
 from lightning_hier.strategies.base import HierStrategy, ddp_arguments
 from lightning_hier.strategies.callback_rules import refuse_unsupported_callbacks
 from lightning_hier.strategies.lightning_patches import (
@@ -112,6 +113,9 @@ class HierBSPStrategy(HierStrategy):
         bucketing: ``"size"``: buckets by ``bucket_cap_mb``. ``"time"`` or a
             :class:`~lightning_hier.TimeBuckets`, in lockstep: buckets planned from profiled
             gradient-ready times and pushed during backward (``docs/time_bucketing.md``).
+        inter_node_dtype: the push across nodes in ``"bf16"`` or ``"fp16"`` (half the bytes) or ``"int8"``
+            (blocks of int8 with one fp32 scale each, about a quarter), with error feedback, as
+            ``hier_sliced``'s inter-node hop; ``None``: full precision.
 
     Outside lockstep (``max_staleness=0`` with a step count and no ``fill_idle``) workers take different
     numbers of steps: an epoch ends for everyone when the first worker runs out of batches, ``max_steps``
@@ -141,6 +145,7 @@ class HierBSPStrategy(HierStrategy):
         fill_idle: int = 0,
         gradient_average: Literal["folded", "nominal"] = "folded",
         bucketing: Literal["size", "time"] | TimeBuckets = "size",
+        inter_node_dtype: Literal["bf16", "fp16", "int8"] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -160,6 +165,7 @@ class HierBSPStrategy(HierStrategy):
         check_flag("log_supersteps", log_supersteps)
         elementwise_optimizers = check_names("elementwise_optimizers", elementwise_optimizers)
         mode, time_buckets = resolve_bucketing(bucketing, modes=("size", "time"))
+        inter_node_dtype_of(inter_node_dtype)
         if mode == "time" and not self.settings.lockstep:
             raise ValueError(
                 "bucketing='time' times the early push of plain BSP: it needs max_staleness=0 with a "
@@ -172,6 +178,7 @@ class HierBSPStrategy(HierStrategy):
         self.elementwise_optimizers = tuple(elementwise_optimizers)
         self.bucketing = mode
         self.time_buckets = time_buckets
+        self.inter_node_dtype = inter_node_dtype
         # tuning attributes (module docstring)
         self._early_push: bool | None = None
         self._share_batches: bool | None = None
@@ -332,6 +339,7 @@ class HierBSPStrategy(HierStrategy):
             early_push=early_push,
             plan=plan,
             profile=profile,
+            inter_node_dtype=inter_node_dtype_of(self.inter_node_dtype),
         )
 
     def _rebuild_when_profiled(self) -> None:

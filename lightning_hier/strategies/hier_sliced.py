@@ -45,6 +45,7 @@ from lightning_hier.bucketing.time_bucketing import TimeBuckets, resolve_bucketi
 from lightning_hier.buffer_broadcast import RootBuffers
 from lightning_hier.checks import check_flag, check_megabytes, check_names
 from lightning_hier.sliced.checkpoints import PLAN_KEY, SlicedCheckpoints, validate_checkpoint_format
+from lightning_hier.sliced.compressed_hop import inter_node_dtype_of
 from lightning_hier.sliced.engine import HierSlicedEngine, TrainedParameters, take_in_new_parameters
 from lightning_hier.sliced.sharded_grad_scaler import HierGradScaler
 from lightning_hier.sliced.sharded_optim import refuse_shared_parameters
@@ -77,12 +78,6 @@ from lightning_hier.topology import Topology, all_ranks_group, validate_layout
 log = logging.getLogger(__name__)
 
 
-INTER_NODE_DTYPES: dict[str | None, torch.dtype | None] = {
-    None: None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "int8": torch.int8,  # blocks of int8 with an fp32 scale each (sliced/int8_codec.py)
-}
 
 
 def _zero_grad_with_buckets(
@@ -185,11 +180,7 @@ class HierSlicedStrategy(HierStrategy):
         check_flag("broadcast_buffers", broadcast_buffers)
         check_flag("shard_optimizer", shard_optimizer, allow_none=True)
         elementwise_optimizers = check_names("elementwise_optimizers", elementwise_optimizers)
-        if not isinstance(inter_node_dtype, (str, type(None))) or inter_node_dtype not in INTER_NODE_DTYPES:
-            raise ValueError(
-                f"inter_node_dtype={inter_node_dtype!r} is not one of {list(INTER_NODE_DTYPES)} (None: full "
-                "precision)."
-            )
+        inter_node_dtype_of(inter_node_dtype)
         validate_checkpoint_format(checkpoint_format)
         super().__init__(**ddp_arguments(locals()))
         self.devices_per_node = devices_per_node
@@ -362,7 +353,7 @@ class HierSlicedStrategy(HierStrategy):
                 reducer=self._reducer,
                 elementwise_optimizers=self.elementwise_optimizers,
                 shard_optimizer=self.shard_optimizer,
-                inter_node_dtype=INTER_NODE_DTYPES[self.inter_node_dtype],
+                inter_node_dtype=inter_node_dtype_of(self.inter_node_dtype),
             )
             for optimizer in self.optimizers
         ]

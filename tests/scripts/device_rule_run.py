@@ -114,7 +114,13 @@ def hybrid(out: Path) -> None:
     run.fit(resumed, hybrid_loader(), ckpt_path=str(out / "hybrid.ckpt"))
 
 
-def bsp(out: Path, max_staleness: int = 1, fill_idle: int = 0, bucketing: str = "size") -> None:
+def bsp(
+    out: Path,
+    max_staleness: int = 1,
+    fill_idle: int = 0,
+    bucketing: str = "size",
+    inter_node_dtype: str | None = None,
+) -> None:
     # max_staleness=0 is plain BSP: there (on CUDA, as emulated here) buckets are pushed during backward;
     # with fill_idle workers take different step counts (shared batches, no early push); time buckets
     # rebuild the engine after one profiled micro-step
@@ -122,6 +128,7 @@ def bsp(out: Path, max_staleness: int = 1, fill_idle: int = 0, bucketing: str = 
     strategy = HierBSPStrategy(
         superstep=1, max_staleness=max_staleness, devices_per_node=2, bucket_cap_mb=0.002,
         fill_idle=fill_idle, gradient_average="nominal" if fill_idle else "folded",
+        inter_node_dtype=inter_node_dtype,
         **(timed if bucketing == "time" else {}),
     )  # fmt: skip
     model = LoggedModel(optimizer="adam")
@@ -178,7 +185,7 @@ def main() -> None:
     elif case == "hybrid":
         hybrid(out)
     elif case == "bsp":
-        bsp(out)
+        bsp(out, inter_node_dtype="int8")
     elif case == "bsp_plain":
         bsp(out, max_staleness=0)
     elif case == "bsp_fill":
