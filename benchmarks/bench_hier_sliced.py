@@ -28,8 +28,10 @@ CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     "hier_sliced_int8": ("hier_sliced", {"inter_node_dtype": "int8"}),
     "hier_sliced_fp16": ("hier_sliced", {"inter_node_dtype": "fp16"}),
     "hier_bsp": ("hier_bsp", {}),
+    "hier_bsp_bf16": ("hier_bsp", {"inter_node_dtype": "bf16"}),
+    "hier_bsp_int8": ("hier_bsp", {"inter_node_dtype": "int8"}),
 }
-DEFAULT_CONTENDERS = [name for name in CONTENDERS if name not in ("hier_bsp", "hier_sliced_fp16")]
+DEFAULT_CONTENDERS = [name for name in CONTENDERS if not name.startswith(BSP) and name != "hier_sliced_fp16"]
 DEVICES_PER_NODE, BASE_PORT, LR = 2, 29540, 1e-3
 # per hier_sliced contender: (median step time against ddp's, worst node's bytes against the fp32 bound)
 TARGETS = {"hier_sliced": (0.70, 1.1), "hier_sliced_bf16": (0.45, 0.55), "hier_sliced_int8": (0.30, 0.30)}
@@ -45,7 +47,7 @@ OPTIONS = """
 --layers        int    6                number of Linear(hidden, hidden) layers
 --batch-size    int    8                per-process batch size
 --bucket-cap-mb float  25.0             bucket cap of ddp, ddp_bf16, hier_sliced*, hier_bsp (MB)
---contenders    str    default          comma-separated (README); default: all but hier_bsp, hier_sliced_fp16
+--contenders    str    default          comma-separated (README); default: all but hier_bsp*, hier_sliced_fp16
 --inter-node-dtype str ""               bf16, fp16 or int8: short for --contenders ddp,hsdp,hier_sliced_<it>
 --superstep-steps int  4                hier_bsp: superstep (a step count)
 --max-staleness int    1                hier_bsp: max_staleness
@@ -138,21 +140,35 @@ def loss_drop(r: Run) -> tuple[float, float, float]:
     return first, last, (first - last) / (r.worker["window_s"] * (len(losses) - k) / len(losses))
 
 
-def print_bsp_target(bsp: Run, ddp: Run) -> None:
-    """hier_bsp's median micro-step time against ddp's, and whether its loss still falls in the window."""
+def is_bsp(name: str) -> bool:
+    """Whether contender ``name`` runs ``hier_bsp`` (with any push)."""
+    return CONTENDERS[name][0] == BSP
+
+
+def print_bsp_target(bsp: Run, ddp: Run, full: Run | None = None) -> None:
+    """hier_bsp's median micro-step time against ddp's, and whether its loss still falls in the window; for a
+    compressed push, also its mean step, bytes and loss drop per second against the full-precision push's
+    (``full``)."""
     median = lambda r: r.worker["median_step_s"]
     value = median(bsp) / median(ddp)
     (first, last, rate), (_, _, ddp_rate) = loss_drop(bsp), loss_drop(ddp)
     options = bsp.worker["strategy_options"]
+    dtype = options.get("inter_node_dtype")
     print(
-        f"  hier_bsp (superstep={options['superstep']}, "
-        f"max_staleness={options['max_staleness']}): "
+        f"  {bsp.strategy} (superstep={options['superstep']}, "
+        f"max_staleness={options['max_staleness']}{f', inter_node_dtype={dtype}' if dtype else ''}): "
         f"median step {median(bsp):.3f} s vs ddp {median(ddp):.3f} s = {value:.3f} x (target <= "
         f"{TARGET_BSP_MEDIAN_RATIO}) -> {verdict(value <= TARGET_BSP_MEDIAN_RATIO)}; mean step "
         f"{bsp.step_s / ddp.step_s:.3f} x ddp's\n  rank 0 loss {first:.9f} -> {last:.9f} over the window "
         f"({'falling' if last < first else 'NOT falling'}); loss drop per second {rate:.3g} "
         f"(ddp {ddp_rate:.3g})"
     )
+    if full is not None and full is not bsp:
+        print(
+            f"    against {full.strategy}: mean step {ratio(bsp, full):.3f} x, bytes per node "
+            f"{max(bsp.node_bytes) / max(full.node_bytes):.3f} x, loss drop per second "
+            f"{rate / loss_drop(full)[2]:.3f} x"
+        )
 
 
 def first_loss_check(results: list[Run]) -> bool:
@@ -187,8 +203,9 @@ def print_repeat(args: argparse.Namespace, cluster: EmulatedCluster, results: li
     )
     print(report.text_table(header, [table_row(r, done) for r in results]))
     agree = first_loss_check(results)
-    if BSP in done and REFERENCE in done:
-        print_bsp_target(done[BSP], done[REFERENCE])
+    if REFERENCE in done:
+        for name in (n for n in done if is_bsp(n)):
+            print_bsp_target(done[name], done[REFERENCE], done.get(BSP))
     report.print_failures([(f"[{r.strategy}]", r.error) for r in results if not r.ok])
     return agree
 
@@ -211,6 +228,7 @@ def summarize(contenders: list[str], repeats: list[list[Run]]) -> dict[str, dict
             "step_s": [done[name].step_s for done in mine],
             "vs_ddp": [ratio(done[name], done.get(REFERENCE)) for done in mine],
             "vs_hsdp": [ratio(done[name], done.get(HSDP)) for done in mine],
+            "vs_bsp": [ratio(done[name], done.get(BSP)) if is_bsp(name) else float("nan") for done in mine],
             "node_mb": [max(done[name].node_bytes) / 1e6 for done in mine],
             "bytes_x_bound": [done[name].bytes_x_bound for done in mine],
             "other_cores": [done[name].other_cores for done in mine],
@@ -256,6 +274,14 @@ def print_summary(summary: dict[str, dict[str, Any]], repeats: int) -> None:
             f"(worst node and repeat; target <= {bytes_target}) -> {verdict(worst <= bytes_target)}; "
             f"ahead of hsdp in every repeat -> {verdict(ahead)}"
         )
+    for name in (n for n in summary if is_bsp(n) and n != BSP):
+        vs_bsp = finite(summary[name]["vs_bsp"])
+        if vs_bsp:
+            pays = all(v < 1 for v in vs_bsp) and len(vs_bsp) == len(summary[name]["vs_bsp"])
+            print(
+                f"  {name}: mean step {spread(vs_bsp)} x {BSP}'s (median, per repeat); it pays where below 1 "
+                f"in every repeat -> {verdict(pays)}"
+            )
     md_header = ["contender", "step [s]", "vs `ddp`", "vs HSDP", "MB/node/step", "x fp32 bound", "others"]
     print("\nmarkdown:\n" + report.md_table(md_header, md, tight_rule=False))
 

@@ -71,6 +71,32 @@ def test_a_failed_anchor_leaves_its_repeat_out_of_that_ratio() -> None:
     assert bench.finite(int8["vs_hsdp"]) == pytest.approx([0.5, 0.5])
 
 
+def test_a_compressed_bsp_push_is_compared_with_the_full_precision_push_within_each_repeat(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    steps = [
+        {"ddp": 2.0, "hier_bsp": 0.5, "hier_bsp_int8": 0.25},
+        {"ddp": 1.0, "hier_bsp": 0.2, "hier_bsp_int8": 0.3},
+    ]
+    repeats = [[_run(name, s) for name, s in r.items()] for r in steps]
+    summary = bench.summarize(["ddp", "hier_bsp", "hier_bsp_int8"], repeats)
+    assert summary["hier_bsp_int8"]["vs_bsp"] == pytest.approx([0.5, 1.5])
+    assert summary["hier_bsp"]["vs_bsp"] == pytest.approx([1.0, 1.0])
+    assert bench.finite(summary["ddp"]["vs_bsp"]) == []  # not a hier_bsp contender
+    bench.print_summary(summary, 2)
+    out = capsys.readouterr().out
+    assert "hier_bsp_int8: mean step 1.000 (0.500, 1.500) x hier_bsp's" in out
+    assert "in every repeat -> NOT MET" in out
+    assert bench.DEFAULT_CONTENDERS == [
+        "ddp",
+        "hsdp",
+        "ddp_bf16",
+        "hier_sliced",
+        "hier_sliced_bf16",
+        "hier_sliced_int8",
+    ]
+
+
 def test_first_loss_check_names_the_contender_that_differs(capsys: pytest.CaptureFixture[str]) -> None:
     same = [_run("ddp", 1.0, first_loss=0.75), _run("hsdp", 1.0, first_loss=0.75 * (1 + 1e-7))]
     assert bench.first_loss_check(same)
