@@ -2,7 +2,7 @@
 
 The check reads the source with ``ast`` (no process, no import of the package). Each
 ``raise SomeError("...")`` or ``raise SomeError(f"...")`` in ``lightning_hier/strategies/*.py`` and in
-``lightning_hier/sliced/sharded_optim.py`` gives a *fragment*: the first five words of the message's constant
+``lightning_hier/sliced/sharded_optim.py`` and ``compressed_hop.py`` gives a *fragment*: the first five words of the message's constant
 text, where a ``{...}`` field matches any short text (the page may quote a real value or ``...``). The page
 must contain every fragment, so a new refusal cannot ship without a line that says what it means and what
 to do.
@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "troubleshooting.md"
 SOURCES = sorted((ROOT / "lightning_hier" / "strategies").glob("*.py")) + [
-    ROOT / "lightning_hier" / "sliced" / "sharded_optim.py"
+    ROOT / "lightning_hier" / "sliced" / "sharded_optim.py",
+    ROOT / "lightning_hier" / "sliced" / "compressed_hop.py",  # hier_sliced's and hier_bsp's inter_node_dtype
 ]
 WORDS = 5  # words of constant text a fragment starts with
 PLACEHOLDER = "\x00"  # stands for a ``{...}`` field in a message's skeleton
