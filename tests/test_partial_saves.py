@@ -1,16 +1,22 @@
-"""Directories renamed into place once complete: an earlier checkpoint stays whole, and a copy set aside by a
-process killed between the two renames survives until a new one is in its place."""
+"""Directories renamed into place once complete: an earlier checkpoint stays whole, a copy set aside by a
+process killed between the two renames survives until a new one is in its place, and what a killed table
+save left goes at the next save into the directory."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_hier.partial_saves import replace_directory
+from lightning_hier.partial_saves import PARTIAL_MARK, replace_directory
 from lightning_hier.sparse import HybridEmbedding
+from lightning_hier.strategies.checkpoint_files import SameDirectoryCheckpointIO
 
 
 def _directory(path: Path, content: str) -> Path:
@@ -103,3 +109,49 @@ def test_tables_set_aside_by_a_killed_save_outlive_the_next_failed_save(
     last = save_tables([("emb", _trained_table(seed=4))], ckpt, write=True)["emb"]["token"]
     assert _tokens(tmp_path) == {"last.ckpt.tables": last}
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt.tables"]  # nothing of the cut-short saves
+
+
+def _kill_mid_table_save(checkpoint: Path) -> subprocess.CompletedProcess:
+    """A process that saves a table checkpoint and is SIGKILLed after writing part of the first table."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        import torch
+        from lightning_hier.sparse import HybridEmbedding
+        from lightning_hier.sparse import checkpoint
+
+        def write_then_die(path, tensor):
+            open(path, "wb").write(b"half a table")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        module = HybridEmbedding(6, 2, seed=1)
+        module.attach()
+        checkpoint.save_table = write_then_die
+        checkpoint.save_tables([("emb", module)], {str(checkpoint)!r}, write=True)
+        """
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+
+
+def test_a_killed_table_save_is_removed_at_the_next_save_into_the_directory(tmp_path: Path) -> None:
+    """Tables of a checkpoint never saved again (a top-k name) go like a killed checkpoint file's partial: at
+    the next save of any checkpoint into the directory, tables or file; a live process's stay."""
+    from lightning_hier.sparse.checkpoint import save_tables
+
+    killed = _kill_mid_table_save(tmp_path / "epoch=0-step=4.ckpt")
+    assert killed.returncode == -9, killed.stderr.decode()
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith("epoch=0-step=4.ckpt.tables"), left
+    assert not (tmp_path / "epoch=0-step=4.ckpt.tables").exists()  # never named as the tables
+    live = _directory(tmp_path / f"epoch=0-step=6.ckpt.tables{PARTIAL_MARK}{os.getppid()}", "in progress")
+    save_tables([("emb", _trained_table(seed=2))], tmp_path / "epoch=1-step=8.ckpt", write=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "epoch=1-step=8.ckpt.tables"]
+
+    killed = _kill_mid_table_save(tmp_path / "epoch=2-step=12.ckpt")
+    assert killed.returncode == -9, killed.stderr.decode()
+    SameDirectoryCheckpointIO().save_checkpoint({"step": 16}, tmp_path / "epoch=3-step=16.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        live.name,
+        "epoch=1-step=8.ckpt.tables",
+        "epoch=3-step=16.ckpt",
+    ]

@@ -81,6 +81,11 @@ def save_sharded(
     ``path`` (``last.ckpt``) whole rather than partly overwritten. A later save to ``path`` reuses and
     renames a partial directory left so."""
     final = Path(path)
+    # not <name>.partial-<pid> removed once its process is dead (checkpoint files and tables, written by one
+    # process): every rank writes here, on every node, so no one pid tells whether the save still runs, and
+    # all ranks must agree on the name without exchanging it; removing it first would need a barrier before
+    # DCP's writes. Reusing it is safe: it becomes a checkpoint only by rank 0's rename, after this save's
+    # slices, DCP's metadata (which names the files read) and meta.pt are written
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     local = engine.topology.local_rank
     state: dict[str, Any] = {}

@@ -14,7 +14,6 @@ directory must be on storage every node reads (rank 0 writes it; each node's loc
 
 from __future__ import annotations
 
-import glob
 import json
 import shutil
 import uuid
@@ -25,7 +24,7 @@ import numpy as np
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hier.partial_saves import replace_directory
+from lightning_hier.partial_saves import partial_path, remove_dead_partials, replace_directory
 from lightning_hier.sparse.embedding import HybridEmbedding
 from lightning_hier.sparse.table_file import TableFileError, read_header, save_table
 
@@ -45,13 +44,15 @@ def save_tables(modules: list[tuple[str, HybridEmbedding]], checkpoint_path: str
     """Write the tables (when ``write``) and return what the checkpoint should record."""
     final = tables_dir(checkpoint_path)
     token = uuid.uuid4().hex
-    directory = final.with_name(f"{final.name}.tmp-{token}")
+    directory = partial_path(final)
     record: dict[str, Any] = {}
     if write:
-        # what a save of this checkpoint cut short while writing left: only rank 0 writes. A copy it set aside
-        # (killed between the renames) is the only complete one until the new tables are in place
-        for stale in final.parent.glob(glob.escape(final.name) + ".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        # the rule of checkpoint files (one process writes each partial directory), so what killed saves of
+        # any checkpoint left goes at the next save; a copy set aside between the renames is no partial: it is
+        # the only complete one until new tables replace it. Ours by name: left by a killed process that had
+        # this pid, or by a save of this process that raised
+        remove_dead_partials(final.parent)
+        shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
     for name, module in modules:
         files = {"weight": f"{name}.weight.tbl"}

@@ -14,7 +14,9 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-PARTIAL_MARK = ".partial-"  # <name>.partial-<pid>: a save in progress, or cut short by a killed process
+from lightning_hier.partial_saves import PARTIAL_MARK, partial_path, remove_dead_partials
+
+__all__ = ["PARTIAL_MARK", "SameDirectoryCheckpointIO"]
 
 
 class SameDirectoryCheckpointIO(TorchCheckpointIO):
@@ -37,7 +39,7 @@ class SameDirectoryCheckpointIO(TorchCheckpointIO):
         final = Path(local_path)
         final.parent.mkdir(parents=True, exist_ok=True)
         remove_dead_partials(final.parent)
-        partial = final.with_name(f"{final.name}{PARTIAL_MARK}{os.getpid()}")
+        partial = partial_path(final)
         try:
             with open(partial, "wb") as file:
                 torch.save(checkpoint, file)
@@ -48,24 +50,3 @@ class SameDirectoryCheckpointIO(TorchCheckpointIO):
             with contextlib.suppress(OSError):
                 partial.unlink()
             raise
-
-
-def remove_dead_partials(directory: Path) -> None:
-    """Remove ``<name>.partial-<pid>`` files in ``directory`` whose process is no longer alive (a save that
-    was killed); a process still writing keeps its file."""
-    for candidate in directory.glob(f"*{PARTIAL_MARK}*"):
-        pid_text = candidate.name.rsplit(PARTIAL_MARK, 1)[-1]
-        if not pid_text.isdigit() or not candidate.is_file() or _alive(int(pid_text)):
-            continue
-        with contextlib.suppress(OSError):
-            candidate.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
