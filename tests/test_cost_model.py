@@ -14,6 +14,7 @@ from lightning_hier.plan.cost_model import (
     bsp_superstep,
     flat_ring,
     hierarchical,
+    hop_ratio,
     with_overlap,
 )
 
@@ -179,3 +180,21 @@ def test_cli_prices_pipelines_and_hops_and_names_what_is_missing() -> None:
     assert missing.returncode == 2 and "--activation-mb" in missing.stderr
     odd = _cli(*base, "--pipeline-stages", "3", "--activation-mb", "1")
     assert odd.returncode == 2 and "stages=3 does not divide the world size 16" in odd.stderr
+
+
+def test_a_compressed_bsp_push_exposes_less_per_micro_step_by_hand() -> None:
+    """2 nodes x 1 device, 400 MB of fp32 gradients over 100 MB/s: the full push takes 4 s per superstep of 2
+    micro-steps of 1 s (1 s exposed per micro-step); an int8 push carries a quarter plus the scales, 1.00 s,
+    all of it hidden behind the 2 s of compute."""
+    cluster = Cluster(nodes=2, devices_per_node=1, intra_bandwidth=1e9, inter_bandwidth=100 * MB, latency=0.0)
+    result = plan(
+        cluster, params=100e6, dtype="fp32", superstep_steps=2, step_seconds=1.0, inter_node_dtype="int8"
+    )
+    full, int8 = (
+        result.by_name("hier_bsp (superstep_steps=2)"),
+        result.by_name("hier_bsp (superstep_steps=2, int8 push)"),
+    )
+    assert full.seconds == pytest.approx(4.0) and full.exposed_seconds == pytest.approx(1.0)
+    share = hop_ratio("fp32", "int8")
+    assert int8.inter_bytes_per_node == pytest.approx(full.inter_bytes_per_node * share)
+    assert int8.seconds == pytest.approx(4.0 * share) and int8.exposed_seconds == 0.0

@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--superstep-steps", type=int, default=4)
     p.add_argument(
         "--inter-node-dtype", choices=["bfloat16", "int8"], default=None,
-        help="adds hier_sliced with this compressed inter-node hop",
+        help="adds hier_sliced and hier_bsp with this compressed inter-node hop",
     )  # fmt: skip
     p.add_argument(
         "--pipeline-stages", type=int, nargs="+", default=[], metavar="S",
@@ -88,18 +88,19 @@ def table(result: Plan) -> str:
     c = result.cluster
     flat = result.estimates[0]
     mib = result.gradient_bytes / 2**20
+    width = max(34, *(len(e.name) + 2 for e in result.estimates))
     lines = [
         f"{c.nodes} node(s) x {c.devices_per_node} device(s); gradients {mib:.1f} MiB; intra "
         f"{c.intra_bandwidth / 1e9:.3g} GB/s per device, inter {c.inter_bandwidth * 8 / 1e9:.3g} Gbit/s per "
         f"node, latency {c.latency * 1e6:.3g} us",
-        f"{'technique':<34}{'comm ms':>10}{'exposed ms':>12}{'inter MiB/node':>16}{'vs ddp':>8}",
+        f"{'technique':<{width}}{'comm ms':>10}{'exposed ms':>12}{'inter MiB/node':>16}{'vs ddp':>8}",
     ]
     for e in result.estimates:
         # no ratio where ddp exposes nothing (one device: no communication at all)
         exposed = flat.exposed_seconds
         ratio = f"{e.exposed_seconds / exposed:>8.2f}" if exposed > 0 else f"{'-':>8}"
         lines.append(
-            f"{e.name:<34}{e.seconds * 1e3:>10.2f}{e.exposed_seconds * 1e3:>12.2f}"
+            f"{e.name:<{width}}{e.seconds * 1e3:>10.2f}{e.exposed_seconds * 1e3:>12.2f}"
             f"{e.inter_bytes_per_node / 2**20:>16.1f}{ratio}" + (f"  ({e.notes})" if e.notes else "")
         )
     return "\n".join(lines)

@@ -139,16 +139,25 @@ def with_overlap(estimate: Estimate, backward_seconds: float, buckets: int, name
     )
 
 
-def bsp_superstep(cluster: Cluster, nbytes: float, superstep_steps: int, step_seconds: float) -> Estimate:
+def bsp_superstep(
+    cluster: Cluster,
+    nbytes: float,
+    superstep_steps: int,
+    step_seconds: float,
+    hop_ratio: float = 1.0,
+    hop_name: str = "",
+) -> Estimate:
     """``hier_bsp``: one push (reduce-scatter + all-reduce) and one pull (all-gather) per superstep,
     run beside the workers' compute; per micro-step the exposed part is what does not fit into the
-    ``superstep_steps`` micro-steps of compute."""
+    ``superstep_steps`` micro-steps of compute. ``hop_ratio`` < 1: the push across nodes compressed
+    (``inter_node_dtype`` ``hop_name``), carrying that share of the bytes."""
     if superstep_steps < 1:
         raise ValueError(f"superstep_steps must be >= 1, got {superstep_steps}.")
-    per_superstep = hierarchical(cluster, nbytes)
+    per_superstep = hierarchical(cluster, nbytes, None, hop_ratio)
     exposed = max(0.0, per_superstep.seconds - superstep_steps * step_seconds) / superstep_steps
+    hop = f", {hop_name} push" if hop_name else ""
     return Estimate(
-        f"hier_bsp (superstep_steps={superstep_steps})", per_superstep.seconds, exposed,
+        f"hier_bsp (superstep_steps={superstep_steps}{hop})", per_superstep.seconds, exposed,
         per_superstep.inter_bytes_per_node, per_superstep.intra_bytes_per_device,
         notes="per superstep; exposed per micro-step",
     )  # fmt: skip
@@ -181,7 +190,8 @@ def plan(
 ) -> Plan:
     """Every technique's predicted communication for a model of ``params`` parameters.
 
-    ``inter_node_dtype`` (``"bfloat16"``, ``"int8"``) adds ``hier_sliced`` with that compressed hop;
+    ``inter_node_dtype`` (``"bfloat16"``, ``"int8"``) adds ``hier_sliced`` and ``hier_bsp`` with that
+    compressed hop;
     ``pipeline_stages`` adds a ``hier_pipeline`` row per number of stages (``micro_batches`` each, one
     micro-batch's boundary activation of ``activation_bytes``, compute ``step_seconds`` per device and step:
     :mod:`lightning_hier.plan.pipeline_cost`)."""
@@ -221,6 +231,9 @@ def plan(
         ratio = hop_ratio(dtype, inter_node_dtype)
         estimates.append(hierarchical(cluster, nbytes, None, ratio, f"hier_sliced, {inter_node_dtype} hop"))
     estimates.append(bsp_superstep(cluster, nbytes, superstep_steps, compute))
+    if inter_node_dtype is not None:
+        ratio = hop_ratio(dtype, inter_node_dtype)
+        estimates.append(bsp_superstep(cluster, nbytes, superstep_steps, compute, ratio, inter_node_dtype))
     from lightning_hier.plan.pipeline_cost import pipeline_estimate  # it builds on this module's pieces
 
     for stages in pipeline_stages:
