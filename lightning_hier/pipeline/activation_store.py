@@ -5,7 +5,7 @@
 
 * ``keep``: the layer runs as is; with a meter attached, saved tensors are only accounted;
 * ``recompute``: the layer runs under a non-reentrant ``torch.utils.checkpoint``; only its inputs
-  stay alive until backward, which re-runs its forward (with the layer's buffers put back afterwards,
+  stay alive until backward, which re-runs its forward (with the buffers its forward writes put back after,
   so BatchNorm's running statistics advance once per micro-batch, as when kept);
 * ``swap``: every tensor the layer saves for backward is copied to host memory during forward
   (pinned memory, asynchronously on a side CUDA stream when the tensor is on a GPU) and the device
@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import _StopRecomputationError, checkpoint, noop_context_fn
 
 from lightning_hier.pipeline.memory_policy import (
     KEEP,
@@ -272,12 +273,72 @@ class _SwapEntry:
         self.restored: weakref.ref[torch.Tensor] | None = None
 
 
-def _layer_buffers(fn: Any, depth: int = 0) -> dict[int, torch.Tensor]:
+# Buffers a kernel may write without bumping their version counter: torch's batch_norm writes
+# running_mean / running_var in place and its schema does not declare the write (nor do instance_norm's,
+# cuDNN's batch norm or SyncBatchNorm's gather of the statistics). The CPU tests see the counter stay put;
+# that the CUDA kernels leave it too is not verified on a GPU (docs/gpu.md), and they are copied regardless.
+_SILENTLY_WRITTEN_NAMES = frozenset({"running_mean", "running_var"})
+
+# an exported program's buffers some operation writes (in place, or passed to one that may write its
+# arguments without saying which, as BatchNorm's): found once per program
+_EXPORTED_WRITES: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _exported_writes(gm: nn.Module) -> frozenset[int]:
+    """Positions of ``gm``'s placeholders that an operation of its graph writes or may write."""
+    written = _EXPORTED_WRITES.get(gm)
+    if written is None:
+        graph = getattr(gm, "graph", None)
+        nodes = list(graph.nodes) if graph is not None else []
+        position = {node: i for i, node in enumerate(n for n in nodes if n.op == "placeholder")}
+        found: set[int] = set()
+        for node in nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            may_write = torch.Tag.maybe_aliasing_or_mutating in node.target.tags
+            for i, argument in enumerate(node.target._schema.arguments):
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+                writes = argument.alias_info is not None and argument.alias_info.is_write
+                if value in position and (writes or may_write):
+                    found.add(position[value])
+        written = _EXPORTED_WRITES[gm] = frozenset(found)
+    return written
+
+
+def _exported_written_names(fn: Any) -> set[str] | None:
+    """The state names an exported layer's programs (one per mode) write or may write; None when ``fn``
+    does not carry its programs (then every buffer it names counts as written)."""
+    programs = getattr(fn, "programs", None)
+    if not isinstance(programs, dict):
+        return None
+    names: set[str] = set()
+    for program in programs.values():
+        gm, slots = getattr(program, "gm", None), getattr(program, "slots", None)
+        if not isinstance(gm, nn.Module) or not isinstance(slots, list):
+            return None
+        for i in _exported_writes(gm):
+            if i < len(slots) and slots[i][0] == "state":
+                names.add(slots[i][1])
+    return names
+
+
+def _layer_buffers(fn: Any, depth: int = 0) -> dict[int, tuple[torch.Tensor, bool]]:
     """The buffers of the modules behind a layer callable: a module, a bound method of one, a
-    ``functools.partial`` or closure over one, or an exported layer (its state names under its root)."""
-    found: dict[int, torch.Tensor] = {}
+    ``functools.partial`` or closure over one, or an exported layer (its state names under its root).
+    Each comes with whether the layer may write it without bumping its version counter: a buffer of a
+    torch norm layer or named like its running statistics, or one an exported layer's graph writes."""
+    found: dict[int, tuple[torch.Tensor, bool]] = {}
+
+    def add(buffer: torch.Tensor, silent: bool) -> None:
+        known = found.get(id(buffer))
+        found[id(buffer)] = (buffer, silent or (known is not None and known[1]))
+
     if isinstance(fn, nn.Module):
-        found.update((id(b), b) for b in fn.buffers())
+        for module in fn.modules():
+            norm = isinstance(module, _NormBase)
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    add(buffer, norm or name in _SILENTLY_WRITTEN_NAMES)
         return found
     if depth > 2:
         return found
@@ -289,13 +350,14 @@ def _layer_buffers(fn: Any, depth: int = 0) -> dict[int, torch.Tensor]:
             parts.append(cell.cell_contents)
     root, names = getattr(fn, "root", None), getattr(fn, "state_names", None)
     if isinstance(root, nn.Module) and isinstance(names, tuple):
+        written = _exported_written_names(fn)
         for name in names:
             with contextlib.suppress(AttributeError):  # a parameter, not a buffer
-                buffer = root.get_buffer(name)
-                found[id(buffer)] = buffer
+                add(root.get_buffer(name), written is None or name in written)
     for part in parts:
         if part is not None and (isinstance(part, nn.Module) or callable(part)):
-            found.update(_layer_buffers(part, depth + 1))
+            for buffer, silent in _layer_buffers(part, depth + 1).values():
+                add(buffer, silent)
     return found
 
 
@@ -304,46 +366,94 @@ class _BufferGuard:
 
     A layer that updates buffers in forward (BatchNorm's running statistics in training mode) would
     update them again when its forward is re-run in backward, unlike a kept layer or one process. The
-    recompute clones the layer's buffers before it runs and copies them back after: device-side
-    copies on the current stream, nothing waits on the device. Every buffer is guarded, as kernels
-    update some in place without bumping their version counter (BatchNorm's running_mean on the CPU),
-    so which ones changed cannot be told without reading them. The recomputed output is unchanged
-    where the layer's output does not read what it updates (BatchNorm in training mode normalises
-    with the batch statistics). CPU runs check this; on CUDA, that cuDNN's BatchNorm backward accepts
-    the running statistics written back after the recompute is unverified (docs/gpu.md).
+    recompute copies the buffers the layer's forward writes before it runs and copies them back after:
+    device-side copies on the current stream, nothing waits on the device.
+
+    Only written buffers are copied: a constant buffer every forward reads (a causal mask of
+    ``1 x 1 x n x n``) would otherwise cost its size in memory and two copies per recompute. Which ones
+    are written is told from their version counters (host integers, no read of the device): a buffer
+    whose counter moved during the micro-batch's first forward is copied for its recompute. Kernels that
+    write without bumping the counter (batch_norm's running statistics) are covered by always copying the
+    buffers of torch's norm layers, buffers named ``running_mean`` / ``running_var``, and those an exported
+    layer's graph writes. A write the counter does not see in another module (through ``.data``, or a
+    custom kernel that does not declare it) is not put back. A
+    recompute that bumps the counter of a buffer its forward left alone (the forward took another path)
+    raises, as that buffer was not copied. The recomputed output is unchanged where the layer's output
+    does not read what it updates (BatchNorm in training mode normalises with the batch statistics). CPU
+    runs check this; on CUDA, that cuDNN's BatchNorm backward accepts the running statistics written back
+    after the recompute is unverified (docs/gpu.md).
     """
 
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
+    def __init__(self, buffers: list[torch.Tensor], silent: list[torch.Tensor] | None = None) -> None:
         self.buffers = buffers
+        # copied for every recompute, whatever the forward's version counters say
+        self.silent = list(buffers) if silent is None else silent
 
     @classmethod
     def contexts_for(cls, fn: Any) -> Callable[[], tuple[Any, Any]]:
-        """A ``context_fn`` for ``torch.utils.checkpoint``: the default one when ``fn`` has no buffers."""
+        """A ``context_fn`` for ``torch.utils.checkpoint``: the default one when ``fn`` has no buffers.
+        Each call pairs the forward's context, which notes the buffers it writes, with the recompute's,
+        which copies those (and the silently written ones) and puts them back."""
         guard = cls.over([fn])
         if not guard.buffers:
             return noop_context_fn
-        return lambda: (contextlib.nullcontext(), guard.restoring())
+
+        def contexts() -> tuple[Any, Any]:
+            written: list[torch.Tensor] = []
+            return guard.noting_writes(written), guard.restoring(written)
+
+        return contexts
 
     @classmethod
     def over(cls, fns: Sequence[Any]) -> _BufferGuard:
         """A guard over the buffers behind every callable in ``fns``."""
-        found: dict[int, torch.Tensor] = {}
+        found: dict[int, tuple[torch.Tensor, bool]] = {}
         for fn in fns:
-            found.update(_layer_buffers(fn))
+            for key, (buffer, silent) in _layer_buffers(fn).items():
+                found[key] = (buffer, silent or (key in found and found[key][1]))
         # an inference tensor cannot be written outside inference mode, so no layer can update it
-        return cls([b for b in found.values() if not b.is_inference()])
+        kept = [(b, silent) for b, silent in found.values() if not b.is_inference()]
+        return cls([b for b, _ in kept], [b for b, silent in kept if silent])
 
     @contextlib.contextmanager
-    def restoring(self) -> Iterator[None]:
-        """Clone the buffers before the block, copy them back after it."""
+    def noting_writes(self, written: list[torch.Tensor]) -> Iterator[None]:
+        """Around a forward: adds to ``written`` the buffers whose version counter the block moved."""
+        before = [b._version for b in self.buffers]
+        yield
+        written.extend(b for b, version in zip(self.buffers, before) if b._version != version)
+
+    @contextlib.contextmanager
+    def restoring(self, written: Sequence[torch.Tensor] | None = None) -> Iterator[None]:
+        """Copy the buffers before the block and copy them back after it: the silently written ones and
+        ``written``, or every buffer when ``written`` is None (profiling, where no earlier forward tells)."""
+        chosen = self.buffers if written is None else (*self.silent, *written)
+        copied = list({id(b): b for b in chosen}.values())
+        ids = {id(b) for b in copied}
+        others = [(b, b._version) for b in self.buffers if id(b) not in ids]
         with torch.no_grad():
-            saved = [b.clone() for b in self.buffers]
+            saved = [b.clone() for b in copied]
         try:
             yield
+        except _StopRecomputationError:
+            # the checkpoint ends a recompute early once it has the tensors backward needs
+            self._check_unwritten(others)
+            raise
         finally:
             with torch.no_grad():
-                for buffer, value in zip(self.buffers, saved):
+                for buffer, value in zip(copied, saved):
                     buffer.copy_(value)
+        self._check_unwritten(others)
+
+    @staticmethod
+    def _check_unwritten(others: list[tuple[torch.Tensor, int]]) -> None:
+        """Raise if the block moved the version counter of a buffer it did not copy."""
+        moved = [tuple(b.shape) for b, version in others if b._version != version]
+        if moved:
+            raise RuntimeError(
+                f"a recomputed layer wrote {len(moved)} buffer(s) (shapes {moved}) that its forward did not; "
+                "they cannot be put back. A layer under the recompute policy must take the same path in "
+                "its recompute as in its forward; keep or swap it otherwise."
+            )
 
 
 class LayerRunner:
