@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 from helpers import free_port, run_torchrun
 
@@ -48,3 +49,23 @@ def test_peer_checks_fit_twice_in_the_timeout_and_span_several_beats() -> None:
     assert peer_check_seconds(1800.0) == 10.0
     assert peer_check_seconds(30.0) == 5.0
     assert peer_check_seconds(6.0) == 3.0  # never under three beats
+
+
+def test_peer_watch_answers_within_the_store_bound_when_the_store_is_silent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that does not answer (its host cut off, not closed) reads as unreachable after the store bound,
+    not after the store's own timeout: the waiting worker's main thread makes these calls."""
+    import lightning_hier.bsp.liveness as bsp_liveness
+    from lightning_hier import liveness
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(liveness, "STORE_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(bsp_liveness, "_beats", lambda *args: time.sleep(30))
+        watch = PeerWatch("run", world_size=2, every_s=0.2)
+        started = time.monotonic()
+        assert watch.check() is None
+        assert time.monotonic() - started < 5
+    finally:
+        dist.destroy_process_group()

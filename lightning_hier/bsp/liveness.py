@@ -65,14 +65,17 @@ class PeerWatch:
     def check(self) -> list[int] | None:
         """Ranks found lost (``[]``: none, or no earlier sample to compare with yet); ``None`` when the
         store is unreachable (the process hosting it, normally global rank 0's, is gone)."""
+        # every store call bounded (liveness.bounded): the worker's main thread runs this, and a store whose
+        # host is cut off (not closed) would hold it for the store's own timeout, the job's, with no name
         try:
             store = dist.distributed_c10d._get_default_store()
-            now, beats = time.monotonic(), _beats(store, self.run_key, self.world_size)
+            now = time.monotonic()
+            beats = liveness.bounded(lambda: _beats(store, self.run_key, self.world_size))
             previous, self._sample = self._sample, (now, beats)
             if previous is None or not 0.9 * self.every_s <= now - previous[0] <= 3 * self.every_s:
                 return []  # too close to tell a live rank from a lost one, or from an earlier wait
-            return _stopped(store, self.run_key, previous[1], beats)
-        except Exception:  # noqa: BLE001 - any store failure means its host is unreachable
+            return liveness.bounded(lambda: _stopped(store, self.run_key, previous[1], beats))
+        except Exception:  # noqa: BLE001 - any store failure (or silence) means its host is unreachable
             return None
 
 
