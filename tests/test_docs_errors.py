@@ -1,11 +1,11 @@
 """Every refusal a strategy raises is explained in ``docs/troubleshooting.md``.
 
 The check reads the source with ``ast`` (no process, no import of the package). Each
-``raise SomeError("...")`` or ``raise SomeError(f"...")`` in ``lightning_hier/strategies/*.py`` and in
-``lightning_hier/sliced/sharded_optim.py`` and ``compressed_hop.py`` gives a *fragment*: the first five words of the message's constant
-text, where a ``{...}`` field matches any short text (the page may quote a real value or ``...``). The page
-must contain every fragment, so a new refusal cannot ship without a line that says what it means and what
-to do.
+``raise SomeError("...")`` or ``raise SomeError(f"...")`` in ``lightning_hier/strategies/*.py``,
+``lightning_hier/sliced/sharded_optim.py`` and ``compressed_hop.py`` gives a *fragment*: the first five
+words of the message's constant text, where a ``{...}`` field matches any short text (the page may quote a
+real value or ``...``). The page must contain every fragment, so a new refusal cannot ship without a line
+that says what it means and what to do.
 
 A fragment grows a word at a time while it would also match another message or warning of those files, so
 it names its own message. Raises users cannot meet are in :data:`ALLOW_LIST`, each with the reason.
