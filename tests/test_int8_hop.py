@@ -239,6 +239,34 @@ def test_int8_hop_sends_about_a_quarter_of_the_fp32_bytes_across_nodes(digits: d
             assert 0.25 <= int8_wire / fp32_wire <= 0.27, int8_wire / fp32_wire
 
 
+def test_the_digits_scripts_block_option_reaches_the_hop(one_process_group) -> None:  # noqa: ANN001
+    """``--block`` (docs/hier_sliced.md's table) must change the block of the hop the reducers call, whose
+    default was bound when the codec was defined, not only the module's constant."""
+    import inspect
+
+    import int8_hop_digits
+
+    from lightning_hier.sliced import int8_codec
+
+    readers = [inspect.unwrap(f) for f in (blocks_of, quantize, dequantize, int8_all_reduce)]
+    saved = [f.__defaults__ for f in readers]
+    try:
+        int8_hop_digits.use_block(128)
+        # a block of 128 small elements before larger ones: with blocks of 128 the small ones get a scale of
+        # their own and arrive exactly; in one block of 2048 they would round to 0 (1e-3 < 1 / 254)
+        gradient = torch.cat([torch.full((128,), 1e-3), torch.ones(172)])
+        out = gradient.clone()
+        work, decode = int8_all_reduce(out, None, one_process_group)
+        work.wait()
+        decode()
+        torch.testing.assert_close(out, gradient, rtol=1e-6, atol=0)
+        assert int8_codec.BLOCK == 128 and blocks_of(300) == 3 and quantize(gradient[None])[1].shape == (1, 3)
+    finally:
+        int8_codec.BLOCK = BLOCK
+        for f, defaults in zip(readers, saved):
+            f.__defaults__ = defaults
+
+
 def test_every_collective_of_the_int8_hop_is_legal_under_nccl_and_in_one_order(tmp_path: Path) -> None:
     audit_dir = tmp_path / "audit"
     env = {DEVICE_BACKEND_ENV: EMULATED_NCCL, "LIGHTNING_HIER_AUDIT_DIR": str(audit_dir)}
