@@ -26,7 +26,7 @@ from lightning_hier.sliced.int8_codec import BLOCK
 from lightning_hier.sliced.slicing import SlicePlan
 
 SUPERSTEPS = 4
-DTYPES = ["int8", "bf16", None]
+DTYPES = ["int8", "fp8", "bf16", None]
 
 
 def _model() -> nn.Module:
@@ -44,73 +44,75 @@ def _sums(rank: int, step: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _pushes(rank: int, world: int, store: str, name: str | None) -> dict:
+def _pushes(rank: int, world: int, store: str) -> dict:
+    """Every hop in one job (one set of groups): ``{dtype name or None: what this rank saw}``."""
     init_gloo(rank, world, store)
     try:
         topology = Topology(world, rank, 2).build_groups()
-        model = _model()
-        params = list(model.parameters())
-        optimizer = torch.optim.SGD(params, lr=0.1)
-        infos = [
-            ParamInfo(i, p.numel(), p.element_size(), (0, p.dtype, p.device)) for i, p in enumerate(params)
-        ]
-        plan = plan_size_buckets(infos, 16 * 1024)  # a few buckets
-        server = ShardedParameterServer(
-            params, [0] * len(params), optimizer, [params], topology, plan, SlicePlan((1.0, 1.0)),
-            INTER_NODE_DTYPES[name],
-        )  # fmt: skip
-        like = [bucket.grads for bucket in server.buckets]
-        got = [torch.zeros(g.numel(), dtype=torch.float64) for g in server._slice_grads]
-        exact = [torch.zeros_like(g) for g in got]
-        magnitude = [torch.zeros_like(g) for g in got]  # sum over supersteps of |exact sum|
-        sent = 0
-        for step in range(SUPERSTEPS):
-            sums = _sums(rank, step, like)
-            for b, (total, bucket) in enumerate(zip(sums, server.buckets)):
-                reference = total.double().clone()
-                dist.all_reduce(reference)  # every rank's sums, exactly
-                exact[b] += reference[slice(*bucket.owned_range)]
-                magnitude[b] += reference[slice(*bucket.owned_range)].abs()
-            sent = server.push(sums)
-            for b, grad in enumerate(server._slice_grads):
-                got[b] += grad.double()
-        owed = []
-        for residual in server._residuals:
-            if residual is None:
-                owed.append(None)
-                continue
-            total = residual.double().clone()
-            dist.all_reduce(total, group=topology.inter_group)  # what every node of this slice still owes
-            owed.append(total)
-        slices = [g.numel() for g in server._slice_grads]
-        return {
-            "got": got,
-            "exact": exact,
-            "magnitude": magnitude,
-            "owed": owed,
-            "sent": sent,
-            "slices": slices,
-        }
+        return {name: _push(rank, topology, name) for name in DTYPES}
     finally:
         dist.destroy_process_group()
 
 
+def _push(rank: int, topology: Topology, name: str | None) -> dict:
+    model = _model()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    infos = [
+        ParamInfo(i, p.numel(), p.element_size(), (0, p.dtype, p.device)) for i, p in enumerate(params)
+    ]
+    plan = plan_size_buckets(infos, 16 * 1024)  # a few buckets
+    server = ShardedParameterServer(
+        params, [0] * len(params), optimizer, [params], topology, plan, SlicePlan((1.0, 1.0)),
+        INTER_NODE_DTYPES[name],
+    )  # fmt: skip
+    like = [bucket.grads for bucket in server.buckets]
+    got = [torch.zeros(g.numel(), dtype=torch.float64) for g in server._slice_grads]
+    exact = [torch.zeros_like(g) for g in got]
+    magnitude = [torch.zeros_like(g) for g in got]  # sum over supersteps of |exact sum|
+    sent = 0
+    for step in range(SUPERSTEPS):
+        sums = _sums(rank, step, like)
+        for b, (total, bucket) in enumerate(zip(sums, server.buckets)):
+            reference = total.double().clone()
+            dist.all_reduce(reference)  # every rank's sums, exactly
+            exact[b] += reference[slice(*bucket.owned_range)]
+            magnitude[b] += reference[slice(*bucket.owned_range)].abs()
+        sent = server.push(sums)
+        for b, grad in enumerate(server._slice_grads):
+            got[b] += grad.double()
+    owed = []
+    for residual in server._residuals:
+        if residual is None:
+            owed.append(None)
+            continue
+        total = residual.double().clone()
+        dist.all_reduce(total, group=topology.inter_group)  # what every node of this slice still owes
+        owed.append(total)
+    slices = [g.numel() for g in server._slice_grads]
+    return {
+        "got": got,
+        "exact": exact,
+        "magnitude": magnitude,
+        "owed": owed,
+        "sent": sent,
+        "slices": slices,
+    }
+
+
 @pytest.fixture(scope="module")
 def pushes(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = {}
-    for name in DTYPES:
-        results = run_spawned(_pushes, 4, tmp_path_factory.mktemp(f"push_{name}"), name)
-        assert all(r is not None and "error" not in r for r in results), results
-        out[name] = results
-    return out
+    results = run_spawned(_pushes, 4, tmp_path_factory.mktemp("pushes"))
+    assert all(r is not None and "error" not in r for r in results), results
+    return {name: [r[name] for r in results] for name in DTYPES}
 
 
-# int8 sums the dequantised parts in fp32; bf16's all-reduce adds in bf16, rounding each sum once more
+# int8 and fp8 sum the dequantised parts in fp32; bf16's all-reduce adds in bf16, rounding each sum once more
 # (not fed back): within 2^-8 of its size per superstep
-SUM_ROUNDING = {"int8": 0.0, "bf16": 2.0**-8}
+SUM_ROUNDING = {"int8": 0.0, "fp8": 0.0, "bf16": 2.0**-8}
 
 
-@pytest.mark.parametrize("name", ["int8", "bf16"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "bf16"])
 def test_a_compressed_push_delivers_the_exact_sums_less_what_the_nodes_owe(pushes: dict, name: str) -> None:
     for rank, result in enumerate(pushes[name]):
         for got, exact, magnitude, owed in zip(
@@ -133,14 +135,16 @@ def test_a_full_precision_push_delivers_the_exact_sums(pushes: dict) -> None:
             torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize(("name", "low", "high"), [("int8", 0.25, 0.26), ("bf16", 0.49, 0.51)])
+@pytest.mark.parametrize(
+    ("name", "low", "high"), [("int8", 0.25, 0.26), ("fp8", 0.25, 0.26), ("bf16", 0.49, 0.51)]
+)
 def test_the_push_counts_a_compressed_hops_bytes(pushes: dict, name: str, low: float, high: float) -> None:
     for full, narrow in zip(pushes[None], pushes[name]):
         # the bytes inside the node are the same, so the difference is the inter-node hop's; fp32's puts half
         # of each slice's 4-byte elements on the link (a ring of 2)
         inter_fp32 = sum(math.ceil(n * 4 / 2) for n in full["slices"])
         inter = narrow["sent"] - full["sent"] + inter_fp32
-        if name == "int8":  # each slice cut into a part per node, each part's values and block scales
+        if name in ("int8", "fp8"):  # a part of each slice per node: its values and block scales
             parts = [-(-n // 2) for n in narrow["slices"]]
             assert inter == sum(p + 4 * -(-p // BLOCK) for p in parts)
         else:

@@ -137,8 +137,10 @@ def test_compressed_hops_carry_their_share_of_the_bytes_by_hand() -> None:
     assert same.by_name("hier_sliced, bfloat16 hop").seconds == pytest.approx(
         same.by_name("hier_sliced").seconds
     )
-    with pytest.raises(ValueError, match="inter_node_dtype='fp8' is not one of"):
-        plan(cluster, params=1e6, inter_node_dtype="fp8")
+    fp8 = plan(cluster, params=100e6, dtype="fp32", inter_node_dtype="fp8")  # int8's blocks of e4m3 values
+    assert fp8.by_name("hier_sliced, fp8 hop").inter_bytes_per_node == pytest.approx(400 * MB * share)
+    with pytest.raises(ValueError, match="inter_node_dtype='fp4' is not one of"):
+        plan(cluster, params=1e6, inter_node_dtype="fp4")
 
 
 def test_pipeline_stages_by_replicas_by_hand() -> None:

@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slice-weights", type=float, nargs="+", default=None)
     p.add_argument("--superstep-steps", type=int, default=4)
     p.add_argument(
-        "--inter-node-dtype", choices=["bfloat16", "int8"], default=None,
+        "--inter-node-dtype", choices=["bfloat16", "int8", "fp8"], default=None,
         help="adds hier_sliced and hier_bsp with this compressed inter-node hop",
     )  # fmt: skip
     p.add_argument(

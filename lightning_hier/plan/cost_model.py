@@ -16,7 +16,8 @@ from lightning_hier.checks import check_integer, check_megabytes, is_real
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
 INT8_BLOCK = 2048  # elements per fp32 scale of the int8 hop (lightning_hier.sliced.int8_codec.BLOCK)
-HOP_BYTES = {"bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}  # per element on the inter-node hop
+# per element on the inter-node hop; fp8 travels in int8's blocks
+HOP_BYTES = {"bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK, "fp8": 1.0 + 4.0 / INT8_BLOCK}
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def hierarchical(
 
 def hop_ratio(dtype: str, inter_node_dtype: str) -> float:
     """The share of a ``dtype`` gradient's bytes that ``inter_node_dtype``'s inter-node hop carries:
-    ``"bfloat16"`` 2 bytes per element, ``"int8"`` 1 byte plus one fp32 scale per block
+    ``"bfloat16"`` 2 bytes per element, ``"int8"`` and ``"fp8"`` 1 byte plus one fp32 scale per block
     (:mod:`lightning_hier.sliced.int8_codec`). Never more than the gradients themselves."""
     if inter_node_dtype not in HOP_BYTES:
         raise ValueError(f"inter_node_dtype={inter_node_dtype!r} is not one of {sorted(HOP_BYTES)}.")
@@ -190,8 +191,8 @@ def plan(
 ) -> Plan:
     """Every technique's predicted communication for a model of ``params`` parameters.
 
-    ``inter_node_dtype`` (``"bfloat16"``, ``"int8"``) adds ``hier_sliced`` and ``hier_bsp`` with that
-    compressed hop;
+    ``inter_node_dtype`` (``"bfloat16"``, ``"int8"``, ``"fp8"``) adds ``hier_sliced`` and ``hier_bsp`` with
+    that compressed hop;
     ``pipeline_stages`` adds a ``hier_pipeline`` row per number of stages (``micro_batches`` each, one
     micro-batch's boundary activation of ``activation_bytes``, compute ``step_seconds`` per device and step:
     :mod:`lightning_hier.plan.pipeline_cost`)."""

@@ -3,9 +3,10 @@
 ``hier_sliced``'s reducer and ``hier_bsp``'s parameter server send the slow hop through
 :func:`start_compressed_all_reduce`: ``"bf16"`` / ``"fp16"`` cast the slice and all-reduce it in the narrow
 dtype (half the bytes of fp32); ``"int8"`` sends blocks of int8 with one fp32 scale each
-(:mod:`lightning_hier.sliced.int8_codec`, about a quarter). Either way what rounding dropped from a slice is
-kept in its ``residual`` and added to the next call's input, so summed over steps nothing is lost but what
-is still owed.
+(:mod:`lightning_hier.sliced.int8_codec`, about a quarter), and ``"fp8"`` the same blocks with each value as
+float8 e4m3 (the same bytes; small elements keep 3 mantissa bits instead of rounding to 0). Either way what
+rounding dropped from a slice is kept in its ``residual`` and added to the next call's input, so summed over
+steps nothing is lost but what is still owed.
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_hier.sliced.int8_codec import BLOCK, int8_all_reduce
+from lightning_hier.sliced.int8_codec import BLOCK, FP8, INT8, int8_all_reduce
 
 INTER_NODE_DTYPES: dict[str | None, torch.dtype | None] = {
     None: None,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "int8": torch.int8,  # blocks of int8 with an fp32 scale each (int8_codec.py)
+    "fp8": torch.float8_e4m3fn,  # the same blocks, each value as float8 e4m3
 }
+BLOCKED = {torch.int8: INT8, torch.float8_e4m3fn: FP8}  # the dtypes sent as scaled blocks, and how
 
 
 def inter_node_dtype_of(name: object) -> torch.dtype | None:
-    """The torch dtype of an ``inter_node_dtype`` setting; anything but ``None``, ``"bf16"``, ``"fp16"`` and
-    ``"int8"`` raises ``ValueError`` naming the value."""
+    """The torch dtype of an ``inter_node_dtype`` setting; anything but ``None``, ``"bf16"``, ``"fp16"``,
+    ``"int8"`` and ``"fp8"`` raises ``ValueError`` naming the value."""
     if not isinstance(name, (str, type(None))) or name not in INTER_NODE_DTYPES:
         raise ValueError(
             f"inter_node_dtype={name!r} is not one of {list(INTER_NODE_DTYPES)} (None: full precision)."
@@ -44,10 +47,11 @@ def compresses(dtype: torch.dtype | None, gradients: torch.dtype) -> bool:
 def hop_bytes(numel: int, element_size: int, dtype: torch.dtype | None, group_size: int) -> int:
     """Bytes one rank puts on the link for an all-reduce of ``numel`` elements over ``group_size`` ranks,
     counted as a ring's ``(n - 1) / n`` of the payload: the payload is ``numel`` elements of
-    ``element_size`` bytes, or of ``dtype``'s size, or for int8 each part's values and block scales."""
+    ``element_size`` bytes, or of ``dtype``'s size, or for int8 and fp8 each part's values and block
+    scales."""
     if group_size <= 1:
         return 0
-    if dtype == torch.int8:
+    if dtype in BLOCKED:
         part = -(-numel // group_size)
         payload = group_size * (part + 4 * (-(-part // BLOCK)))
     else:
@@ -67,9 +71,9 @@ def start_compressed_all_reduce(
     holding what this call's rounding dropped. A non-finite input (an fp16 loss scale that overflowed) is
     dropped from the residual with its step: carried on, it would make every later step non-finite too.
     """
-    if dtype == torch.int8:
+    if dtype in BLOCKED:
         # all-to-all, sum, all-gather; on gloo this waits for the all-to-all
-        return int8_all_reduce(out, residual, group)
+        return int8_all_reduce(out, residual, group, BLOCK, BLOCKED[dtype])
     if residual is not None:
         out.add_(residual)
     narrow = out.to(dtype)

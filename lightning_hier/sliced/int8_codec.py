@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,55 @@ block of fewest bytes."""
 LEVELS = 127  # int8 values used: -127..127, symmetric, so -x quantises to -q
 
 _scratch = threading.local()  # the CPU's reused buffers, one set per thread (the reducer's own thread)
+
+
+@dataclass(frozen=True)
+class ValueFormat:
+    """How one element of a block travels in its byte.
+
+    ``"int8"``: ``round(x / scale)`` with ``scale = max|x| / 127``, equal steps over the block's range.
+    ``"fp8"``: ``x / scale`` as float8 e4m3 with ``scale = max|x| / 448``, 3 mantissa bits at every magnitude
+    down to about ``2^-15`` of the block's largest, so small elements travel every step (within 1/16 of
+    themselves) rather than waiting in the residual."""
+
+    name: str
+    top: float  # what the block's largest magnitude is scaled to
+
+    def encode_into(self, values: torch.Tensor, q: torch.Tensor) -> None:
+        """``values`` (float, already divided by the scale; overwritten) into ``q`` (int8, the same shape)."""
+        if self.name == "int8":
+            values.round_().clamp_(-LEVELS, LEVELS)  # round half to even
+            q.copy_(values)
+        else:
+            values.clamp_(-self.top, self.top)  # a value past e4m3's largest would become NaN
+            q.view(torch.float8_e4m3fn).copy_(values)  # rounds to nearest even
+
+    def decode_into(self, q: torch.Tensor, values: torch.Tensor) -> None:
+        """``q`` (int8) as floats into ``values`` (the same shape), before the scale is applied."""
+        if self.name == "int8" or q.device.type != "cpu":
+            # int8: integers below 128, exact in every float dtype; float8 converts on the device
+            values.copy_(q if self.name == "int8" else q.view(torch.float8_e4m3fn))
+            return
+        # the CPU converts float8 element by element, several times slower than a lookup of its 256 values
+        index = _buffer("fp8_index", tuple(q.shape), torch.int32, q)
+        index.copy_(q.view(torch.uint8))
+        looked_up = _buffer("fp8_values", (q.numel(),), values.dtype, values)
+        torch.index_select(_fp8_table(values.dtype), 0, index.view(-1), out=looked_up)
+        values.copy_(looked_up.view(values.shape))
+
+
+INT8 = ValueFormat("int8", float(LEVELS))
+FP8 = ValueFormat("fp8", float(torch.finfo(torch.float8_e4m3fn).max))
+_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """The 256 values of float8 e4m3 by their bits, in ``dtype`` (its two NaN codes as 0: never sent)."""
+    table = _FP8_TABLES.get(dtype)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        table = _FP8_TABLES[dtype] = codes.to(dtype).nan_to_num_(nan=0.0)
+    return table
 
 
 def blocks_of(length: int, block: int = BLOCK) -> int:
@@ -79,7 +129,9 @@ def _sections(length: int, block: int) -> list[tuple[int, int, int]]:
     return sections
 
 
-def _quantize_into(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+def _quantize_into(
+    rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int, fmt: ValueFormat = INT8
+) -> None:
     """Quantise ``rows`` (2-d float, last dim contiguous) into ``q`` (int8, the same shape, may be a strided
     view) and ``scales`` (fp32, ``[rows, blocks_of(row length)]``)."""
     count, length = rows.shape
@@ -91,15 +143,16 @@ def _quantize_into(rows: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bl
         top = torch.maximum(x.amax(dim=2), x.amin(dim=2).neg_()).abs_()
         scale = scales[:, b : b + blocks]
         # the scales as they travel (fp32) are the ones divided by, so that dequantize inverts exactly this
-        scale.copy_(top.div_(LEVELS))
+        scale.copy_(top.div_(fmt.top))
         divisor = torch.where(scale > 0, scale, 1.0).to(rows.dtype).unsqueeze(2)
         values = work[: count * blocks * width].view(count, blocks, width)
         torch.div(x, divisor, out=values)
-        values.round_().clamp_(-LEVELS, LEVELS)  # round half to even
-        q[:, first : first + blocks * width].view(count, blocks, width).copy_(values)
+        fmt.encode_into(values, q[:, first : first + blocks * width].view(count, blocks, width))
 
 
-def _dequantize_into(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
+def _dequantize_into(
+    q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int, fmt: ValueFormat = INT8
+) -> None:
     """``q * scale`` per block into ``out`` (2-d, the shape of ``q``); ``scales`` in the dtype to compute
     in."""
     count, length = q.shape
@@ -110,29 +163,36 @@ def _dequantize_into(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, b
         # convert through a temporary, many times slower on the CPU; the values are integers below 128, exact
         # in every float dtype
         values = out[:, span].view(count, blocks, width)
-        values.copy_(q[:, span].view(count, blocks, width))
+        fmt.decode_into(q[:, span].view(count, blocks, width), values)
         values.mul_(scales[:, b : b + blocks].unsqueeze(2))
 
 
-def quantize(rows: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    rows: torch.Tensor, block: int = BLOCK, fmt: ValueFormat = INT8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` (2-d, float) as int8 of the same shape and fp32 scales ``[rows, blocks_of(row length)]``:
-    each block of a row is ``round(x / scale)`` with ``scale = max|x| / 127`` (0 for a block of zeros)."""
+    each block of a row is ``round(x / scale)`` with ``scale = max|x| / 127`` (0 for a block of zeros), or
+    with ``fmt=FP8`` the bytes of ``x / scale`` in float8 e4m3 with ``scale = max|x| / 448``."""
     count, length = rows.shape
     work = rows.float() if rows.dtype != torch.float64 else rows
     if work.stride(-1) != 1:
         work = work.contiguous()
     q = rows.new_empty((count, length), dtype=torch.int8)
     scales = rows.new_empty((count, blocks_of(length, block)), dtype=torch.float32)
-    _quantize_into(work, q, scales, block)
+    _quantize_into(work, q, scales, block, fmt)
     return q, scales
 
 
 def dequantize(
-    q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK, dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block: int = BLOCK,
+    dtype: torch.dtype = torch.float32,
+    fmt: ValueFormat = INT8,
 ) -> torch.Tensor:
     """What :func:`quantize` encoded, in ``dtype``: ``q * scale`` per block, the shape of ``q``."""
     out = q.new_empty(q.shape, dtype=dtype)
-    _dequantize_into(q if q.stride(-1) == 1 else q.contiguous(), scales.to(dtype), out, block)
+    _dequantize_into(q if q.stride(-1) == 1 else q.contiguous(), scales.to(dtype), out, block, fmt)
     return out
 
 
@@ -168,6 +228,7 @@ def int8_all_reduce(
     residual: torch.Tensor | None,
     group: dist.ProcessGroup,
     block: int = BLOCK,
+    fmt: ValueFormat = INT8,
 ) -> tuple[dist.Work, Callable[[], None]]:
     """Start the sum of ``out`` (1-d) over ``group`` in int8 blocks; returns the all-gather's work and
     what writes the sum into ``out`` once that work is done.
@@ -207,10 +268,10 @@ def int8_all_reduce(
         count, length = rows.shape
         q = message[row : row + count, :length]
         row_scales = scales[row : row + count]
-        _quantize_into(rows, q, row_scales, block)
+        _quantize_into(rows, q, row_scales, block, fmt)
         if sent is not None:  # what this rank's parts lose in transit: x - q * scale, in place
             sent_rows = sent[row * part : row * part + count * length].view(count, length)
-            _dequantize_into(q, row_scales.to(compute), sent_rows, block)
+            _dequantize_into(q, row_scales.to(compute), sent_rows, block, fmt)
             torch.sub(rows, sent_rows, out=sent_rows)
     if residual is not None and sent is not residual:
         residual.copy_(sent.view(residual.shape))
@@ -218,19 +279,19 @@ def int8_all_reduce(
     received = _buffer("received", (size, width), torch.int8, out)
     dist.all_to_all_single(received, message, group=group, async_op=True).wait()
     summands = _buffer("summands", (size, part), compute, out)
-    _dequantize_into(received[:, :part], unpack(received, part)[1].to(compute), summands, block)
+    _dequantize_into(received[:, :part], unpack(received, part)[1].to(compute), summands, block, fmt)
     total = _buffer("total", (1, part), compute, out)
     torch.sum(summands, dim=0, keepdim=True, out=total)
     # the all-gather is asynchronous: its buffers are its own, never reused
     outgoing = out.new_empty((1, width), dtype=torch.int8)
     scales_sum = out.new_empty((1, blocks), dtype=torch.float32)
-    _quantize_into(total, outgoing[:, :part], scales_sum, block)
+    _quantize_into(total, outgoing[:, :part], scales_sum, block, fmt)
     outgoing[:, part:].copy_(scales_sum.view(torch.int8))
     if residual is not None:
         lo, hi = min(rank * part, n), min((rank + 1) * part, n)
         if hi > lo:  # what quantising the sum dropped from this rank's part: total - q * scale
             dropped = summands[:1, : hi - lo]
-            _dequantize_into(outgoing[:, : hi - lo], scales_sum.to(compute), dropped, block)
+            _dequantize_into(outgoing[:, : hi - lo], scales_sum.to(compute), dropped, block, fmt)
             torch.sub(total[:, : hi - lo], dropped, out=dropped)
             residual[lo:hi].add_(dropped[0])
         # a non-finite gradient (an fp16 loss scale that overflowed) is dropped with its step; carried in the
@@ -247,9 +308,9 @@ def int8_all_reduce(
             for row, rows in _row_groups(out, part):
                 count, length = rows.shape
                 q = gathered[row : row + count, :length]
-                _dequantize_into(q, gathered_scales[row : row + count], rows, block)
+                _dequantize_into(q, gathered_scales[row : row + count], rows, block, fmt)
         else:
-            summed = dequantize(gathered[:, :part], gathered_scales, block, compute).reshape(-1)[:n]
+            summed = dequantize(gathered[:, :part], gathered_scales, block, compute, fmt).reshape(-1)[:n]
             out.copy_(summed.view(out.shape))
 
     return work, finish

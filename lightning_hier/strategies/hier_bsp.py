@@ -113,9 +113,10 @@ class HierBSPStrategy(HierStrategy):
         bucketing: ``"size"``: buckets by ``bucket_cap_mb``. ``"time"`` or a
             :class:`~lightning_hier.TimeBuckets`, in lockstep: buckets planned from profiled
             gradient-ready times and pushed during backward (``docs/time_bucketing.md``).
-        inter_node_dtype: the push across nodes in ``"bf16"`` or ``"fp16"`` (half the bytes) or ``"int8"``
-            (blocks of int8 with one fp32 scale each, about a quarter), with error feedback, as
-            ``hier_sliced``'s inter-node hop; ``None``: full precision.
+        inter_node_dtype: the push across nodes in ``"bf16"`` or ``"fp16"`` (half the bytes), ``"int8"``
+            (blocks of int8 with one fp32 scale each, about a quarter) or ``"fp8"`` (the same blocks of
+            float8 e4m3 values), with error feedback, as ``hier_sliced``'s inter-node hop; ``None``: full
+            precision.
 
     Outside lockstep (``max_staleness=0`` with a step count and no ``fill_idle``) workers take different
     numbers of steps: an epoch ends for everyone when the first worker runs out of batches, ``max_steps``
@@ -145,7 +146,7 @@ class HierBSPStrategy(HierStrategy):
         fill_idle: int = 0,
         gradient_average: Literal["folded", "nominal"] = "folded",
         bucketing: Literal["size", "time"] | TimeBuckets = "size",
-        inter_node_dtype: Literal["bf16", "fp16", "int8"] | None = None,
+        inter_node_dtype: Literal["bf16", "fp16", "int8", "fp8"] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

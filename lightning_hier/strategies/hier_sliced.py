@@ -110,7 +110,8 @@ class HierSlicedStrategy(HierStrategy):
         bucket_cap_mb: size cap of one gradient bucket (what becomes ready and is sent together).
         inter_node_dtype: ``"bf16"`` or ``"fp16"``: the inter-node all-reduce carries half the bytes, with
             error feedback, at a little accuracy; ``"int8"``: about a quarter (int8 blocks with one fp32
-            scale each, also with error feedback); ``None``: full precision.
+            scale each, also with error feedback); ``"fp8"``: the same bytes with each value as float8
+            e4m3, which keeps small elements (the one for Adam-like optimizers); ``None``: full precision.
         broadcast_buffers: copy buffers (BatchNorm statistics) from rank 0 where ``ddp`` does: before the
             first forward of a fit and before each forward (training, or validation while fitting) that
             follows a training forward whose backward synchronises the gradients (not an accumulating one).
@@ -154,7 +155,7 @@ class HierSlicedStrategy(HierStrategy):
         devices_per_node: int | None = None,
         slice_weights: str | list[float] = "equal",
         bucket_cap_mb: float = 25.0,
-        inter_node_dtype: Literal["bf16", "fp16", "int8"] | None = None,
+        inter_node_dtype: Literal["bf16", "fp16", "int8", "fp8"] | None = None,
         broadcast_buffers: bool = True,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
         bucketing: Literal["size", "time", "none"] | TimeBuckets = "size",

@@ -4,10 +4,11 @@ writes to argv[1] each run's loss over the whole training set and every rank's i
 (``[rank][step] -> [bytes, wire_bytes]``). With ``--audit``: only the int8 run, for a few steps over several
 buckets (the test sets the environment that records every collective).
 
-Options for measuring the int8 hop's accuracy by hand: ``--optimizer adam`` (Adam at lr 1e-3 instead of the
-example's SGD), ``--steps N``, ``--seed S`` and ``--block B`` (the codec's block size, in place of
-``int8_codec.BLOCK``), e.g. ``python -m torch.distributed.run --standalone --nproc_per_node=4
-tests/scripts/int8_hop_digits.py /tmp/out.json --optimizer adam --steps 200 --block 128``."""
+Options for measuring the hop's accuracy by hand: ``--optimizer adam`` (Adam at lr 1e-3 instead of the
+example's SGD), ``--steps N``, ``--seed S``, ``--block B`` (the codec's block size, in place of
+``int8_codec.BLOCK``) and ``--dtype fp8`` (the compressed run's ``inter_node_dtype``, int8 by default),
+e.g. ``python -m torch.distributed.run --standalone --nproc_per_node=4 tests/scripts/int8_hop_digits.py
+/tmp/out.json --optimizer adam --steps 200 --block 128``."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def main() -> None:
     else:
         run = {"optimizer": _option("--optimizer", "sgd"), "steps": int(_option("--steps", str(STEPS)))}
         run["seed"] = int(_option("--seed", "0"))
-        results = {"fp32": train(None, out_dir, **run), "int8": train("int8", out_dir, **run)}
+        dtype = _option("--dtype", "int8")
+        results = {"fp32": train(None, out_dir, **run), dtype: train(dtype, out_dir, **run)}
         results["block"] = int8_codec.BLOCK
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
