@@ -483,11 +483,18 @@ class LayerGraph:
         begins = {cluster.start: cluster.index for cluster in self.clusters}
         firsts: list[int] = []
         for name in names:
-            first = next((layer.index for layer in self.layers if _under(layer.owner, name)), None)
+            first = self._first_layer_under(name)
             if first is None:
                 raise ValueError(
                     f"split_points: {name!r} runs no layer of {type(self.root).__name__}.forward (never "
                     f"called, or inside a layer of its parent). Layers: {[lay.name for lay in self.layers]}"
+                )
+            if first == 0:  # the module holding the whole model, or the one whose layer runs first
+                raise ValueError(
+                    f"split_points: a stage cannot begin at {name!r}: its first layer "
+                    f"({self.layers[0].name}) is the first of forward, where stage 0 begins. Name a module "
+                    f"whose first layer runs later; modules that can begin a stage: "
+                    f"{self._split_point_names()}"
                 )
             if first not in begins:
                 carried = ", ".join(self._values_crossing(first)) or "state shared with earlier layers"
@@ -514,10 +521,21 @@ class LayerGraph:
             crossing.append(f"`{node.name}`" + (f" (from {owner})" if owner else ""))
         return crossing
 
+    def _first_layer_under(self, name: str) -> int | None:
+        """The first layer, in execution order, that runs inside the module ``name`` (a stage named by a
+        split point begins there)."""
+        return next((layer.index for layer in self.layers if _under(layer.owner, name)), None)
+
     def _split_point_names(self) -> list[str]:
-        return [
-            self.layers[c.start].owner or self.layers[c.start].name for c in self.clusters[1:]
-        ]
+        """The modules that begin a stage when named in ``split_points``, once each: the module of each
+        later cluster's first layer where that layer is the module's first (a module called again further
+        on, as a shared dropout, begins a stage only at its first call; forward's own code is no module)."""
+        names: list[str] = []
+        for cluster in self.clusters[1:]:
+            owner = self.layers[cluster.start].owner
+            if owner and owner not in names and self._first_layer_under(owner) == cluster.start:
+                names.append(owner)
+        return names
 
     def describe(self) -> str:
         lines = []
