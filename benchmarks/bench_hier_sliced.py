@@ -26,12 +26,14 @@ CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     "hier_sliced": ("hier_sliced", {}),
     "hier_sliced_bf16": ("hier_sliced", {"inter_node_dtype": "bf16"}),
     "hier_sliced_int8": ("hier_sliced", {"inter_node_dtype": "int8"}),
+    "hier_sliced_fp8": ("hier_sliced", {"inter_node_dtype": "fp8"}),
     "hier_sliced_fp16": ("hier_sliced", {"inter_node_dtype": "fp16"}),
     "hier_bsp": ("hier_bsp", {}),
     "hier_bsp_bf16": ("hier_bsp", {"inter_node_dtype": "bf16"}),
     "hier_bsp_int8": ("hier_bsp", {"inter_node_dtype": "int8"}),
 }
-DEFAULT_CONTENDERS = [name for name in CONTENDERS if not name.startswith(BSP) and name != "hier_sliced_fp16"]
+OPTIONAL = ("hier_sliced_fp16", "hier_sliced_fp8")  # run when named in --contenders
+DEFAULT_CONTENDERS = [name for name in CONTENDERS if not name.startswith(BSP) and name not in OPTIONAL]
 DEVICES_PER_NODE, BASE_PORT, LR = 2, 29540, 1e-3
 # per hier_sliced contender: (median step time against ddp's, worst node's bytes against the fp32 bound)
 TARGETS = {"hier_sliced": (0.70, 1.1), "hier_sliced_bf16": (0.45, 0.55), "hier_sliced_int8": (0.30, 0.30)}
@@ -47,8 +49,8 @@ OPTIONS = """
 --layers        int    6                number of Linear(hidden, hidden) layers
 --batch-size    int    8                per-process batch size
 --bucket-cap-mb float  25.0             bucket cap of ddp, ddp_bf16, hier_sliced*, hier_bsp (MB)
---contenders    str    default          comma-separated (README); default: all but hier_bsp*, hier_sliced_fp16
---inter-node-dtype str ""               bf16, fp16 or int8: short for --contenders ddp,hsdp,hier_sliced_<it>
+--contenders    str    default          comma-separated (README); default: all but hier_bsp*, _fp16, _fp8
+--inter-node-dtype str ""               bf16, fp16, int8, fp8: means --contenders ddp,hsdp,hier_sliced_<it>
 --superstep-steps int  4                hier_bsp: superstep (a step count)
 --max-staleness int    1                hier_bsp: max_staleness
 --repeats       int    1                run every contender this many times, interleaved; medians
