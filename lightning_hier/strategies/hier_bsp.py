@@ -232,7 +232,9 @@ class HierBSPStrategy(HierStrategy):
         lockstep = "use max_staleness=0 with a superstep of a step count and no fill_idle"
         # max_steps: workers run different numbers of steps; the first to reach it ends the fit for all
         # (optimizer_step), so it counts the fastest worker's steps
-        if trainer.val_check_interval != 1.0 or trainer.check_val_every_n_epoch is None:
+        # with validation off (limit_val_batches=0) no validation reads the interval: Lightning allows any
+        by_steps = trainer.val_check_interval != 1.0 or trainer.check_val_every_n_epoch is None
+        if by_steps and trainer.limit_val_batches != 0:
             raise ValueError(
                 f"val_check_interval={trainer.val_check_interval!r} with HierBSPStrategy({mode}): validation "
                 f"must run at epoch ends, where every worker has the same model (or {lockstep})."
@@ -442,6 +444,10 @@ class HierBSPStrategy(HierStrategy):
         limit = trainer.limit_train_batches if trainer is not None else 1.0
         if why_not is None and isinstance(limit, float) and limit != 1.0:
             why_not = f"limit_train_batches={limit} needs a sized loader"
+        interval = trainer.val_check_interval if trainer is not None else 1.0
+        if why_not is None and isinstance(interval, float) and interval != 1.0:
+            # allowed off lockstep only where validation is off; Lightning still sizes it on the loader
+            why_not = f"val_check_interval={interval} needs a sized loader"
         if why_not is not None:
             rank_zero_warn(
                 "HierBSPStrategy keeps the train loader's fixed shards instead of sharing its batches: "
