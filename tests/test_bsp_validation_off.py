@@ -59,3 +59,35 @@ def test_a_val_check_interval_with_validation_off_fits_as_under_ddp(
         got = fit(HierBSPStrategy(max_staleness=1), tmp_path / "bsp", val_check_interval)
     assert reference == {"status": "finished", "global_step": 32, "validation_batches": 0, "trained": True}
     assert got == reference
+
+
+def test_a_training_step_on_the_dataloader_iter_keeps_fixed_shards_as_under_ddp(tmp_path: Path) -> None:
+    """A ``training_step(dataloader_iter)`` that fetches two batches per step: with shared batches a worker
+    could claim an odd count, meet the end mid-step and return None, which Lightning refuses on several
+    processes. The workers keep ``ddp``'s fixed shards (its sampler, its count of steps), with a warning."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+
+    class TwoPerStep(BoringModel):
+        def training_step(self, dataloader_iter: Any) -> Any:
+            batches = [next(dataloader_iter)[0] for _ in range(2)]
+            self.samplers.add(type(self.trainer.train_dataloader.sampler).__name__)
+            return sum(self.layer(batch).sum() for batch in batches)
+
+    def run(strategy: Any, root: Path) -> dict:
+        model = TwoPerStep()
+        model.samplers = set()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root,
+        )  # fmt: skip
+        trainer.fit(model, train_dataloaders=DataLoader(RandomDataset(32, 16), batch_size=2))
+        return {"global_step": trainer.global_step, "samplers": model.samplers}
+
+    reference = run("ddp", tmp_path / "ddp")
+    with pytest.warns(UserWarning, match="fixed shards.*dataloader_iter"):
+        got = run(HierBSPStrategy(max_staleness=1), tmp_path / "bsp")
+    assert reference == {"global_step": 4, "samplers": {"DistributedSampler"}}
+    assert got == reference

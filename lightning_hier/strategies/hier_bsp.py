@@ -38,6 +38,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -444,6 +445,11 @@ class HierBSPStrategy(HierStrategy):
         limit = trainer.limit_train_batches if trainer is not None else 1.0
         if why_not is None and isinstance(limit, float) and limit != 1.0:
             why_not = f"limit_train_batches={limit} needs a sized loader"
+        step = self.lightning_module.training_step if self.lightning_module is not None else None
+        if why_not is None and step is not None and is_param_in_hook_signature(step, "dataloader_iter", True):
+            # such a step may fetch several batches; a worker whose claimed count is not a multiple of them
+            # meets the end mid-step and returns None, which Lightning refuses on several processes
+            why_not = "training_step takes the dataloader_iter (it may fetch several batches per step)"
         interval = trainer.val_check_interval if trainer is not None else 1.0
         if why_not is None and isinstance(interval, float) and interval != 1.0:
             # allowed off lockstep only where validation is off; Lightning still sizes it on the loader
