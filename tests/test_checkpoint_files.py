@@ -75,3 +75,44 @@ def test_every_strategy_saves_through_it_unless_the_user_gives_an_io() -> None:
         assert strategy_class(checkpoint_io=given).checkpoint_io is given
         wrapped = strategy_class(checkpoint_io=AsyncCheckpointIO()).checkpoint_io
         assert type(wrapped.checkpoint_io) is SameDirectoryCheckpointIO  # the async wrapper around it
+
+
+def test_lightnings_save_runs_with_the_path_and_storage_options_it_was_given(tmp_path: Path) -> None:
+    """Code that wraps or mocks ``TorchCheckpointIO.save_checkpoint`` (Lightning's own tests do) sees the call
+    it expects, and ``storage_options`` is refused as Lightning refuses it."""
+    from unittest import mock
+
+    import pytest
+
+    target = tmp_path / "path.ckpt"
+    with mock.patch(
+        "lightning.fabric.plugins.io.torch_io.TorchCheckpointIO.save_checkpoint"
+    ) as lightning_save:
+        SameDirectoryCheckpointIO().save_checkpoint({"step": 1}, target, storage_options="options")
+        lightning_save.assert_called_with(mock.ANY, target, storage_options="options")
+        SameDirectoryCheckpointIO().save_checkpoint({"step": 1}, target)
+        lightning_save.assert_called_with(mock.ANY, target, storage_options=None)
+    with pytest.raises(TypeError, match="storage_options"):
+        SameDirectoryCheckpointIO().save_checkpoint({"step": 1}, target, storage_options="options")
+
+
+def test_another_threads_lightning_save_is_lightnings_own(tmp_path: Path) -> None:
+    """The local write is this IO's only while its own save runs, on its own thread."""
+    import threading
+    from unittest import mock
+
+    from lightning.fabric.plugins.io import torch_io
+    from lightning.pytorch.plugins import TorchCheckpointIO
+
+    SameDirectoryCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "a.ckpt")  # installs the hand-over
+    with mock.patch("lightning_hier.strategies.checkpoint_files._write_beside") as beside:
+        TorchCheckpointIO().save_checkpoint({"step": 2}, tmp_path / "b.ckpt")  # plain Lightning: not ours
+        thread = threading.Thread(
+            target=TorchCheckpointIO().save_checkpoint, args=({"step": 3}, tmp_path / "c.ckpt")
+        )
+        thread.start()
+        thread.join()
+        beside.assert_not_called()
+    assert torch.load(tmp_path / "b.ckpt", weights_only=True) == {"step": 2}
+    assert torch.load(tmp_path / "c.ckpt", weights_only=True) == {"step": 3}
+    assert getattr(torch_io._atomic_save, "_hands_local_paths_over", False)

@@ -8,13 +8,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_hier.partial_saves import PARTIAL_MARK, partial_path, remove_dead_partials
+from lightning_hier.strategies.lightning_patches import local_checkpoint_writes
 
 __all__ = ["PARTIAL_MARK", "SameDirectoryCheckpointIO"]
 
@@ -32,21 +31,25 @@ class SameDirectoryCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
     ) -> None:
-        fs, local_path = fsspec.core.url_to_fs(str(path))
-        if not isinstance(fs, LocalFileSystem) or storage_options is not None:
-            super().save_checkpoint(checkpoint, path, storage_options)  # Lightning refuses storage_options
-            return
-        final = Path(local_path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        remove_dead_partials(final.parent)
-        partial = partial_path(final)
-        try:
-            with open(partial, "wb") as file:
-                torch.save(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(partial, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                partial.unlink()
-            raise
+        # Lightning's save (its storage_options check, the directory) with the local write made here
+        with local_checkpoint_writes(_write_beside):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+
+def _write_beside(checkpoint: dict[str, Any], local_path: str) -> None:
+    """``checkpoint`` to ``<local_path>.partial-<pid>``, flushed and renamed onto ``local_path``; partial
+    files of processes no longer alive in that directory are removed first."""
+    final = Path(local_path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_partials(final.parent)
+    partial = partial_path(final)
+    try:
+        with open(partial, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -609,3 +610,44 @@ def restore_modules_and_callbacks(trainer: pl.Trainer, ckpt_path: Any, weights_o
     """The checkpoint connector's private ``_restore_modules_and_callbacks``: the module, the datamodule and
     the callbacks from ``ckpt_path``, the step ``Trainer._run`` takes before ``on_fit_start`` for ``ddp``."""
     trainer._checkpoint_connector._restore_modules_and_callbacks(ckpt_path, weights_only)
+
+
+# ---------------------------------------------------------------------- checkpoint files
+_local_writer = threading.local()  # this thread's writer of local checkpoint files, while one is active
+
+
+@contextmanager
+def local_checkpoint_writes(write: Callable[[dict[str, Any], str], None]) -> Iterator[None]:
+    """While active on this thread, ``TorchCheckpointIO.save_checkpoint`` writes a checkpoint to a local path
+    with ``write(checkpoint, local_path)`` in place of Lightning's ``_atomic_save`` (whose fsspec
+    transaction stages the file in ``TMPDIR``); remote paths, and other threads, keep Lightning's.
+
+    ``TorchCheckpointIO.save_checkpoint`` itself still runs, checks ``storage_options`` and creates the
+    directory, so code that patches or wraps it (Lightning's own tests mock it) sees the call it expects.
+    Lightning's ``torch_io`` module reads ``_atomic_save`` as a module global at each save: it is replaced
+    once by a function that hands local paths to the active writer and passes everything else on."""
+    from lightning.fabric.plugins.io import torch_io
+
+    if not getattr(torch_io._atomic_save, "_hands_local_paths_over", False):
+        lightning_atomic_save = torch_io._atomic_save
+
+        def _atomic_save(checkpoint: dict[str, Any], filepath: Any) -> None:
+            writer = getattr(_local_writer, "write", None)
+            if writer is not None:
+                import fsspec
+                from fsspec.implementations.local import LocalFileSystem
+
+                fs, local_path = fsspec.core.url_to_fs(str(filepath))
+                if isinstance(fs, LocalFileSystem):
+                    writer(checkpoint, local_path)
+                    return
+            lightning_atomic_save(checkpoint, filepath)
+
+        _atomic_save._hands_local_paths_over = True  # type: ignore[attr-defined]
+        torch_io._atomic_save = _atomic_save
+    previous = getattr(_local_writer, "write", None)
+    _local_writer.write = write
+    try:
+        yield
+    finally:
+        _local_writer.write = previous
