@@ -179,6 +179,23 @@ class BSPEngine:
         self._completing, self._armed, self._folded_early = True, None, 0
 
     # ------------------------------------------------------------------ worker
+    def resume(self) -> None:
+        """Let the local module tick again after a drain (a no-op where it ticks). The next micro-step
+        resumes it anyway; an epoch's start resumes it ahead of that, so that a worker whose epoch holds
+        no micro-step (every batch it drew was skipped, or it drew none) still takes part in the ticks
+        of the workers that train, and in their drain at the epoch's end."""
+        with self.memory.cond:
+            self.memory.raise_if_failed()
+            self._resume()
+
+    def _resume(self) -> None:
+        memory = self.memory
+        if memory.paused:
+            memory.paused = memory.draining = memory.epoch_ended = memory.peer_epoch_ended = False
+            memory.fit_ended = memory.peer_fit_ended = False
+            memory.handoff.worker_hands_over()  # what the worker wrote meanwhile (a checkpoint's load)
+            memory.notify()
+
     @torch.no_grad()
     def begin_step(self) -> None:
         """Resume after a drain, pick up the newest model, and wait while a whole superstep ahead."""
@@ -186,11 +203,7 @@ class BSPEngine:
         with memory.cond:
             memory.raise_if_failed()
             memory.cycle_ends(time.monotonic())
-            if memory.paused:
-                memory.paused = memory.draining = memory.epoch_ended = memory.peer_epoch_ended = False
-                memory.fit_ended = memory.peer_fit_ended = False
-                memory.handoff.worker_hands_over()  # what the worker wrote meanwhile (a checkpoint's load)
-                memory.notify()
+            self._resume()
             while True:
                 self._pick_up()
                 # after fit (the module has ended) nobody announces models: a step run then (Lightning's

@@ -570,6 +570,8 @@ class HierBSPStrategy(HierStrategy):
             return
         self.engine.drain()
         trainer.should_stop = self.reduce_boolean_decision(trainer.should_stop, all=False)
+        if not trainer.should_stop:
+            self.engine.resume()  # every worker's module ticks in the next epoch, with or without a step
 
     def _log_supersteps(self, trainer: pl.Trainer) -> None:
         assert self.engine is not None
@@ -598,9 +600,11 @@ class HierBSPStrategy(HierStrategy):
         callbacks' and module's ``on_train_start``, as ``ddp`` trains whatever the module then holds.
         ``WeightAveraging`` loads its ``current_model_state`` into the module directly, after
         :meth:`load_model_state_dict` gave the server the averaged weights; starting the server from the
-        module here makes it train from the module's weights, as ``ddp`` does."""
+        module here makes it train from the module's weights, as ``ddp`` does. Every worker's module ticks
+        from here on, whether or not its first epoch holds a micro-step."""
         if self.engine is not None:
             self.engine.load_params()
+            self.engine.resume()
 
     def on_validation_start(self) -> None:
         if self.engine is not None:
