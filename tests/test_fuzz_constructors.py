@@ -139,7 +139,7 @@ def check(build: Callable[..., Any], kwargs: dict[str, Any], offenders: frozense
 
 # ---------------------------------------------------------------------- hier_sliced
 INTER_NODE_DTYPE = Arg(
-    st.sampled_from(list(INTER_NODE_DTYPES)), one_of("fp8", "BF16", "", ["bf16"], 16, True, torch.bfloat16)
+    st.sampled_from(list(INTER_NODE_DTYPES)), one_of("fp4", "BF16", "", ["bf16"], 16, True, torch.bfloat16)
 )
 SLICED = {
     "devices_per_node": DEVICES_PER_NODE,

@@ -108,6 +108,7 @@ class BSPEngine:
             self.params, plan, slice_plan, topology.local_rank
         )
         self.memory = SharedModelMemory([b.params for b in self.buckets], settings, len(self.params))
+        self._stepped_in_epoch = False  # whether this worker began a micro-step in the current epoch
         self._bucket_of = {slot.index: b for b, bucket in enumerate(self.buckets) for slot in bucket.slots}
         # each parameter's .grad view in its bucket, made once (every micro-step re-checks all of them)
         self._grad_views = [None] * len(self.params)
@@ -179,17 +180,13 @@ class BSPEngine:
         self._completing, self._armed, self._folded_early = True, None, 0
 
     # ------------------------------------------------------------------ worker
-    def resume(self) -> None:
-        """Let the local module tick again after a drain (a no-op where it ticks). The next micro-step
-        resumes it anyway; an epoch's start resumes it ahead of that, so that a worker whose epoch holds
-        no micro-step (every batch it drew was skipped, or it drew none) still takes part in the ticks
-        of the workers that train, and in their drain at the epoch's end."""
-        with self.memory.cond:
-            self.memory.raise_if_failed()
-            self._resume()
+    def new_epoch(self) -> None:
+        """An epoch starts (or a fit): no micro-step of this worker in it yet (see :meth:`drain`)."""
+        self._stepped_in_epoch = False
 
     def _resume(self) -> None:
         memory = self.memory
+        self._stepped_in_epoch = True
         if memory.paused:
             memory.paused = memory.draining = memory.epoch_ended = memory.peer_epoch_ended = False
             memory.fit_ended = memory.peer_fit_ended = False
@@ -294,15 +291,20 @@ class BSPEngine:
             self.memory.clip = clip
 
     @torch.no_grad()
-    def drain(self, epoch_end: bool = False, fit_end: bool = False) -> None:
+    def drain(self, epoch_end: bool = False, fit_end: bool = False, rejoin: bool = False) -> None:
         """Apply everything folded on every rank, then copy the final model (a collective).
         ``epoch_end``: this worker ran out of batches; the others end their epochs too. ``fit_end``: this
         worker reached max_steps; the others end the fit too (:attr:`fit_should_end` on every rank after
         the drain: the flag is in the same status row as the drain request, so every rank has read it
-        before all of them pause)."""
+        before all of them pause). ``rejoin`` (at an epoch's end): a worker without a micro-step in this
+        epoch (every batch it drew was skipped, or it drew none) never resumed its module after the last
+        drain, while the workers that trained did and now wait in their drain for every module: it
+        resumes here and drains with them."""
         memory = self.memory
         with memory.cond:
             memory.raise_if_failed()
+            if rejoin and memory.paused and not self._stepped_in_epoch and self.module.is_alive():
+                self._resume()
             # aborted: the module stops without a drain; ended (after fit): nothing left to drain
             if not memory.paused and not memory.aborted and self.module.is_alive():
                 memory.draining = True

@@ -568,10 +568,9 @@ class HierBSPStrategy(HierStrategy):
         decision is a real collective on every rank."""
         if self.engine is None:
             return
-        self.engine.drain()
+        self.engine.drain(rejoin=True)
         trainer.should_stop = self.reduce_boolean_decision(trainer.should_stop, all=False)
-        if not trainer.should_stop:
-            self.engine.resume()  # every worker's module ticks in the next epoch, with or without a step
+        self.engine.new_epoch()
 
     def _log_supersteps(self, trainer: pl.Trainer) -> None:
         assert self.engine is not None
@@ -600,20 +599,22 @@ class HierBSPStrategy(HierStrategy):
         callbacks' and module's ``on_train_start``, as ``ddp`` trains whatever the module then holds.
         ``WeightAveraging`` loads its ``current_model_state`` into the module directly, after
         :meth:`load_model_state_dict` gave the server the averaged weights; starting the server from the
-        module here makes it train from the module's weights, as ``ddp`` does. Every worker's module ticks
-        from here on, whether or not its first epoch holds a micro-step."""
+        module here makes it train from the module's weights, as ``ddp`` does."""
         if self.engine is not None:
             self.engine.load_params()
-            self.engine.resume()
+            self.engine.new_epoch()
 
     def on_validation_start(self) -> None:
         if self.engine is not None:
-            self.engine.drain()
+            trainer = attached_trainer(self.lightning_module)
+            # an epoch's validation while fitting: a worker without a micro-step in it drains with the rest
+            fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+            self.engine.drain(rejoin=fitting and not trainer.sanity_checking)
             self._share_buffers()
 
     def on_train_end(self) -> None:
         if self.engine is not None:
-            self.engine.drain()
+            self.engine.drain(rejoin=True)
             self._share_buffers()
 
     def _share_buffers(self) -> None:
