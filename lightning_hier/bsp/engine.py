@@ -108,7 +108,7 @@ class BSPEngine:
             self.params, plan, slice_plan, topology.local_rank
         )
         self.memory = SharedModelMemory([b.params for b in self.buckets], settings, len(self.params))
-        self._stepped_in_epoch = False  # whether this worker began a micro-step in the current epoch
+        self._resumed_in_epoch = False  # whether this worker's module resumed in the current epoch
         self._bucket_of = {slot.index: b for b, bucket in enumerate(self.buckets) for slot in bucket.slots}
         # each parameter's .grad view in its bucket, made once (every micro-step re-checks all of them)
         self._grad_views = [None] * len(self.params)
@@ -181,12 +181,13 @@ class BSPEngine:
 
     # ------------------------------------------------------------------ worker
     def new_epoch(self) -> None:
-        """An epoch starts (or a fit): no micro-step of this worker in it yet (see :meth:`drain`)."""
-        self._stepped_in_epoch = False
+        """An epoch starts (or a fit): the module, paused at the last epoch's end, has not resumed in it yet
+        (a micro-step resumes it; see :meth:`drain`)."""
+        self._resumed_in_epoch = False
 
     def _resume(self) -> None:
         memory = self.memory
-        self._stepped_in_epoch = True
+        self._resumed_in_epoch = True
         if memory.paused:
             memory.paused = memory.draining = memory.epoch_ended = memory.peer_epoch_ended = False
             memory.fit_ended = memory.peer_fit_ended = False
@@ -303,7 +304,7 @@ class BSPEngine:
         memory = self.memory
         with memory.cond:
             memory.raise_if_failed()
-            if rejoin and memory.paused and not self._stepped_in_epoch and self.module.is_alive():
+            if rejoin and memory.paused and not self._resumed_in_epoch and self.module.is_alive():
                 self._resume()
             # aborted: the module stops without a drain; ended (after fit): nothing left to drain
             if not memory.paused and not memory.aborted and self.module.is_alive():

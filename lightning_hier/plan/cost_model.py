@@ -205,8 +205,8 @@ def plan(
         if seconds is not None and not (is_real(seconds) and 0 <= seconds < math.inf):
             raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}.")
     check_integer("superstep_steps", superstep_steps, 1)
-    if inter_node_dtype is not None:
-        hop_ratio(dtype, inter_node_dtype)  # refused before anything is computed
+    # the compressed hop's share of the bytes; an unknown inter_node_dtype is refused before anything runs
+    ratio = hop_ratio(dtype, inter_node_dtype) if inter_node_dtype is not None else None
     if pipeline_stages and (activation_bytes is None or (step_seconds is None and backward_seconds is None)):
         raise ValueError(
             "pricing hier_pipeline needs one micro-batch's activation at a stage boundary (activation_bytes, "
@@ -228,12 +228,10 @@ def plan(
         estimates.append(with_overlap(estimates[0], backward_seconds, buckets, "ddp, overlapped buckets"))
         estimates.append(with_overlap(estimates[1], backward_seconds, buckets, "hier_sliced, time buckets"))
     compute = step_seconds if step_seconds is not None else (backward_seconds or 0.0) * 1.5
-    if inter_node_dtype is not None:
-        ratio = hop_ratio(dtype, inter_node_dtype)
+    if ratio is not None:
         estimates.append(hierarchical(cluster, nbytes, None, ratio, f"hier_sliced, {inter_node_dtype} hop"))
     estimates.append(bsp_superstep(cluster, nbytes, superstep_steps, compute))
-    if inter_node_dtype is not None:
-        ratio = hop_ratio(dtype, inter_node_dtype)
+    if ratio is not None:
         estimates.append(bsp_superstep(cluster, nbytes, superstep_steps, compute, ratio, inter_node_dtype))
     from lightning_hier.plan.pipeline_cost import pipeline_estimate  # it builds on this module's pieces
 

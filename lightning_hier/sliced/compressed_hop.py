@@ -55,7 +55,7 @@ def hop_bytes(numel: int, element_size: int, dtype: torch.dtype | None, group_si
         part = -(-numel // group_size)
         payload = group_size * (part + 4 * (-(-part // BLOCK)))
     else:
-        size = element_size if dtype is None else torch.empty((), dtype=dtype).element_size()
+        size = element_size if dtype is None else dtype.itemsize
         payload = numel * size
     return math.ceil(payload * (group_size - 1) / group_size)
 

@@ -159,9 +159,8 @@ def _dequantize_into(
     for first, blocks, width in _sections(length, block):
         b = first // block
         span = slice(first, first + blocks * width)
-        # the int8 values converted in place, then one multiplication: a mixed int8 * float product would
-        # convert through a temporary, many times slower on the CPU; the values are integers below 128, exact
-        # in every float dtype
+        # the values decoded in place, then one multiplication: a mixed int8 * float product would convert
+        # through a temporary, many times slower on the CPU
         values = out[:, span].view(count, blocks, width)
         fmt.decode_into(q[:, span].view(count, blocks, width), values)
         values.mul_(scales[:, b : b + blocks].unsqueeze(2))

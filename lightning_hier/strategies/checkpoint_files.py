@@ -38,9 +38,9 @@ class SameDirectoryCheckpointIO(TorchCheckpointIO):
 
 def _write_beside(checkpoint: dict[str, Any], local_path: str) -> None:
     """``checkpoint`` to ``<local_path>.partial-<pid>``, flushed and renamed onto ``local_path``; partial
-    files of processes no longer alive in that directory are removed first."""
+    files of processes no longer alive in that directory are removed first. Lightning's save has made the
+    directory."""
     final = Path(local_path)
-    final.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_partials(final.parent)
     partial = partial_path(final)
     try:
